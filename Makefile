@@ -1,0 +1,42 @@
+# rayturn — the two set-up commands are `make serve` and `make test`; both
+# install what they need into .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+export MYPYPATH := .typing
+
+.PHONY: install test lint typecheck pytest serve bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+typecheck: install
+	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode
+
+pytest: install
+	$(VENV)/bin/pytest -q tests
+
+test: lint typecheck pytest
+
+serve: install
+	$(VENV)/bin/rayturn serve
+
+bench: install
+	$(PY) bench/engine_throughput.py --quick
+	$(PY) bench/prefix_ttft.py --quick
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

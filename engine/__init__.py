@@ -1,0 +1,7 @@
+"""rayturn.engine: the single-process engine (model, paged KV cache, scheduler, sampler)."""
+
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]

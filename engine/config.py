@@ -1,0 +1,176 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+Parsed once, at load time, into a frozen ``ModelConfig``; anything the engine
+cannot run exactly (an unknown architecture, an unsupported RoPE scaling)
+is refused here with an error that names the field, rather than producing
+wrong tokens later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2, Llama with attention_bias)
+    o_bias: bool  # bias on the output projection (Llama with attention_bias)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the engine runs exactly.
+
+        With a sliding window shorter than the context, full attention equals
+        windowed attention only up to the window, so the window caps the length.
+        """
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        return _parse(raw, source)
+
+    @staticmethod
+    def from_file(path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing; expected a Hugging Face config.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); expected a Hugging Face config.json") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return _parse(raw, str(path))
+
+
+def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
+    def need(key: str, kind: type) -> Any:
+        if key not in raw:
+            raise ValueError(f"{source}: missing required field {key!r}")
+        value = raw[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
+        return value
+
+    architectures = raw.get("architectures") or []
+    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        raise ValueError(
+            f"{source}: field 'architectures' is {architectures!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    model_type = SUPPORTED_ARCHITECTURES[architecture]
+    hidden_size = need("hidden_size", int)
+    num_heads = need("num_attention_heads", int)
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{source}: 'num_attention_heads' ({num_heads}) must be a multiple of "
+            f"'num_key_value_heads' ({num_kv_heads})"
+        )
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    attention_bias = bool(raw.get("attention_bias", False))
+    use_sliding = raw.get("use_sliding_window", model_type == "mistral")
+    sliding_window = raw.get("sliding_window") if use_sliding else None
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        architecture=architecture,
+        model_type=model_type,
+        vocab_size=need("vocab_size", int),
+        hidden_size=hidden_size,
+        intermediate_size=need("intermediate_size", int),
+        num_layers=need("num_hidden_layers", int),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(raw, source),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias and model_type in ("llama", "mistral"),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=int(sliding_window) if sliding_window else None,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters" (theta inside); older configs
+    # and most published checkpoints use "rope_theta" + "rope_scaling".
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{source}: field 'rope_scaling' must be an object or null")
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{source}: rope_scaling.rope_type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )

@@ -1,0 +1,107 @@
+"""Maps sequences to pages: prefix-cache lookup, page allocation, forks.
+
+Pages become cached as soon as the step that fills them is scheduled: their
+tokens are known, and within one forward pass every layer writes all new
+keys/values before any attention reads them, so a sequence admitted in the
+same step may already share them.
+
+Forks (parallel sampling) share every page. Full pages are immutable; the
+partial last page is copied on the first write by a sibling that does not
+own it alone (copy-on-write), and the copy is queued for the model runner.
+"""
+
+from __future__ import annotations
+
+from .page_hash import hash_pages
+from .page_pool import Page, PagePool
+from .sequence import Sequence
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return (num_tokens + page_size - 1) // page_size
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, model_id: str, enable_prefix_caching: bool = True) -> None:
+        self.page_size = page_size
+        self.model_id = model_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) page ids, drained by the runner
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def _hash_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend ``seq.page_hashes`` to cover the full pages among its first ``num_tokens`` tokens."""
+        have = len(seq.page_hashes)
+        want = num_tokens // self.page_size
+        if want <= have:
+            return
+        parent = seq.page_hashes[-1] if have else None
+        start = have * self.page_size
+        new_tokens = seq.token_ids[start : want * self.page_size]
+        seq.page_hashes.extend(hash_pages(new_tokens, self.page_size, self.model_id, seq.cache_salt, parent))
+
+    def match_prefix(self, seq: Sequence) -> list[Page]:
+        """Cached pages holding the longest known prefix of a sequence with nothing computed.
+
+        At least the last token is always left to compute, so the step that
+        finishes the prompt has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        self._hash_full_pages(seq, max_pages * self.page_size)
+        hits: list[Page] = []
+        for page_hash in seq.page_hashes[:max_pages]:
+            page = self.pool.lookup(page_hash)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Page] | None = None) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after ``cached`` hit pages.
+
+        Returns False, changing nothing, when the pool cannot cover it.
+        """
+        cached = cached or []
+        num_computed = seq.num_computed_tokens + len(cached) * self.page_size
+        needs_copy = self._shared_partial_tail(seq, num_computed)
+        num_new_pages = pages_for(num_computed + num_new_tokens, self.page_size) - len(seq.pages) - len(cached)
+        num_new_pages = max(num_new_pages, 0) + int(needs_copy)
+        # Cache hits that sit in the free queue are not free for this request.
+        num_hits_free = sum(1 for page in cached if page.ref_count == 0)
+        if num_new_pages > self.pool.num_free_pages - num_hits_free:
+            return False
+        self.pool.touch(cached)
+        seq.pages.extend(cached)
+        if needs_copy:
+            shared = seq.pages[-1]
+            (private,) = self.pool.allocate(1)
+            self.pending_copies.append((shared.page_id, private.page_id))
+            self.pool.free([shared])
+            seq.pages[-1] = private
+            num_new_pages -= 1
+        seq.pages.extend(self.pool.allocate(num_new_pages))
+        self._hash_full_pages(seq, num_computed + num_new_tokens)
+        first_uncached = num_computed // self.page_size
+        full = (num_computed + num_new_tokens) // self.page_size
+        for index in range(first_uncached, full):
+            self.pool.cache(seq.pages[index], seq.page_hashes[index])
+        return True
+
+    def _shared_partial_tail(self, seq: Sequence, num_computed: int) -> bool:
+        return num_computed % self.page_size != 0 and bool(seq.pages) and seq.pages[-1].ref_count > 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every page of ``parent``."""
+        self.pool.touch(parent.pages)
+        child.pages = list(parent.pages)
+        child.page_hashes = list(parent.page_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.pages))
+        seq.pages = []

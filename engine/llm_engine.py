@@ -1,0 +1,341 @@
+"""The offline engine: wires tokenizer, scheduler, KV cache, model runner, sampler.
+
+    engine = LLMEngine.from_pretrained("tiny")
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+
+``step()`` advances every running request by one scheduling step and returns
+the requests that progressed, so a server can stream from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rayturn.kernels import KernelBackend, select_backend
+
+from .config import ModelConfig
+from .kv_cache_manager import KVCacheManager, pages_for
+from .loader import load_model, parse_dtype
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .presets import PRESETS, preset_dir
+from .sampler import compute_logprobs, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+from .stop import StopChecker
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU hosts
+GPU_KV_CACHE_FRACTION = 0.85  # of the memory free after loading weights
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    stops: dict[int, StopChecker] = field(default_factory=dict)  # by seq_id
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs) and len(self.seqs) == self.params.n
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        backend: str | KernelBackend | None = None,
+        dtype: str | torch.dtype = "float32",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        device: str | torch.device | None = None,
+        model_id: str | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.backend = backend if isinstance(backend, KernelBackend) else select_backend(self.device, backend)
+        self.config = ModelConfig.from_file(model_dir / "config.json")
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.dtype = parse_dtype(dtype)
+        self.model = load_model(model_dir, self.config, self.backend, self.dtype, self.device)
+        self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
+        self.model_id = model_id or _model_id(model_dir)
+        self.page_size = page_size
+        self.num_pages = num_pages or self._default_num_pages(max_num_seqs)
+        self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv_cache)
+        self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device)
+        self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        logger.info(
+            "rayturn engine: %s (%s), %s on %s, %d KV pages of %d tokens",
+            model_dir.name,
+            self.config.architecture,
+            self.dtype,
+            self.device,
+            self.num_pages,
+            page_size,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path,
+        backend: str | KernelBackend | None = None,
+        dtype: str | torch.dtype = "float32",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        **engine_args: object,
+    ) -> LLMEngine:
+        """Load a built-in preset (``"tiny"``, ``"small"``) or a Hugging Face model directory."""
+        if isinstance(model, str) and model in PRESETS:
+            model_dir = preset_dir(model)
+        else:
+            model_dir = Path(model)
+            if not model_dir.is_dir():
+                raise ValueError(f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+        return cls(
+            model_dir,
+            backend=backend,
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            **engine_args,  # type: ignore[arg-type]
+        )
+
+    def _default_num_pages(self, max_num_seqs: int) -> int:
+        bytes_per_page = ModelRunner.bytes_per_page(self.model, self.page_size, self.dtype)
+        if self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * GPU_KV_CACHE_FRACTION)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        useful = max_num_seqs * pages_for(self.max_model_len, self.page_size)
+        return max(1, min(budget // bytes_per_page, useful))
+
+    # -- requests ---------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated; raises ``ValueError`` naming what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab_size = self.config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        return token_ids
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.encode_prompt(prompt)
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}")
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if pages_for(longest, self.page_size) * params.n > self.num_pages:
+            raise ValueError(
+                f"request needs up to {pages_for(longest, self.page_size) * params.n} KV pages; "
+                f"the cache has {self.num_pages}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids out of vocabulary: {bad_stop}")
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, list(token_ids), len(token_ids), params, cache_salt, 0)
+        request = _Request(request_id, list(token_ids), params, [seq])
+        request.stops[seq.seq_id] = StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def _new_sequence(
+        self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: str, index: int
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator().manual_seed(_derive_seed(params.seed, index))
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt,
+            params=params,
+            cache_salt=salt,
+            generator=generator,
+            completion_index=index,
+        )
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the loop ---------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the requests it advanced (finished ones last seen here)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        self.runner.apply_page_copies(self.kv_cache.pending_copies)
+        self.kv_cache.pending_copies.clear()
+        sampled, logits = self.runner.run(scheduled.chunks)
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+
+        seqs = [chunk.seq for chunk in sampled]
+        rows = list(range(len(seqs)))
+        for row, seq in enumerate(list(seqs)):
+            request = self._requests[seq.request_id]
+            if seq.num_output_tokens == 0 and len(request.seqs) < request.params.n:
+                for child in self._fork(request, seq):
+                    seqs.append(child)
+                    rows.append(row)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        wants_logprobs = [s.params.logprobs is not None for s in seqs]
+        logprobs = (
+            compute_logprobs(logits, tokens, [s.params.logprobs or 0 for s in seqs]) if any(wants_logprobs) else None
+        )
+        touched: dict[str, _Request] = {}
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            if logprobs is not None and wants_logprobs[i]:
+                seq.logprobs.append(logprobs[i])
+            request = self._requests[seq.request_id]
+            verdict = request.stops[seq.seq_id].check(seq, self.max_model_len)
+            if verdict is not None:
+                self.scheduler.finish(seq, *verdict)
+            touched[request.request_id] = request
+        outputs = [self._output(request) for request in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self._requests[output.request_id]
+        return outputs
+
+    def _fork(self, request: _Request, parent: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(len(request.seqs), request.params.n):
+            child = self._new_sequence(
+                request.request_id,
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
+                request.params,
+                parent.cache_salt,
+                index,
+            )
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            self.kv_cache.fork(parent, child)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            request.stops[child.seq_id] = StopChecker(
+                self.tokenizer, request.params, self.eos_token_ids, request.prompt_token_ids
+            )
+            children.append(child)
+        return children
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = tuple(
+            CompletionOutput(
+                index=seq.completion_index,
+                token_ids=tuple(seq.output_token_ids),
+                text=request.stops[seq.seq_id].text,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=tuple(seq.logprobs) if request.params.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            num_cached_prompt_tokens=request.seqs[0].num_cached_prompt_tokens or 0,
+            completions=completions,
+            finished=request.finished,
+        )
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of prompts (strings or token id lists), not a single prompt")
+        per_prompt = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for prompt in prompts:  # validate all before admitting any
+            self.encode_prompt(prompt)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in ids]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _model_id(model_dir: Path) -> str:
+    """A name for the weights that is the same on every node: folder name + config digest."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
+    return f"{model_dir.name}@{digest}"
+
+
+def _derive_seed(seed: int, completion_index: int) -> int:
+    raw = hashlib.sha256(f"{seed}/{completion_index}".encode()).digest()
+    return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The model sees one flat batch of tokens per step: decode tokens first (one per
+sequence), then prefill chunks packed back to back. ``ForwardBatch`` carries
+where each token's key/value goes and what each query attends to; the kernel
+backend does the rest. q/k/v and gate/up projections are fused into one matmul
+each; ``load_weights`` maps Hugging Face tensor names onto the fused layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Everything a forward pass needs besides token ids and positions."""
+
+    kv_cache: torch.Tensor  # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token's key/value
+    num_decode_tokens: int
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, backend: KernelBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: KernelBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        self.backend = backend
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, rope_cache: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        query = query.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        key = key.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        value = value.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.backend.rotary_embedding(positions, query, key, rope_cache)
+
+        key_cache = batch.kv_cache[:, self.layer_index, 0]
+        value_cache = batch.kv_cache[:, self.layer_index, 1]
+        self.backend.write_kv(key, value, key_cache, value_cache, batch.slot_mapping)
+
+        num_decode = batch.num_decode_tokens
+        if batch.prefill is None and batch.decode is not None:
+            out = self.backend.decode_attention(query, key_cache, value_cache, batch.decode, self.scale)
+        elif batch.decode is None and batch.prefill is not None:
+            out = self.backend.prefill_attention(query, key_cache, value_cache, batch.prefill, self.scale)
+        else:
+            assert batch.decode is not None and batch.prefill is not None
+            out = torch.empty_like(query)
+            out[:num_decode] = self.backend.decode_attention(
+                query[:num_decode], key_cache, value_cache, batch.decode, self.scale
+            )
+            out[num_decode:] = self.backend.prefill_attention(
+                query[num_decode:], key_cache, value_cache, batch.prefill, self.scale
+            )
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: KernelBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index, backend)
+        self.mlp = MLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, rope_cache: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch, rope_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    """The decoder stack plus the LM head; parameter names follow Hugging Face's minus ``model.``."""
+
+    def __init__(self, config: ModelConfig, backend: KernelBackend, rope_cache: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        # [max_positions, head_dim] float32 whatever the weights' dtype; not a
+        # parameter, so dtype casts of the model leave it alone.
+        self.rope_cache = rope_cache
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, batch, self.rope_cache)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in; raise naming any tensor missing or unexpected."""
+        cfg = self.config
+        params = dict(self.named_parameters())
+        # HF name fragment -> (our fused parameter, row offset, row count)
+        fused = {
+            "q_proj": ("qkv_proj", 0, cfg.q_size),
+            "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
+            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        expected_rows: dict[str, int] = {name: p.shape[0] for name, p in params.items()}
+        loaded_rows: dict[str, int] = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints store the head anyway
+            parts = name.split(".")
+            target, offset, rows = name, 0, None
+            for i, part in enumerate(parts):
+                if part in fused:
+                    fused_name, offset, rows = fused[part]
+                    target = ".".join([*parts[:i], fused_name, *parts[i + 1 :]])
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {cfg.architecture}")
+            param = params[target]
+            dest = param.data if rows is None else param.data[offset : offset + rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded_rows[target] += dest.shape[0]
+        missing = [name for name, n in loaded_rows.items() if n != expected_rows[name]]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")

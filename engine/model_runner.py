@@ -1,0 +1,113 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits.
+
+Token order in the flat batch: one-token chunks first (decodes, and
+one-token prompt chunks, which attend exactly like a decode), then longer
+prefill chunks packed back to back. Only chunks that reach their sequence's
+last token produce logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
+
+from .model import CausalLM, ForwardBatch
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, backend: KernelBackend, num_pages: int, page_size: int, device: torch.device
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.backend = backend
+        self.page_size = page_size
+        self.device = device
+        dtype = next(model.parameters()).dtype
+        # Zeros, not empty: padded attention reads multiply garbage by zero weights, and NaN * 0 is NaN.
+        self.kv_cache = torch.zeros(
+            (num_pages, cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def bytes_per_page(model: CausalLM, page_size: int, dtype: torch.dtype) -> int:
+        cfg = model.config
+        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    def apply_page_copies(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.backend.copy_pages(self.kv_cache, src, dst)
+
+    def _page_table(self, chunks: list[ScheduledChunk], num_tokens_after: list[int]) -> torch.Tensor:
+        max_pages = max((n + self.page_size - 1) // self.page_size for n in num_tokens_after)
+        table = np.zeros((len(chunks), max_pages), dtype=np.int32)
+        for row, chunk in enumerate(chunks):
+            ids = [page.page_id for page in chunk.seq.pages[:max_pages]]
+            table[row, : len(ids)] = ids
+        return torch.from_numpy(table).to(self.device)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step; returns the chunks that sample and their logits [n, vocab] float32."""
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        page_size = self.page_size
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        for chunk in ordered:
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            page_ids = [page.page_id for page in seq.pages]
+            slots.extend(page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+            if chunk.samples:
+                logit_rows.append(len(input_ids) - 1)
+
+        decode_batch = None
+        if decodes:
+            seq_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
+            decode_batch = DecodeBatch(
+                page_table=self._page_table(decodes, seq_lens),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                max_seq_len=max(seq_lens),
+            )
+        prefill_batch = None
+        if prefills:
+            query_lens = [c.num_tokens for c in prefills]
+            seq_lens = [c.seq.num_computed_tokens + c.num_tokens for c in prefills]
+            context_lens = [c.seq.num_computed_tokens for c in prefills]
+            prefill_batch = PrefillBatch(
+                page_table=self._page_table(prefills, seq_lens),
+                query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32).to(
+                    self.device
+                ),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                query_lens_host=tuple(query_lens),
+                seq_lens_host=tuple(seq_lens),
+            )
+        batch = ForwardBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            num_decode_tokens=len(decodes),
+            decode=decode_batch,
+            prefill=prefill_batch,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, batch)
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        return [c for c in ordered if c.samples], logits

@@ -1,0 +1,40 @@
+"""What the engine hands back per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    logprobs: tuple[TokenLogprob, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One request's state: all ``n`` completions, the first also as shortcuts."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    num_cached_prompt_tokens: int
+    completions: tuple[CompletionOutput, ...]
+    finished: bool
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.completions[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason

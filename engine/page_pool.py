@@ -1,0 +1,147 @@
+"""The page pool: which KV pages exist, who holds them, which can be reused.
+
+Every page is in one of three states::
+
+    in use (ref_count > 0) --free, last holder--> free & cached (hash kept)
+          ^                                         |          |
+          |  touch (prefix-cache hit) <-------------+          | allocate (evicts:
+          |                                                    v  hash dropped)
+          +------------------- allocate <------------- free & uncached
+
+Free pages sit in one queue in eviction order (head = evicted first). The
+queue is a doubly linked list threaded through the pages themselves, so a
+cache hit takes a page out of the middle in O(1). Holders free their pages
+tail-first, which puts the end of a sequence ahead of its (more shareable)
+beginning in the eviction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from .page_hash import PageHash
+
+
+class Page:
+    __slots__ = ("next_free", "page_hash", "page_id", "prev_free", "ref_count")
+
+    def __init__(self, page_id: int) -> None:
+        self.page_id = page_id
+        self.ref_count = 0
+        self.page_hash: PageHash | None = None
+        self.prev_free: Page | None = None
+        self.next_free: Page | None = None
+
+    def __repr__(self) -> str:
+        return f"Page({self.page_id}, ref_count={self.ref_count}, cached={self.page_hash is not None})"
+
+
+class FreePageQueue:
+    """Doubly linked list of free pages; O(1) popleft, append and remove."""
+
+    def __init__(self, pages: Iterable[Page]) -> None:
+        self._head = Page(-1)  # sentinels: never handed out
+        self._tail = Page(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for page in pages:
+            self.append(page)
+
+    def popleft(self) -> Page:
+        page = self._head.next_free
+        if page is None or page is self._tail:
+            raise IndexError("no free pages")
+        self.remove(page)
+        return page
+
+    def remove(self, page: Page) -> None:
+        prev_page, next_page = page.prev_free, page.next_free
+        if prev_page is None or next_page is None:
+            raise ValueError(f"{page!r} is not in the free queue")
+        prev_page.next_free = next_page
+        next_page.prev_free = prev_page
+        page.prev_free = page.next_free = None
+        self.num_free -= 1
+
+    def append(self, page: Page) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = page
+        page.prev_free = last
+        page.next_free = self._tail
+        self._tail.prev_free = page
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[Page]:
+        page = self._head.next_free
+        while page is not None and page is not self._tail:
+            yield page
+            page = page.next_free
+
+    def page_ids(self) -> list[int]:
+        return [page.page_id for page in self]
+
+
+class PagePool:
+    """Owns page ids, reference counts and the hash -> page prefix cache."""
+
+    def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.free_queue = FreePageQueue(self.pages)
+        self.enable_caching = enable_caching
+        self._cached: dict[PageHash, Page] = {}
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._cached)
+
+    def lookup(self, page_hash: PageHash) -> Page | None:
+        return self._cached.get(page_hash) if self.enable_caching else None
+
+    def allocate(self, num_pages: int) -> list[Page]:
+        """Take ``num_pages`` from the head of the free queue, evicting their cached contents."""
+        if num_pages > self.free_queue.num_free:
+            raise ValueError(f"asked for {num_pages} pages, {self.free_queue.num_free} free")
+        pages = []
+        for _ in range(num_pages):
+            page = self.free_queue.popleft()
+            if page.page_hash is not None:
+                del self._cached[page.page_hash]
+                page.page_hash = None
+            page.ref_count = 1
+            pages.append(page)
+        return pages
+
+    def touch(self, pages: Iterable[Page]) -> None:
+        """Take a reference to pages found in the cache (they may be free)."""
+        for page in pages:
+            if page.ref_count == 0:
+                self.free_queue.remove(page)
+            page.ref_count += 1
+
+    def free(self, pages: Iterable[Page]) -> None:
+        """Drop a reference to each page, in the order given (pass the tail first)."""
+        for page in pages:
+            if page.ref_count <= 0:
+                raise ValueError(f"{page!r} freed more often than taken")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self.free_queue.append(page)
+
+    def cache(self, page: Page, page_hash: PageHash) -> None:
+        """Publish a full page under its hash; a hash cached already keeps its first page."""
+        if not self.enable_caching or page.page_hash is not None or page_hash in self._cached:
+            return
+        page.page_hash = page_hash
+        self._cached[page_hash] = page

@@ -1,0 +1,138 @@
+"""Built-in random-weight models, made on first use and saved in Hugging Face layout.
+
+``tiny`` (a few MB) serves tests and ``make serve``; ``small`` (~40M
+parameters: 8 layers, hidden 512, GQA) serves benchmarks. Weights come from a
+fixed seed, so every machine builds byte-identical checkpoints; the same
+loader that reads real checkpoints reads these. The cache directory is
+``$RAYTURN_CACHE_DIR/models`` (default ``~/.cache/rayturn/models``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .byte_tokenizer import CHATML_TOOLS_TEMPLATE, build_byte_tokenizer, save_byte_tokenizer
+
+PRESET_VERSION = 1  # bump when a preset's recipe changes, so caches rebuild
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    seed: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 128, 2, 4, 2, 4096, 10000.0, True, seed=1234),
+    "small": Preset(512, 2816, 8, 8, 2, 8192, 500000.0, False, seed=4321),
+}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("RAYTURN_CACHE_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "rayturn"
+    return root / "models"
+
+
+def preset_dir(name: str, root: Path | None = None) -> Path:
+    """The directory of preset ``name``, building it first if needed (safe across processes)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    root = root or cache_root()
+    target = root / f"{name}-v{PRESET_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        write_preset(PRESETS[name], staging)
+        try:
+            staging.rename(target)  # atomic; loses the race harmlessly if another process won
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def preset_config(preset: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": preset.num_kv_heads,
+        "head_dim": preset.hidden_size // preset.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": preset.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": preset.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": preset.tie_word_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+
+
+def random_weights(preset: Preset, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Weights scaled so activations stay O(1) and logits are peaked enough to be worth sampling."""
+    generator = torch.Generator().manual_seed(preset.seed)
+
+    def normal(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) / cols**0.5
+
+    head_dim = preset.hidden_size // preset.num_heads
+    hidden, inter = preset.hidden_size, preset.intermediate_size
+    weights = {"model.embed_tokens.weight": torch.randn(vocab_size, hidden, generator=generator)}
+    for i in range(preset.num_layers):
+        prefix = f"model.layers.{i}."
+        weights[prefix + "self_attn.q_proj.weight"] = normal(preset.num_heads * head_dim, hidden)
+        weights[prefix + "self_attn.k_proj.weight"] = normal(preset.num_kv_heads * head_dim, hidden)
+        weights[prefix + "self_attn.v_proj.weight"] = normal(preset.num_kv_heads * head_dim, hidden)
+        weights[prefix + "self_attn.o_proj.weight"] = normal(hidden, preset.num_heads * head_dim)
+        weights[prefix + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        weights[prefix + "mlp.up_proj.weight"] = normal(inter, hidden)
+        weights[prefix + "mlp.down_proj.weight"] = normal(hidden, inter)
+        weights[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+        weights[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    weights["model.norm.weight"] = torch.ones(hidden)
+    if not preset.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(vocab_size, hidden) * 4.0
+    return weights
+
+
+def write_preset(preset: Preset, directory: Path) -> None:
+    save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
+    tokenizer = build_byte_tokenizer()
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    bos_id = tokenizer.token_to_id("<|begin_of_text|>")
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    config = preset_config(preset, vocab_size, bos_id, eos_id)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n"
+    )
+    save_file(random_weights(preset, vocab_size), str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,63 @@
+"""When a sequence stops, and the text it has produced so far.
+
+Checked after every new token, in this order: EOS (unless ignored), a stop
+token id, a stop string (the text is cut before it, or after it with
+``include_stop_str_in_output``), then the length limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from collections.abc import Set as AbstractSet
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+Verdict = tuple[str, str | int | None]  # (finish_reason, stop_reason)
+
+
+class StopChecker:
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: AbstractSet[int], prompt_ids: Seq[int]
+    ) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids=prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        self.text = ""
+        self._longest_stop = max((len(s) for s in params.stop), default=0)
+
+    def check(self, seq: Sequence, max_model_len: int) -> Verdict | None:
+        params = self.params
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        before = len(self.text)
+        self.text += self.detokenizer.add_token(token)
+        if self._longest_stop:
+            verdict = self._match_stop_string(before)
+            if verdict is not None:
+                return verdict
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+            self.text += self.detokenizer.flush()  # a cut-off character shows as U+FFFD
+            return "length", None
+        return None
+
+    def _match_stop_string(self, before: int) -> Verdict | None:
+        # Only a match that ends in the new text is new; start early enough to catch it.
+        window_start = max(0, before - self._longest_stop + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            index = self.text.find(stop, window_start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        self.text = self.text[: index + len(stop)] if self.params.include_stop_str_in_output else self.text[:index]
+        return "stop", stop

@@ -1,0 +1,144 @@
+"""The kernel backend interface: every op the model and the KV store need.
+
+A backend is a stateless bundle of ops. The engine picks one at start
+(``rayturn.kernels.registry.select_backend``) and threads it through the model;
+nothing else in rayturn branches on the backend's name.
+
+KV cache layout (shared by all backends and by the KV store)::
+
+    kv_cache: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+
+Page-major, so one page holds the keys and values of ``page_size`` tokens for
+every layer in one contiguous block: moving a page between processes is one
+contiguous copy. A layer's view ``kv_cache[:, layer, 0]`` (keys) and
+``kv_cache[:, layer, 1]`` (values) is ``[num_pages, page_size, num_kv_heads,
+head_dim]`` with a page stride larger than the view's size; kernels honour
+strides. A token at position ``p`` of a sequence lives in slot
+``page_table[p // page_size] * page_size + p % page_size``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Sequences that add one query token each, attending to their whole cache.
+
+    ``page_table[i, j]`` is the j-th page of sequence i (entries past the
+    sequence's last page are padding and never read); ``seq_lens[i]`` counts
+    the sequence's tokens including the new one.
+    """
+
+    page_table: torch.Tensor  # [num_seqs, max_pages] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Sequences that add a chunk of query tokens after ``context_lens`` cached ones.
+
+    Queries are packed: sequence i owns rows ``query_start_loc[i] :
+    query_start_loc[i + 1]``. Query row r of sequence i sits at position
+    ``context_lens[i] + r`` and attends causally to keys ``0 ..
+    context_lens[i] + r``; ``seq_lens = context_lens + query_lens``.
+    """
+
+    page_table: torch.Tensor  # [num_seqs, max_pages] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the per-sequence lengths, so host-side loops need no sync.
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+
+class KernelBackend(abc.ABC):
+    """Ops over tensors on one device. ``name`` is the registry key."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32."""
+
+    @abc.abstractmethod
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style rotary embedding (rotate halves) of ``query`` and ``key``.
+
+        ``query``: [num_tokens, num_heads, head_dim]; ``key``: [num_tokens,
+        num_kv_heads, head_dim]; ``cos_sin_cache``: [max_positions, head_dim]
+        float32 holding ``cos`` in the first half of the last dim and ``sin``
+        in the second. Returns new tensors.
+        """
+
+    @abc.abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2 * d``."""
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store token t's key/value ([num_tokens, num_kv_heads, head_dim]) in slot ``slot_mapping[t]``."""
+
+    @abc.abstractmethod
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of one query per sequence over its paged cache.
+
+        ``query``: [num_seqs, num_heads, head_dim]; returns the same shape.
+        """
+
+    @abc.abstractmethod
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: PrefillBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of packed query chunks over cached context plus themselves.
+
+        ``query``: [num_tokens, num_heads, head_dim]; returns the same shape.
+        The chunk's own keys must already be written to the cache.
+        """
+
+    @abc.abstractmethod
+    def gather_pages(self, kv_cache: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy pages ``page_ids`` of ``kv_cache`` into the contiguous ``out`` ([len(page_ids), *page_shape])."""
+
+    @abc.abstractmethod
+    def scatter_pages(self, src: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Copy contiguous ``src`` ([len(page_ids), *page_shape]) into pages ``page_ids`` of ``kv_cache``."""
+
+    def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
+        """Copy whole pages inside the cache (copy-on-write of shared pages)."""
+        staging = torch.empty((src_page_ids.numel(), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+        self.gather_pages(kv_cache, src_page_ids, staging)
+        self.scatter_pages(staging, kv_cache, dst_page_ids)

@@ -1,0 +1,95 @@
+"""Kernel backend registry and the once-per-process choice of backend.
+
+Backends register a factory under a name; factories import their module
+lazily, so choosing ``torch`` never imports Triton. ``select_backend`` runs
+once when an engine (or actor) starts: it honours an explicit name, then the
+``RAYTURN_KERNEL_BACKEND`` environment variable, then picks from the device,
+and logs one line saying what it chose and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+from .backend import KernelBackend
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "RAYTURN_KERNEL_BACKEND"
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A name -> factory map with a readable error for unknown names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[[], T]] = {}
+
+    def register(self, name: str, factory: Callable[[], T]) -> None:
+        if name in self._factories:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._factories[name] = factory
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def create(self, name: str) -> T:
+        try:
+            factory = self._factories[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
+        return factory()
+
+
+def _torch_factory() -> KernelBackend:
+    from .torch_backend import TorchBackend
+
+    return TorchBackend()
+
+
+def _triton_factory() -> KernelBackend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+BACKENDS: Registry[KernelBackend] = Registry("kernel backend")
+BACKENDS.register("torch", _torch_factory)
+BACKENDS.register("triton", _triton_factory)
+
+
+def default_backend_name(device: torch.device) -> str:
+    """The backend a device gets when nobody asks for one."""
+    if device.type == "cuda":  # CUDA and ROCm (HIP builds report "cuda" too)
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"
+
+
+def select_backend(device: torch.device, name: str | None = None) -> KernelBackend:
+    """Pick the kernel backend for ``device`` once, and log the choice."""
+    if name is not None:
+        reason = "requested"
+    elif os.environ.get(ENV_VAR):
+        name, reason = os.environ[ENV_VAR], f"from ${ENV_VAR}"
+    else:
+        name, reason = default_backend_name(device), f"default for {_describe(device)}"
+    backend = BACKENDS.create(name)
+    logger.info("rayturn kernel backend: %s (%s, device %s)", backend.name, reason, device)
+    return backend
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "ROCm" if torch.version.hip else "CUDA"
+    return device.type.upper()

@@ -1,0 +1,136 @@
+"""The reference backend: plain PyTorch ops, runs on any device.
+
+Every other backend is tested against this one. It is also the production
+backend on CPUs, so the decode path is vectorised over the batch (one gather
+of the paged cache, one fused attention call) rather than a loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import DecodeBatch, KernelBackend, PrefillBatch
+
+
+def _pages_for(num_tokens: int, page_size: int) -> int:
+    return (num_tokens + page_size - 1) // page_size
+
+
+class TorchBackend(KernelBackend):
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + eps)
+        return weight * x32.to(input_dtype)
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        page_size = key_cache.shape[1]
+        slots = slot_mapping.long()
+        page_ids, offsets = slots // page_size, slots % page_size
+        key_cache[page_ids, offsets] = key.to(key_cache.dtype)
+        value_cache[page_ids, offsets] = value.to(value_cache.dtype)
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        num_seqs = query.shape[0]
+        page_size = key_cache.shape[1]
+        max_len = batch.max_seq_len
+        page_table = batch.page_table[:, : _pages_for(max_len, page_size)].long()
+        keys = _gather_tokens(key_cache, page_table, max_len)  # [B, L, Hkv, D]
+        values = _gather_tokens(value_cache, page_table, max_len)
+        positions = torch.arange(max_len, device=query.device)
+        mask = positions[None, :] < batch.seq_lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.reshape(num_seqs, query.shape[1], query.shape[2])
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: PrefillBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        page_size = key_cache.shape[1]
+        out = torch.empty_like(query)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
+            end = start + query_len
+            context_len = seq_len - query_len
+            pages = batch.page_table[i, : _pages_for(seq_len, page_size)].long()
+            keys = _gather_tokens(key_cache, pages[None], seq_len)[0].transpose(0, 1)  # [Hkv, L, D]
+            values = _gather_tokens(value_cache, pages[None], seq_len)[0].transpose(0, 1)
+            queries = query[start:end].transpose(0, 1)  # [H, Q, D]
+            if context_len == 0:
+                attn = F.scaled_dot_product_attention(
+                    queries[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                key_pos = torch.arange(seq_len, device=query.device)
+                query_pos = torch.arange(context_len, seq_len, device=query.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                attn = F.scaled_dot_product_attention(
+                    queries[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[start:end] = attn[0].transpose(0, 1)
+            start = end
+        return out
+
+    def gather_pages(self, kv_cache: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(kv_cache, 0, page_ids.to(kv_cache.device).long(), out=out)
+
+    def scatter_pages(self, src: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
+        kv_cache.index_copy_(0, page_ids.to(kv_cache.device).long(), src.to(kv_cache.dtype))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _gather_tokens(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[B, pages] page ids -> [B, num_tokens, Hkv, D] keys or values in token order."""
+    pages = cache[page_table]  # [B, P, page_size, Hkv, D]
+    batch, num_pages, page_size = pages.shape[:3]
+    return pages.reshape(batch, num_pages * page_size, *cache.shape[2:])[:, :num_tokens]

@@ -1,0 +1,1 @@
+"""rayturn.kvstore."""

@@ -1,0 +1,85 @@
+"""Random-weight Hugging Face checkpoints for parity tests, built with ``transformers`` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayturn.engine.byte_tokenizer import CHATML_TOOLS_TEMPLATE, save_byte_tokenizer
+
+VOCAB_SIZE = 300
+
+# name -> (config class name, config kwargs); together they vary GQA ratio,
+# tied embeddings, rope_theta, rope scaling, qkv bias and q/k norm.
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "rope_theta": 50000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+        },
+    ),
+    "mistral": (
+        "MistralConfig",
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False, "sliding_window": None},
+    ),
+}
+
+
+def make_hf_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
+    import transformers
+
+    class_name, overrides = ARCHITECTURES[arch]
+    config_cls = getattr(transformers, class_name)
+    config = config_cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if arch == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.2)
+    if arch == "qwen3":  # norms start at one; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
+    return directory
