@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU hosts
+CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on CPU hosts
 GPU_KV_CACHE_FRACTION = 0.85  # of the memory free after loading weights
 
 
@@ -230,7 +230,8 @@ class LLMEngine:
         sampled, logits = self.runner.run(scheduled.chunks)
         for chunk in scheduled.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-
+        if not sampled:  # only mid-prompt chunks ran
+            return []
         seqs = [chunk.seq for chunk in sampled]
         rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):

@@ -109,5 +109,5 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, batch)
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        return [c for c in ordered if c.samples], logits
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return [c for c in ordered if c.samples], self.model.compute_logits(hidden[rows])

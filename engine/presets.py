@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
 
-from .byte_tokenizer import CHATML_TOOLS_TEMPLATE, build_byte_tokenizer, save_byte_tokenizer
+from .byte_tokenizer import BOS_TOKEN, CHATML_TOOLS_TEMPLATE, EOS_TOKEN, build_byte_tokenizer, save_byte_tokenizer
 
 PRESET_VERSION = 1  # bump when a preset's recipe changes, so caches rebuild
 
@@ -39,7 +40,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(64, 128, 2, 4, 2, 4096, 10000.0, True, seed=1234),
+    "tiny": Preset(64, 128, 2, 4, 2, 4096, 10000.0, False, seed=1234),
     "small": Preset(512, 2816, 8, 8, 2, 8192, 500000.0, False, seed=4321),
 }
 
@@ -120,7 +121,7 @@ def random_weights(preset: Preset, vocab_size: int) -> dict[str, torch.Tensor]:
         weights[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
     weights["model.norm.weight"] = torch.ones(hidden)
     if not preset.tie_word_embeddings:
-        weights["lm_head.weight"] = normal(vocab_size, hidden) * 4.0
+        weights["lm_head.weight"] = normal(vocab_size, hidden) * 3.0
     return weights
 
 
@@ -128,11 +129,18 @@ def write_preset(preset: Preset, directory: Path) -> None:
     save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
     tokenizer = build_byte_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    bos_id = tokenizer.token_to_id("<|begin_of_text|>")
-    eos_id = tokenizer.token_to_id("<|im_end|>")
+    bos_id = _required_id(tokenizer, BOS_TOKEN)
+    eos_id = _required_id(tokenizer, EOS_TOKEN)
     config = preset_config(preset, vocab_size, bos_id, eos_id)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n"
     )
     save_file(random_weights(preset, vocab_size), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _required_id(tokenizer: HFTokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise RuntimeError(f"byte tokenizer lacks {token!r}")
+    return int(token_id)

@@ -98,7 +98,10 @@ class KernelBackend(abc.ABC):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store token t's key/value ([num_tokens, num_kv_heads, head_dim]) in slot ``slot_mapping[t]``."""
+        """Store token t's key/value ([num_tokens, num_kv_heads, head_dim]) in slot ``slot_mapping[t]``.
+
+        A negative slot marks a padding token: nothing is written for it.
+        """
 
     @abc.abstractmethod
     def decode_attention(

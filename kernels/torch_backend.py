@@ -51,6 +51,9 @@ class TorchBackend(KernelBackend):
     ) -> None:
         page_size = key_cache.shape[1]
         slots = slot_mapping.long()
+        keep = slots >= 0
+        if not bool(keep.all()):  # padding tokens carry negative slots
+            slots, key, value = slots[keep], key[keep], value[keep]
         page_ids, offsets = slots // page_size, slots % page_size
         key_cache[page_ids, offsets] = key.to(key_cache.dtype)
         value_cache[page_ids, offsets] = value.to(value_cache.dtype)

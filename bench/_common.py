@@ -1,0 +1,54 @@
+"""Small helpers shared by the benchmarks: progress on stderr, peak memory, the JSON line."""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+class Progress:
+    """A one-line progress bar on stderr (the JSON result owns stdout's last line)."""
+
+    def __init__(self, label: str, total: int, width: int = 30) -> None:
+        self.label, self.total, self.width = label, max(total, 1), width
+        self.done = 0
+        self.start = time.perf_counter()
+        self._draw()
+
+    def advance(self, n: int = 1) -> None:
+        self.done = min(self.done + n, self.total)
+        self._draw()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+    def _draw(self) -> None:
+        filled = self.width * self.done // self.total
+        elapsed_s = time.perf_counter() - self.start
+        bar = "#" * filled + "." * (self.width - filled)
+        sys.stderr.write(f"\r{self.label:<28} [{bar}] {self.done}/{self.total} {elapsed_s:6.1f}s")
+        sys.stderr.flush()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print the result as one JSON object on the last line of stdout."""
+    print(json.dumps(result, sort_keys=True), flush=True)

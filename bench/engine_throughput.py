@@ -1,0 +1,145 @@
+"""Offline throughput: rayturn's engine vs transformers with static batching, same weights.
+
+32 requests (fixed seed) with prompts of 16-512 tokens and outputs of 16-128
+tokens on the ``small`` preset, CPU, float32. rayturn runs them with
+continuous batching; transformers runs one left-padded batch with
+``max_new_tokens`` = the longest output, each output then cut to its own
+length (what static batching costs). Both must give the same greedy tokens.
+Each side runs in its own process, so peak RSS is its own.
+
+    python bench/engine_throughput.py [--quick]
+
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from _common import Progress, emit, machine, peak_rss_mb
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+                  vocab: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def run_rayturn(model: str, workload: Workload) -> dict[str, Any]:
+    from rayturn.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(model, backend="torch", dtype="float32", enable_prefix_caching=False)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    progress = Progress("rayturn (continuous)", workload.useful_tokens)
+    start = time.perf_counter()
+    for prompt, p in zip(workload.prompts, params):
+        engine.add_request(prompt, p)
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+                progress.advance(len(output.token_ids))
+    elapsed_s = time.perf_counter() - start
+    tokens = [finished[str(i + 1)] for i in range(len(workload.prompts))]  # id 0 was the warm-up
+    return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
+
+
+def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad_id = 0
+    max_prompt = max(len(p) for p in workload.prompts)
+    input_ids = torch.full((len(workload.prompts), max_prompt), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(workload.prompts):  # left padding
+        input_ids[row, max_prompt - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, max_prompt - len(prompt) :] = 1
+    with torch.no_grad():
+        model.generate(input_ids[:1, -3:], max_new_tokens=2, do_sample=False, pad_token_id=pad_id)  # warm-up
+        progress = Progress("transformers (static)", 1)
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max(workload.output_lens),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
+        elapsed_s = time.perf_counter() - start
+        progress.advance()
+    tokens = [out[row, max_prompt : max_prompt + n].tolist() for row, n in enumerate(workload.output_lens)]
+    return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
+
+
+def _in_child(fn_name: str, *args: Any) -> dict[str, Any]:
+    context = mp.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(globals()[fn_name], args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 shorter requests; finishes within a minute")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from rayturn.engine.presets import PRESETS, preset_dir
+    from rayturn.engine.tokenizer import Tokenizer
+
+    model_dir = str(preset_dir(args.model)) if args.model in PRESETS else args.model
+    vocab = Tokenizer.from_dir(__import__("pathlib").Path(model_dir)).vocab_size
+    if args.quick:
+        workload = make_workload(8, (16, 128), (8, 32), args.seed, vocab)
+    else:
+        workload = make_workload(32, (16, 512), (16, 128), args.seed, vocab)
+
+    ours = _in_child("run_rayturn", model_dir, workload)
+    theirs = _in_child("run_transformers", model_dir, workload)
+    mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
+    ours_tok_s = workload.useful_tokens / ours["elapsed_s"]
+    theirs_tok_s = workload.useful_tokens / theirs["elapsed_s"]
+    emit(
+        {
+            "bench": "engine_throughput",
+            "quick": args.quick,
+            "model": args.model,
+            "requests": len(workload.prompts),
+            "useful_output_tokens": workload.useful_tokens,
+            "rayturn_s": round(ours["elapsed_s"], 3),
+            "hf_s": round(theirs["elapsed_s"], 3),
+            "rayturn_tok_s": round(ours_tok_s, 1),
+            "hf_tok_s": round(theirs_tok_s, 1),
+            "speedup_vs_hf": round(ours_tok_s / theirs_tok_s, 3),
+            "outputs_match": not mismatched,
+            "mismatched_requests": mismatched,
+            "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
+            "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
+            "machine": machine(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The offline engine on the ``tiny`` preset: API, sampling, stops, forks, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rayturn.engine import LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", backend="torch", dtype="float32", page_size=16)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_generate_returns_one_output_per_prompt_in_order(engine: LLMEngine) -> None:
+    prompts: list[str | list[int]] = ["hello world", [5, 6, 7, 8], "x" * 40]
+    outs = engine.generate(prompts, GREEDY)
+    assert len(outs) == 3
+    for prompt, out in zip(prompts, outs):
+        alone = engine.generate([prompt], GREEDY)[0]
+        assert out.token_ids == alone.token_ids  # batching does not change greedy output
+        assert len(out.token_ids) == 12 and out.finish_reason == "length"
+        assert out.text == engine.tokenizer.decode(list(out.token_ids))
+
+
+def test_num_cached_prompt_tokens_counts_prefix_hits(engine: LLMEngine) -> None:
+    base = list(range(40, 40 + 50))  # 3 full pages + 2 tokens
+    (first,) = engine.generate([base], GREEDY)
+    (second,) = engine.generate([base + [1, 2, 3]], GREEDY)
+    assert second.num_cached_prompt_tokens == 48
+    assert first.num_cached_prompt_tokens in (0, 48)  # 0 unless an earlier test left it cached
+
+
+def test_seed_makes_sampling_reproducible_regardless_of_batch(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+    (alone,) = engine.generate(["seeded prompt"], params)
+    batch = engine.generate(["other", "seeded prompt", "more"], [SamplingParams(max_tokens=16), params, params])
+    assert batch[1].token_ids == alone.token_ids
+    (different,) = engine.generate(["seeded prompt"], SamplingParams(max_tokens=16, temperature=1.0, seed=99))
+    assert different.token_ids != alone.token_ids
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(engine: LLMEngine) -> None:
+    (greedy,) = engine.generate(["abc"], GREEDY)
+    (top_k,) = engine.generate(["abc"], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True))
+    (top_p,) = engine.generate(["abc"], SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, ignore_eos=True))
+    assert top_k.token_ids == greedy.token_ids == top_p.token_ids
+
+
+def test_stop_token_ids_and_stop_strings(engine: LLMEngine) -> None:
+    (free,) = engine.generate(["stop test"], GREEDY)
+    stop_id = free.token_ids[3]
+    (by_id,) = engine.generate(["stop test"], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id]))
+    first = free.token_ids.index(stop_id)
+    assert by_id.token_ids == free.token_ids[: first + 1]
+    assert by_id.finish_reason == "stop" and by_id.completions[0].stop_reason == stop_id
+
+    text = free.text
+    stop = text[4:6]
+    (by_str,) = engine.generate(["stop test"], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))
+    assert by_str.finish_reason == "stop" and by_str.completions[0].stop_reason == stop
+    assert by_str.text == text[: text.index(stop)]
+    (kept,) = engine.generate(
+        ["stop test"],
+        SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+    )
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_eos_stops_unless_ignored(engine: LLMEngine) -> None:
+    eos = engine.tokenizer.eos_token_id
+    assert eos is not None
+    # Sample until some completion hits EOS; it must stop right there.
+    params = SamplingParams(max_tokens=64, temperature=2.0, seed=0, n=8)
+    (out,) = engine.generate(["eos"], params)
+    for completion in out.completions:
+        if eos in completion.token_ids:
+            assert completion.token_ids[-1] == eos and completion.finish_reason == "stop"
+        else:
+            assert completion.finish_reason == "length"
+
+
+def test_parallel_sampling_forks_share_the_prompt(engine: LLMEngine) -> None:
+    prompt = list(range(10, 10 + 37))  # ends mid-page: forks copy-on-write the tail page
+    params = SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    (out,) = engine.generate([prompt], params)
+    assert [c.index for c in out.completions] == [0, 1, 2, 3]
+    assert len({c.token_ids for c in out.completions}) > 1
+    (again,) = engine.generate([prompt], params)
+    assert [c.token_ids for c in again.completions] == [c.token_ids for c in out.completions]
+    # Greedy forks all equal the single greedy completion.
+    (single,) = engine.generate([prompt], GREEDY)
+    (forked,) = engine.generate([prompt], SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert all(c.token_ids == single.token_ids for c in forked.completions)
+    assert engine.kv_cache.pool.num_free_pages == engine.num_pages  # every page released
+
+
+def test_logprobs_are_normalised_and_rank_the_greedy_token_first(engine: LLMEngine) -> None:
+    (out,) = engine.generate(["logprobs"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))
+    logprobs = out.completions[0].logprobs
+    assert logprobs is not None and len(logprobs) == 5
+    for entry, token in zip(logprobs, out.token_ids):
+        assert entry.token_id == token and len(entry.top) == 3
+        assert entry.top[0][0] == token and entry.logprob == pytest.approx(entry.top[0][1])
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+        assert entry.logprob <= 0 and math.exp(entry.top[0][1]) <= 1
+
+
+def test_small_budget_and_few_pages_still_match(engine: LLMEngine) -> None:
+    prompts = [list(range(1, 70)), list(range(100, 130)), [9] * 45, list(range(3, 20))]
+    expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    squeezed = LLMEngine.from_pretrained(
+        "tiny", backend="torch", num_pages=8, max_num_batched_tokens=24, max_num_seqs=3
+    )
+    assert [o.token_ids for o in squeezed.generate(prompts, GREEDY)] == expected
+    assert squeezed.kv_cache.pool.num_free_pages == 8
+
+
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ("", GREEDY, "prompt is empty"),
+        ([], GREEDY, "prompt is empty"),
+        ([1, 2, 10**6], GREEDY, "out of vocabulary"),
+        ([-1], GREEDY, "out of vocabulary"),
+        ([1] * 5000, GREEDY, "max_model_len"),
+    ],
+)
+def test_bad_prompts_raise_value_error(engine: LLMEngine, prompt: object, params: SamplingParams, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        engine.generate([prompt], params)  # type: ignore[list-item]
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params_raise_value_error(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_prompt_in_a_batch_admits_nothing(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        engine.generate([[1, 2], [10**6]], GREEDY)
+    assert not engine.has_unfinished_requests()
+    assert engine.generate([[1, 2]], GREEDY)[0].token_ids  # still serving
+
+
+def test_chat_template_and_dtype(engine: LLMEngine) -> None:
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    (out,) = engine.generate([ids], GREEDY)
+    assert len(out.token_ids) == 12
+    bf16 = LLMEngine.from_pretrained("tiny", backend="torch", dtype="bfloat16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    (low,) = bf16.generate([ids], GREEDY)
+    assert len(low.token_ids) == 12
+    with pytest.raises(ValueError, match="dtype 'float64'"):
+        LLMEngine.from_pretrained("tiny", dtype="float64")

@@ -1,0 +1,95 @@
+"""Scheduler: token budget, chunked prefill, max_num_seqs, preemption — exact expectations."""
+
+from __future__ import annotations
+
+from rayturn.engine.kv_cache_manager import KVCacheManager
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.scheduler import Scheduler, SchedulerConfig
+from rayturn.engine.sequence import Sequence, SequenceStatus
+
+PAGE = 4
+
+
+def make(num_pages: int, max_num_seqs: int = 8, budget: int = 64, caching: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), KVCacheManager(num_pages, PAGE, "m", caching))
+
+
+def seq(seq_id: int, num_tokens: int, first_token: int = 0) -> Sequence:
+    tokens = list(range(first_token, first_token + num_tokens))
+    return Sequence(seq_id, str(seq_id), tokens, num_tokens, SamplingParams(max_tokens=100))
+
+
+def finish_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[int, int]]:
+    """Schedule, pretend the model ran, append a token to sequences that sampled."""
+    out = scheduler.schedule()
+    plan = [(c.seq.seq_id, c.num_tokens) for c in out.chunks]
+    sampling = [c.seq for c in out.chunks if c.samples]
+    for chunk in out.chunks:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+    for s in sampling:
+        s.token_ids.append(next_token)
+    return plan
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    scheduler = make(num_pages=32, budget=10)
+    a, b = seq(0, 23), seq(1, 5, first_token=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert finish_step(scheduler) == [(0, 10)]  # a's first chunk takes the whole budget
+    assert finish_step(scheduler) == [(0, 10)]
+    assert finish_step(scheduler) == [(0, 3), (1, 5)]  # a finishes its prompt, b fits beside it
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 1
+    assert finish_step(scheduler) == [(0, 1), (1, 1)]  # both decode
+
+
+def test_max_num_seqs_caps_admission() -> None:
+    scheduler = make(num_pages=32, max_num_seqs=2)
+    for i in range(3):
+        scheduler.add(seq(i, 4, first_token=10 * i))
+    assert finish_step(scheduler) == [(0, 4), (1, 4)]
+    assert [s.seq_id for s in scheduler.waiting] == [2]
+    scheduler.finish(scheduler.running[0], "stop")
+    assert finish_step(scheduler) == [(1, 1), (2, 4)]
+
+
+def test_preempts_newest_when_pages_run_out_and_recomputes_later() -> None:
+    scheduler = make(num_pages=4, caching=False)
+    a, b = seq(0, 8), seq(1, 4, first_token=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert finish_step(scheduler) == [(0, 8), (1, 4)]  # 2 + 1 pages used, 1 free
+    assert [p.page_id for p in a.pages] == [0, 1] and [p.page_id for p in b.pages] == [2]
+    # a's 9th token needs page 3; b's 5th needs another page: none left -> b (newest) preempted.
+    assert finish_step(scheduler) == [(0, 1)]
+    assert b.status is SequenceStatus.WAITING and b.pages == [] and b.num_computed_tokens == 0
+    assert [s.seq_id for s in scheduler.waiting] == [1]
+    assert [p.page_id for p in a.pages] == [0, 1, 3]
+    scheduler.finish(a, "stop")
+    # b comes back and recomputes prompt + its sampled token (5 tokens) before decoding on.
+    assert finish_step(scheduler) == [(1, 5)]
+    assert b.num_output_tokens == 2
+
+
+def test_preempted_sequence_reuses_its_cached_pages() -> None:
+    scheduler = make(num_pages=5)
+    a, b = seq(0, 8), seq(1, 9, first_token=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert finish_step(scheduler) == [(0, 8), (1, 9)]  # 2 + 3 pages: pool full
+    assert finish_step(scheduler) == [(0, 1)]  # b preempted to give a a page
+    scheduler.finish(a, "stop")
+    # b's two full pages (tokens 0-7) are still cached: only 2 tokens recomputed.
+    assert finish_step(scheduler) == [(1, 2)]
+    assert b.num_cached_prompt_tokens == 0  # counted at first admission only
+
+
+def test_finish_frees_pages_tail_first() -> None:
+    scheduler = make(num_pages=6, caching=False)
+    a = seq(0, 10)
+    scheduler.add(a)
+    finish_step(scheduler)
+    assert [p.page_id for p in a.pages] == [0, 1, 2]
+    scheduler.finish(a, "length")
+    assert scheduler.kv_cache.pool.free_queue.page_ids() == [3, 4, 5, 2, 1, 0]
+    assert a.finish_reason == "length" and not scheduler.has_work

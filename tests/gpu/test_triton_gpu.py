@@ -1,0 +1,87 @@
+"""TritonBackend against TorchBackend natively on a GPU (CUDA or ROCm), at model-like sizes.
+
+The same checks as ``tests/kernels/test_triton_backend.py`` (shared through
+``tests/kernels/triton_cases.py``) with head_dim 128, page_size 16, sequences
+of up to ~2000 tokens, in bfloat16 and float32. Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Skip before anything imports triton: on CPU-only runs the interpreter
+    # tests need to set TRITON_INTERPRET first.
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+pytest.importorskip("triton")
+# The tests tree has no packages (import mode "importlib"): make the shared helpers importable.
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+
+from triton_cases import (
+    CacheSpec,
+    check_decode_attention,
+    check_gather_scatter_pages,
+    check_prefill_attention,
+    check_rms_norm,
+    check_rotary_embedding,
+    check_silu_and_mul,
+    check_write_kv,
+)
+
+from rayturn.kernels.triton_backend import TritonBackend
+
+DEVICE = "cuda"
+DTYPES = [torch.bfloat16, torch.float32]
+LLAMA_8B = CacheSpec(page_size=16, num_kv_heads=8, head_dim=128)  # 32 query heads: 4 per kv head
+MQA = CacheSpec(page_size=16, num_kv_heads=1, head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def backend() -> TritonBackend:
+    return TritonBackend()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 4096), (7, 3000)])  # 3000: masked tail
+def test_rms_norm(backend: TritonBackend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    check_rms_norm(backend, shape, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding(backend: TritonBackend, dtype: torch.dtype) -> None:
+    check_rotary_embedding(backend, 257, 32, 8, 128, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(backend: TritonBackend, dtype: torch.dtype) -> None:
+    check_silu_and_mul(backend, (65, 2 * 11008), dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv(backend: TritonBackend, dtype: torch.dtype) -> None:
+    check_write_kv(backend, LLAMA_8B, 301, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("spec", "num_heads"), [(LLAMA_8B, 32), (MQA, 8)])
+def test_decode_attention(backend: TritonBackend, spec: CacheSpec, num_heads: int, dtype: torch.dtype) -> None:
+    seq_lens = [1, 16, 17, 511, 1029, 2000]
+    check_decode_attention(backend, spec, num_heads, seq_lens, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("spec", "num_heads"), [(LLAMA_8B, 32), (MQA, 8)])
+def test_prefill_attention(backend: TritonBackend, spec: CacheSpec, num_heads: int, dtype: torch.dtype) -> None:
+    context_lens = [0, 0, 512, 1000, 33]
+    query_lens = [1, 700, 513, 1000, 64]
+    check_prefill_attention(backend, spec, num_heads, context_lens, query_lens, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_scatter_pages(backend: TritonBackend, dtype: torch.dtype) -> None:
+    spec = CacheSpec(page_size=16, num_kv_heads=8, head_dim=128, num_layers=4, layer=3)
+    check_gather_scatter_pages(backend, spec, [40, 3, 17, 0, 99, 12], dtype, DEVICE)
