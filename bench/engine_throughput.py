@@ -5,7 +5,9 @@ tokens on the ``small`` preset, CPU, float32. rayturn runs them with
 continuous batching; transformers runs one left-padded batch with
 ``max_new_tokens`` = the longest output, each output then cut to its own
 length (what static batching costs). Both must give the same greedy tokens.
-Each side runs in its own process, so peak RSS is its own.
+Each side runs in its own process, so peak RSS is its own; with ``--rounds``
+the two alternate and the median time of each is reported (this machine's
+memory bandwidth drifts between runs).
 
     python bench/engine_throughput.py [--quick]
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
+import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from _common import Progress, emit, machine, peak_rss_mb
@@ -34,8 +38,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
-                  vocab: int) -> Workload:
+def make_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int, vocab: int
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
@@ -103,23 +108,30 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 shorter requests; finishes within a minute")
     parser.add_argument("--model", default="small")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=None, help="alternating runs of each side (default 3, quick 1)")
     args = parser.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
 
     from rayturn.engine.presets import PRESETS, preset_dir
     from rayturn.engine.tokenizer import Tokenizer
 
     model_dir = str(preset_dir(args.model)) if args.model in PRESETS else args.model
-    vocab = Tokenizer.from_dir(__import__("pathlib").Path(model_dir)).vocab_size
+    vocab = Tokenizer.from_dir(Path(model_dir)).vocab_size
     if args.quick:
         workload = make_workload(8, (16, 128), (8, 32), args.seed, vocab)
     else:
         workload = make_workload(32, (16, 512), (16, 128), args.seed, vocab)
 
-    ours = _in_child("run_rayturn", model_dir, workload)
-    theirs = _in_child("run_transformers", model_dir, workload)
+    ours_runs, theirs_runs = [], []
+    for _ in range(rounds):
+        ours_runs.append(_in_child("run_rayturn", model_dir, workload))
+        theirs_runs.append(_in_child("run_transformers", model_dir, workload))
+    ours, theirs = ours_runs[0], theirs_runs[0]
     mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
-    ours_tok_s = workload.useful_tokens / ours["elapsed_s"]
-    theirs_tok_s = workload.useful_tokens / theirs["elapsed_s"]
+    ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
+    theirs_s = statistics.median(r["elapsed_s"] for r in theirs_runs)
+    ours_tok_s = workload.useful_tokens / ours_s
+    theirs_tok_s = workload.useful_tokens / theirs_s
     emit(
         {
             "bench": "engine_throughput",
@@ -127,8 +139,11 @@ def main() -> None:
             "model": args.model,
             "requests": len(workload.prompts),
             "useful_output_tokens": workload.useful_tokens,
-            "rayturn_s": round(ours["elapsed_s"], 3),
-            "hf_s": round(theirs["elapsed_s"], 3),
+            "rounds": rounds,
+            "rayturn_s": round(ours_s, 3),
+            "hf_s": round(theirs_s, 3),
+            "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
+            "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
             "rayturn_tok_s": round(ours_tok_s, 1),
             "hf_tok_s": round(theirs_tok_s, 1),
             "speedup_vs_hf": round(ours_tok_s / theirs_tok_s, 3),

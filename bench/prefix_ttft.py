@@ -40,9 +40,7 @@ def main() -> None:
     repeats = 1 if args.quick else 3
 
     cached_engine = LLMEngine.from_pretrained(args.model, backend="torch", dtype="float32")
-    plain_engine = LLMEngine.from_pretrained(
-        args.model, backend="torch", dtype="float32", enable_prefix_caching=False
-    )
+    plain_engine = LLMEngine.from_pretrained(args.model, backend="torch", dtype="float32", enable_prefix_caching=False)
     vocab = cached_engine.config.vocab_size
     rng = random.Random(args.seed)
     for engine in (cached_engine, plain_engine):

@@ -45,7 +45,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         try:
             index = json.loads(index_path.read_text())
             weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise ValueError(
@@ -65,6 +65,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir}: no weights; expected {SINGLE_FILE} or {INDEX_FILE} with its shards")
 
 
+class UnreadableWeightsError(ValueError):
+    """A weight file safetensors cannot read; the message names the file."""
+
+
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:
@@ -72,7 +76,7 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     yield name, handle.get_tensor(name)
         except SafetensorError as err:
-            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+            raise UnreadableWeightsError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def load_model(
@@ -88,5 +92,18 @@ def load_model(
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
         model = CausalLM(config, backend, rope)
     model = model.to_empty(device=device).to(dtype=dtype)
-    model.load_weights(iter_weights(files))  # every parameter is checked to be loaded
+    source = [model_dir]  # the file being read, so errors can name it
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in files:
+            source[0] = path
+            yield from iter_weights([path])
+        source[0] = model_dir  # missing tensors are noticed after the last file, so name the checkpoint
+
+    try:
+        model.load_weights(weights())  # every parameter is checked to be loaded
+    except UnreadableWeightsError:
+        raise
+    except ValueError as err:  # an unexpected, misshapen or missing tensor
+        raise ValueError(f"{source[0]}: {err}") from None
     return model.eval()

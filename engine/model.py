@@ -162,6 +162,8 @@ class CausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store the head anyway
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints store the RoPE table; we compute it
             parts = name.split(".")
             target, offset, rows = name, 0, None
             for i, part in enumerate(parts):
@@ -177,6 +179,11 @@ class CausalLM(nn.Module):
                 raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded_rows[target] += dest.shape[0]
-        missing = [name for name, n in loaded_rows.items() if n != expected_rows[name]]
+        unfused = {"qkv_proj": "q_proj/k_proj/v_proj", "gate_up_proj": "gate_proj/up_proj"}
+        missing = [
+            ("" if name.startswith("lm_head") else "model.") + ".".join(unfused.get(p, p) for p in name.split("."))
+            for name, n in loaded_rows.items()
+            if n != expected_rows[name]
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")

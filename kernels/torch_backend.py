@@ -39,7 +39,7 @@ class TorchBackend(KernelBackend):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
     def write_kv(
         self,
@@ -66,23 +66,20 @@ class TorchBackend(KernelBackend):
         batch: DecodeBatch,
         scale: float,
     ) -> torch.Tensor:
-        num_seqs = query.shape[0]
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
         page_size = key_cache.shape[1]
         max_len = batch.max_seq_len
         page_table = batch.page_table[:, : _pages_for(max_len, page_size)].long()
-        keys = _gather_tokens(key_cache, page_table, max_len)  # [B, L, Hkv, D]
-        values = _gather_tokens(value_cache, page_table, max_len)
+        keys = _gather_tokens(key_cache, page_table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather_tokens(value_cache, page_table, max_len).transpose(1, 2)
         positions = torch.arange(max_len, device=query.device)
         mask = positions[None, :] < batch.seq_lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2),  # [B, H, 1, D]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.reshape(num_seqs, query.shape[1], query.shape[2])
+        # The query heads sharing a kv head act as that head's query rows, so
+        # keys and values are never repeated per query head (GQA for free).
+        grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
 
     def prefill_attention(
         self,
@@ -134,6 +131,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _gather_tokens(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[B, pages] page ids -> [B, num_tokens, Hkv, D] keys or values in token order."""
-    pages = cache[page_table]  # [B, P, page_size, Hkv, D]
-    batch, num_pages, page_size = pages.shape[:3]
-    return pages.reshape(batch, num_pages * page_size, *cache.shape[2:])[:, :num_tokens]
+    batch, num_pages = page_table.shape
+    # index_select over flat page ids is several times faster on CPU than
+    # advanced indexing with the 2-D table.
+    pages = cache.index_select(0, page_table.reshape(-1))  # [B * P, page_size, Hkv, D]
+    return pages.view(batch, num_pages * cache.shape[1], *cache.shape[2:])[:, :num_tokens]
