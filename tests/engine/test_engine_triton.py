@@ -84,8 +84,8 @@ def run_triton_in_subprocess() -> tuple[dict[str, Any], str]:
         env.pop("TRITON_INTERPRET", None)  # compile the kernels natively
     script = SCRIPT + textwrap.dedent(
         """
-        from rayturn.kernels import triton_backend
-        kernel = type(triton_backend._rms_norm_kernel).__name__
+        from rayturn.kernels import triton_kernels
+        kernel = type(triton_kernels.rms_norm_kernel).__name__
         print(json.dumps({"kernel": kernel}), file=sys.stderr)
         """
     )

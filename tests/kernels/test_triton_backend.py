@@ -34,7 +34,7 @@ from triton_cases import (
     make_kv_cache,
 )
 
-from rayturn.kernels import BACKENDS, triton_backend
+from rayturn.kernels import BACKENDS, triton_kernels
 from rayturn.kernels.triton_backend import TritonBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,7 +57,7 @@ def test_registry_creates_triton_backend() -> None:
 
 
 def test_missing_triton_raises_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_backend, "_TRITON_IMPORT_ERROR", ImportError("No module named 'triton'"))
+    monkeypatch.setattr(triton_kernels, "TRITON_IMPORT_ERROR", ImportError("No module named 'triton'"))
     with pytest.raises(RuntimeError, match="needs the `triton` package"):
         TritonBackend()
 
