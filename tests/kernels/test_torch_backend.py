@@ -1,0 +1,126 @@
+"""The torch reference backend against definitions written out longhand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rayturn.kernels import DecodeBatch, PrefillBatch
+from rayturn.kernels.torch_backend import TorchBackend
+
+BACKEND = TorchBackend()
+PAGE, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
+
+
+def make_cache(num_pages: int = 10, num_layers: int = 2) -> torch.Tensor:
+    return torch.randn(num_pages, num_layers, 2, PAGE, KV_HEADS, DIM, generator=torch.Generator().manual_seed(0))
+
+
+def naive_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row [H, D] over keys/values [L, Hkv, D], GQA by head index."""
+    group = HEADS // KV_HEADS
+    out = torch.empty_like(query)
+    for head in range(HEADS):
+        k, v = keys[:, head // group], values[:, head // group]
+        weights = torch.softmax(k @ query[head] * scale, dim=0)
+        out[head] = weights @ v
+    return out
+
+
+def tokens_of(cache_view: torch.Tensor, pages: list[int], num_tokens: int) -> torch.Tensor:
+    return torch.cat([cache_view[p] for p in pages])[:num_tokens]
+
+
+def test_write_kv_into_strided_layer_view_skips_negative_slots() -> None:
+    cache = torch.zeros(6, 2, 2, PAGE, KV_HEADS, DIM)
+    key, value = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
+    BACKEND.write_kv(key, value, cache[:, 1, 0], cache[:, 1, 1], torch.tensor([9, -1, 2]))
+    assert torch.equal(cache[2, 1, 0, 1], key[0]) and torch.equal(cache[2, 1, 1, 1], value[0])
+    assert torch.equal(cache[0, 1, 0, 2], key[2])
+    assert int((cache != 0).sum()) == 2 * 2 * KV_HEADS * DIM  # nothing else written, layer 0 untouched
+
+
+def test_decode_attention_matches_longhand() -> None:
+    cache = make_cache()
+    keys, values = cache[:, 1, 0], cache[:, 1, 1]
+    tables = [[7, 2, 5], [0, 9, 0]]  # second row padded with page 0
+    seq_lens = [11, 6]
+    query = torch.randn(2, HEADS, DIM)
+    batch = DecodeBatch(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 11)
+    out = BACKEND.decode_attention(query, keys, values, batch, 0.3)
+    for i in range(2):
+        expected = naive_attention(
+            query[i], tokens_of(keys, tables[i], seq_lens[i]), tokens_of(values, tables[i], seq_lens[i]), 0.3
+        )
+        torch.testing.assert_close(out[i], expected)
+
+
+def test_prefill_attention_is_causal_after_context() -> None:
+    cache = make_cache()
+    keys, values = cache[:, 0, 0], cache[:, 0, 1]
+    tables = [[3, 8, 1], [4, 0, 0]]
+    context, query_lens = [5, 0], [4, 3]
+    seq_lens = [c + q for c, q in zip(context, query_lens)]
+    query = torch.randn(sum(query_lens), HEADS, DIM)
+    batch = PrefillBatch(
+        page_table=torch.tensor(tables, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 4, 7], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(context, dtype=torch.int32),
+        max_query_len=4,
+        max_seq_len=9,
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+    out = BACKEND.prefill_attention(query, keys, values, batch, 1 / math.sqrt(DIM))
+    row = 0
+    for i in range(2):
+        for r in range(query_lens[i]):
+            visible = context[i] + r + 1
+            expected = naive_attention(
+                query[row],
+                tokens_of(keys, tables[i], visible),
+                tokens_of(values, tables[i], visible),
+                1 / math.sqrt(DIM),
+            )
+            torch.testing.assert_close(out[row], expected)
+            row += 1
+
+
+def test_gather_scatter_and_copy_pages() -> None:
+    cache = make_cache()
+    ids = torch.tensor([4, 1, 7])
+    out = torch.empty(3, *cache.shape[1:])
+    BACKEND.gather_pages(cache, ids, out)
+    assert torch.equal(out, cache[[4, 1, 7]])
+    target = torch.zeros_like(cache)
+    BACKEND.scatter_pages(out, target, torch.tensor([0, 9, 5]))
+    assert torch.equal(target[9], cache[1]) and torch.equal(target[5], cache[7])
+    assert int(target[[1, 2, 3, 4, 6, 7, 8]].abs().sum()) == 0
+    BACKEND.copy_pages(target, torch.tensor([9]), torch.tensor([2]))
+    assert torch.equal(target[2], cache[1])
+
+
+def test_rms_norm_rotary_and_silu() -> None:
+    x = torch.randn(3, 16)
+    weight = torch.rand(16)
+    expected = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(BACKEND.rms_norm(x, weight, 1e-6), expected)
+    gate_up = torch.randn(2, 10)
+    torch.testing.assert_close(
+        BACKEND.silu_and_mul(gate_up), gate_up[:, :5] * torch.sigmoid(gate_up[:, :5]) * gate_up[:, 5:]
+    )
+    # Rotary at position p turns each (x_i, x_{i+d/2}) pair by angle p * inv_freq_i.
+    angles = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])[None, :]
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    q, k = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
+    positions = torch.tensor([3, 7])
+    rq, rk = BACKEND.rotary_embedding(positions, q, k, cache)
+    for t, p in enumerate(positions.tolist()):
+        for i in range(2):
+            a = angles[p, i]
+            x0, x1 = q[t, 0, i], q[t, 0, i + 2]
+            torch.testing.assert_close(rq[t, 0, i], x0 * a.cos() - x1 * a.sin())
+            torch.testing.assert_close(rq[t, 0, i + 2], x1 * a.cos() + x0 * a.sin())
+    assert rk.shape == k.shape
