@@ -1,4 +1,4 @@
-"""Session-wide test settings: offline model hubs, and a private cache for built-in presets."""
+"""Session-wide test settings: offline model hubs, a private preset cache, the Triton interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at import time whether its kernels run under the interpreter;
+# without a GPU they must, so switch it on before any test module imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
