@@ -289,7 +289,7 @@ class LLMEngine:
         completions = tuple(
             CompletionOutput(
                 index=seq.completion_index,
-                token_ids=tuple(seq.output_token_ids),
+                token_ids=seq.output_token_ids,
                 text=request.stops[seq.seq_id].text,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
@@ -299,7 +299,7 @@ class LLMEngine:
         )
         return RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=tuple(request.prompt_token_ids),
+            prompt_token_ids=list(request.prompt_token_ids),
             num_cached_prompt_tokens=request.seqs[0].num_cached_prompt_tokens or 0,
             completions=completions,
             finished=request.finished,

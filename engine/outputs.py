@@ -10,7 +10,7 @@ from .sequence import TokenLogprob
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
     index: int
-    token_ids: tuple[int, ...]
+    token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     stop_reason: str | int | None  # the stop string or stop token id that ended it
@@ -22,13 +22,13 @@ class RequestOutput:
     """One request's state: all ``n`` completions, the first also as shortcuts."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: list[int]
     num_cached_prompt_tokens: int
     completions: tuple[CompletionOutput, ...]
     finished: bool
 
     @property
-    def token_ids(self) -> tuple[int, ...]:
+    def token_ids(self) -> list[int]:
         return self.completions[0].token_ids
 
     @property

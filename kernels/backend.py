@@ -37,6 +37,7 @@ class DecodeBatch:
     page_table: torch.Tensor  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_seq_len: int
+    seq_lens_host: tuple[int, ...]  # host copy, so host-side planning needs no sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,8 @@ class KernelBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2 * d``."""
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate`` and ``up`` of one shape [..., d] (rows may be strided)."""
 
     @abc.abstractmethod
     def write_kv(

@@ -23,6 +23,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A [rows, last] view whose last dim is contiguous (copies only if it is not)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -130,24 +136,27 @@ class TritonBackend(KernelBackend):
         )
         return out
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        half_size = x.shape[-1] // 2
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty((rows.shape[0], half_size), dtype=x.dtype, device=x.device)
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if gate.shape != up.shape:
+            raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+        size = gate.shape[-1]
+        gate_rows, up_rows = _rows(gate), _rows(up)
+        out = torch.empty((gate_rows.shape[0], size), dtype=gate.dtype, device=gate.device)
         if out.numel() > 0:
-            block_size = min(_next_power_of_2(half_size), 1024)
-            grid = (rows.shape[0], _cdiv(half_size, block_size))
+            block_size = min(_next_power_of_2(size), 1024)
+            grid = (gate_rows.shape[0], _cdiv(size, block_size))
             tk.silu_and_mul_kernel[grid](
-                rows,
+                gate_rows,
+                up_rows,
                 out,
-                rows.stride(0),
-                rows.stride(1),
+                gate_rows.stride(0),
+                up_rows.stride(0),
                 out.stride(0),
-                half_size,
+                size,
                 BLOCK_SIZE=block_size,
                 num_warps=_elementwise_warps(block_size),
             )
-        return out.reshape(*x.shape[:-1], half_size)
+        return out.reshape(gate.shape)
 
     def write_kv(
         self,

@@ -104,21 +104,21 @@ def rotary_kernel(  # type: ignore[no-untyped-def]
 
 @jit_if_available
 def silu_and_mul_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
+    gate_ptr,
+    up_ptr,
     out_ptr,
-    x_row_stride,
-    x_col_stride,
+    gate_row_stride,
+    up_row_stride,
     out_row_stride,
-    half_size,
+    size,
     BLOCK_SIZE: tl.constexpr,
 ):
     """One program computes ``BLOCK_SIZE`` outputs of one row: ``silu(gate) * up``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < half_size
-    x_row = x_ptr + row * x_row_stride
-    gate = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + (half_size + cols) * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    mask = cols < size
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, gate * tl.sigmoid(gate) * up, mask=mask)
 
 

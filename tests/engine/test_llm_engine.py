@@ -91,7 +91,7 @@ def test_parallel_sampling_forks_share_the_prompt(engine: LLMEngine) -> None:
     params = SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
     (out,) = engine.generate([prompt], params)
     assert [c.index for c in out.completions] == [0, 1, 2, 3]
-    assert len({c.token_ids for c in out.completions}) > 1
+    assert len({tuple(c.token_ids) for c in out.completions}) > 1
     (again,) = engine.generate([prompt], params)
     assert [c.token_ids for c in again.completions] == [c.token_ids for c in out.completions]
     # Greedy forks all equal the single greedy completion.

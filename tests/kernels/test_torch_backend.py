@@ -7,7 +7,7 @@ import math
 import torch
 
 from rayturn.kernels import DecodeBatch, PrefillBatch
-from rayturn.kernels.torch_backend import TorchBackend
+from rayturn.kernels.torch_backend import TorchBackend, _length_groups
 
 BACKEND = TorchBackend()
 PAGE, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
@@ -47,7 +47,9 @@ def test_decode_attention_matches_longhand() -> None:
     tables = [[7, 2, 5], [0, 9, 0]]  # second row padded with page 0
     seq_lens = [11, 6]
     query = torch.randn(2, HEADS, DIM)
-    batch = DecodeBatch(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 11)
+    batch = DecodeBatch(
+        torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 11, tuple(seq_lens)
+    )
     out = BACKEND.decode_attention(query, keys, values, batch, 0.3)
     for i in range(2):
         expected = naive_attention(
@@ -107,10 +109,8 @@ def test_rms_norm_rotary_and_silu() -> None:
     weight = torch.rand(16)
     expected = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weight
     torch.testing.assert_close(BACKEND.rms_norm(x, weight, 1e-6), expected)
-    gate_up = torch.randn(2, 10)
-    torch.testing.assert_close(
-        BACKEND.silu_and_mul(gate_up), gate_up[:, :5] * torch.sigmoid(gate_up[:, :5]) * gate_up[:, 5:]
-    )
+    gate, up = torch.randn(2, 5), torch.randn(2, 5)
+    torch.testing.assert_close(BACKEND.silu_and_mul(gate, up), gate * torch.sigmoid(gate) * up)
     # Rotary at position p turns each (x_i, x_{i+d/2}) pair by angle p * inv_freq_i.
     angles = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])[None, :]
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
@@ -124,3 +124,25 @@ def test_rms_norm_rotary_and_silu() -> None:
             torch.testing.assert_close(rq[t, 0, i], x0 * a.cos() - x1 * a.sin())
             torch.testing.assert_close(rq[t, 0, i + 2], x1 * a.cos() + x0 * a.sin())
     assert rk.shape == k.shape
+
+
+def test_length_groups_split_only_when_padding_dominates() -> None:
+    assert _length_groups((10, 12, 11)) == [([0, 1, 2], 12)]
+    # Three short sequences beside one long one: pad them to their own longest.
+    assert _length_groups((500, 20, 30, 25)) == [([1, 3, 2], 30), ([0], 500)]
+
+
+def test_decode_attention_with_length_groups_matches_longhand() -> None:
+    cache = make_cache(num_pages=80)
+    keys, values = cache[:, 0, 0], cache[:, 0, 1]
+    seq_lens = [3, 70, 5, 2]  # one long, three short: two groups
+    assert len(_length_groups(tuple(seq_lens))) == 2
+    generator = torch.Generator().manual_seed(1)
+    tables = torch.randperm(80, generator=generator)[: 4 * 18].view(4, 18)
+    query = torch.randn(4, HEADS, DIM, generator=generator)
+    batch = DecodeBatch(tables.int(), torch.tensor(seq_lens, dtype=torch.int32), 70, tuple(seq_lens))
+    out = BACKEND.decode_attention(query, keys, values, batch, 0.5)
+    for i, seq_len in enumerate(seq_lens):
+        pages = tables[i].tolist()
+        expected = naive_attention(query[i], tokens_of(keys, pages, seq_len), tokens_of(values, pages, seq_len), 0.5)
+        torch.testing.assert_close(out[i], expected)

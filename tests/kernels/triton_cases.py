@@ -143,7 +143,10 @@ def check_silu_and_mul(
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     x = randn(shape, dtype, device, generator) * 2
-    assert_matches(backend.silu_and_mul(x), REFERENCE.silu_and_mul(x))
+    gate, up = x.chunk(2, dim=-1)  # strided halves of one buffer, as a fused projection yields
+    assert_matches(backend.silu_and_mul(gate, up), REFERENCE.silu_and_mul(gate, up))
+    contiguous = gate.contiguous(), up.contiguous()
+    assert_matches(backend.silu_and_mul(*contiguous), REFERENCE.silu_and_mul(*contiguous))
 
 
 # --------------------------------------------------------------------------- cache ops
@@ -220,6 +223,7 @@ def make_decode_case(
         page_table=make_page_table(seq_lens, spec.page_size, num_pages, device, generator),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_seq_len=max(seq_lens),
+        seq_lens_host=tuple(seq_lens),
     )
     return AttentionCase(query, kv_cache, spec.layer, 1 / math.sqrt(spec.head_dim)), batch
 
