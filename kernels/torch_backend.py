@@ -23,9 +23,8 @@ class TorchBackend(KernelBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + eps)
-        return weight * x32.to(input_dtype)
+        inverse_rms = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return weight * (x32 * inverse_rms).to(input_dtype)
 
     def rotary_embedding(
         self,
@@ -166,7 +165,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos = cos[:, None, :].to(x.dtype)
     sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+    return out
 
 
 def _gather_tokens(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
