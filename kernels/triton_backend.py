@@ -12,6 +12,7 @@ raises a clear ``RuntimeError``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -271,36 +272,10 @@ class TritonBackend(KernelBackend):
         return out
 
     def gather_pages(self, kv_cache: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
-        num_pages = page_ids.numel()
-        page_numel = _check_pages(kv_cache, out, num_pages)
-        if num_pages == 0 or page_numel == 0:
-            return
-        block_size = min(_next_power_of_2(page_numel), 4096)
-        grid = (num_pages, _cdiv(page_numel, block_size))
-        tk.gather_pages_kernel[grid](
-            kv_cache,
-            out,
-            page_ids.to(kv_cache.device),
-            kv_cache.stride(0),
-            page_numel,
-            BLOCK_SIZE=block_size,
-        )
+        _copy_pages(tk.gather_pages_kernel, kv_cache, out, kv_cache, page_ids)
 
     def scatter_pages(self, src: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
-        num_pages = page_ids.numel()
-        page_numel = _check_pages(kv_cache, src, num_pages)
-        if num_pages == 0 or page_numel == 0:
-            return
-        block_size = min(_next_power_of_2(page_numel), 4096)
-        grid = (num_pages, _cdiv(page_numel, block_size))
-        tk.scatter_pages_kernel[grid](
-            src,
-            kv_cache,
-            page_ids.to(kv_cache.device),
-            kv_cache.stride(0),
-            page_numel,
-            BLOCK_SIZE=block_size,
-        )
+        _copy_pages(tk.scatter_pages_kernel, src, kv_cache, kv_cache, page_ids)
 
 
 def _queries_per_kv(num_heads: int, num_kv_heads: int) -> int:
@@ -320,3 +295,17 @@ def _prefill_blocks(query: torch.Tensor) -> tuple[int, int]:
         return 16, 16
     # float32 tiles are twice the bytes: halve the key tile to stay within shared memory.
     return (64, 32) if query.dtype == torch.float32 else (64, 64)
+
+
+def _copy_pages(
+    kernel: Any, src: torch.Tensor, dst: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor
+) -> None:
+    """Launch a whole-page copy between the cache and a contiguous page buffer (either direction)."""
+    num_pages = page_ids.numel()
+    buffer = dst if src is kv_cache else src
+    page_numel = _check_pages(kv_cache, buffer, num_pages)
+    if num_pages == 0 or page_numel == 0:
+        return
+    block_size = min(_next_power_of_2(page_numel), 4096)
+    grid = (num_pages, _cdiv(page_numel, block_size))
+    kernel[grid](src, dst, page_ids.to(kv_cache.device), kv_cache.stride(0), page_numel, BLOCK_SIZE=block_size)

@@ -188,6 +188,37 @@ def paged_token_offsets(  # type: ignore[no-untyped-def]
 
 
 @jit_if_available
+def attend_block(  # type: ignore[no-untyped-def]
+    query,
+    key_cache_ptr,
+    value_cache_ptr,
+    tile_offsets,
+    key_mask,
+    visible,
+    running_max,
+    running_sum,
+    acc,
+    qk_scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold a block of keys/values into (running max, running sum, acc).
+
+    ``tile_offsets`` [keys, head_dim] locate the block in the cache views;
+    ``visible`` [rows, keys] says which query row may see which key.
+    """
+    keys = tl.load(key_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
+    values = tl.load(value_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
+    scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision=DOT_PRECISION) * qk_scale_log2
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    probs = tl.exp2(scores - new_max[:, None])
+    correction = tl.exp2(running_max - new_max)
+    running_sum = running_sum * correction + tl.sum(probs, axis=1)
+    acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
+
+
+@jit_if_available
 def decode_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     key_cache_ptr,
@@ -244,18 +275,19 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
         token_offsets = paged_token_offsets(
             page_table_row, key_positions, key_mask, page_size, cache_page_stride, cache_slot_stride
         )
-        tile_offsets = token_offsets[:, None] + head_offsets
-        keys = tl.load(key_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
-        values = tl.load(value_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
-
-        scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision=DOT_PRECISION) * qk_scale_log2
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = attend_block(
+            query,
+            key_cache_ptr,
+            value_cache_ptr,
+            token_offsets[:, None] + head_offsets,
+            key_mask,
+            key_mask[None, :],
+            running_max,
+            running_sum,
+            acc,
+            qk_scale_log2,
+            DOT_PRECISION,
+        )
 
     # seq_len 0 (a padding sequence) leaves running_sum 0: write zeros, not NaN.
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -337,19 +369,19 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
         token_offsets = paged_token_offsets(
             page_table_row, key_positions, key_mask, page_size, cache_page_stride, cache_slot_stride
         )
-        tile_offsets = token_offsets[:, None] + head_offsets
-        keys = tl.load(key_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
-        values = tl.load(value_cache_ptr + tile_offsets, mask=key_mask[:, None], other=0.0)
-
-        scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision=DOT_PRECISION) * qk_scale_log2
-        visible = key_mask[None, :] & (key_positions[None, :] <= query_positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = attend_block(
+            query,
+            key_cache_ptr,
+            value_cache_ptr,
+            token_offsets[:, None] + head_offsets,
+            key_mask,
+            key_mask[None, :] & (key_positions[None, :] <= query_positions[:, None]),
+            running_max,
+            running_sum,
+            acc,
+            qk_scale_log2,
+            DOT_PRECISION,
+        )
 
     # Key 0 is visible to every row, so running_sum > 0.
     out = acc / running_sum[:, None]
