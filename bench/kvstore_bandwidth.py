@@ -1,0 +1,143 @@
+"""KV store bandwidth and latency: same-node shared memory vs UCX, against memcpy.
+
+Two actors (separate processes) on this host. A writer stores 64 MiB of
+32 KiB pages; a reader lands them in a warm numpy buffer with batched
+``get_into`` — once on the same-node path (straight out of the owner's shared
+memory), once with UCX forced. It also times a 1-page get and a 256-page
+batch (p50/p99). In the same run, a single-thread memcpy of the same bytes
+into a warm buffer gives the physical limit.
+
+    python bench/kvstore_bandwidth.py [--quick]
+
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+from _common import Progress, emit
+
+from rayturn.kvstore import KVStoreClient, start_master
+
+PAGE_BYTES = 32 << 10
+BATCH_PAGES = 256  # the latency batch
+BANDWIDTH_BATCH_PAGES = 1024  # 32 MiB per get_into: one master round trip amortised over many pages
+
+
+@ray.remote(num_cpus=0.1)
+class Worker:
+    def __init__(self, master_name: str, transport: str, segment_bytes: int) -> None:
+        self.client = KVStoreClient.connect(master_name, segment_bytes, transport=transport, page_bytes=PAGE_BYTES)
+
+    def fill(self, num_pages: int) -> list[bytes]:
+        keys = [f"page-{i}".encode() for i in range(num_pages)]
+        rng = np.random.default_rng(0)
+        for start in range(0, num_pages, BATCH_PAGES):
+            batch = keys[start : start + BATCH_PAGES]
+            values = [rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8) for _ in batch]
+            assert all(self.client.put_batch(batch, values))
+        return keys
+
+    def measure(self, keys: list[bytes], repeats: int, latency_iters: int) -> dict[str, Any]:
+        num_pages = len(keys)
+        dest = np.ones((num_pages, PAGE_BYTES), dtype=np.uint8)  # touched: warm
+        rows = list(dest)
+        best_s = float("inf")
+        for repeat in range(repeats + 1):  # the first pass maps the segments and is not timed
+            start = time.perf_counter()
+            for first in range(0, num_pages, BANDWIDTH_BATCH_PAGES):
+                batch = slice(first, first + BANDWIDTH_BATCH_PAGES)
+                assert all(self.client.get_into(keys[batch], rows[batch]))
+            if repeat:
+                best_s = min(best_s, time.perf_counter() - start)
+        assert bytes(dest[-1]) == self.client.get(keys[-1])
+        one, batch = [], []
+        for i in range(latency_iters):
+            start = time.perf_counter()
+            self.client.get_into([keys[i % num_pages]], [rows[0]])
+            one.append(time.perf_counter() - start)
+        for i in range(max(3, latency_iters // 10)):
+            first = (i * BATCH_PAGES) % num_pages
+            start = time.perf_counter()
+            self.client.get_into(keys[first : first + BATCH_PAGES], rows[:BATCH_PAGES])
+            batch.append(time.perf_counter() - start)
+        return {
+            "gbps": num_pages * PAGE_BYTES / best_s / 1e9,
+            "get_1_p50_ms": _percentile(one, 50) * 1e3,
+            "get_1_p99_ms": _percentile(one, 99) * 1e3,
+            "get_256_p50_ms": _percentile(batch, 50) * 1e3,
+            "get_256_p99_ms": _percentile(batch, 99) * 1e3,
+        }
+
+    def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
+        src = np.random.default_rng(1).integers(0, 256, num_bytes, dtype=np.uint8)
+        dst = np.ones(num_bytes, dtype=np.uint8)
+        best_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            best_s = min(best_s, time.perf_counter() - start)
+        return num_bytes / best_s / 1e9
+
+    def transports(self) -> str:
+        from rayturn.kvstore.ucx_transport import describe_transports
+
+        return describe_transports()
+
+
+def _percentile(samples: list[float], q: int) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="16 MiB, fewer repeats")
+    args = parser.parse_args()
+    total_bytes = (16 if args.quick else 64) << 20
+    repeats, latency_iters = (2, 50) if args.quick else (5, 200)
+    num_pages = total_bytes // PAGE_BYTES
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_master("kv-bench")
+    progress = Progress("kvstore bandwidth", 4)
+    writer = Worker.remote("kv-bench", "auto", int(total_bytes * 1.5))
+    keys = ray.get(writer.fill.remote(num_pages))
+    progress.advance()
+    results: dict[str, dict[str, Any]] = {}
+    for transport in ("auto", "ucx"):
+        reader = Worker.remote("kv-bench", transport, 4 << 20)
+        results[transport] = ray.get(reader.measure.remote(keys, repeats, latency_iters))
+        progress.advance()
+    memcpy = ray.get(reader.memcpy_gbps.remote(total_bytes, repeats))
+    used = ray.get(reader.transports.remote())
+    progress.advance()
+    ray.shutdown()
+    same, ucx = results["auto"], results["ucx"]
+    emit(
+        {
+            "bench": "kvstore_bandwidth",
+            "quick": args.quick,
+            "bytes": total_bytes,
+            "page_bytes": PAGE_BYTES,
+            "same_node_gbps": round(same["gbps"], 3),
+            "ucx_gbps": round(ucx["gbps"], 3),
+            "memcpy_gbps": round(memcpy, 3),
+            "same_node_over_memcpy": round(same["gbps"] / memcpy, 3),
+            "ucx_over_memcpy": round(ucx["gbps"] / memcpy, 3),
+            "same_node": {k: round(v, 3) for k, v in same.items()},
+            "ucx": {k: round(v, 3) for k, v in ucx.items()},
+            "ucx_transports": used,
+            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""The KV store client: a worker's segment, its UCX server, and the API.
+
+    client = KVStoreClient.connect(master_name="rayturn-kv", segment_bytes=256 << 20, tenant="default")
+    client.put_batch(keys, values, replicas=1, pin_ttl_s=None)
+    client.get_into(keys, buffers)
+
+Connecting contributes a segment (POSIX shared memory) and serves it over
+UCX. A put asks the master for placements (two-phase), writes the bytes —
+into its own segment directly, into another owner's through that owner's UCX
+server (so owners see every write to their memory) — and commits. A get asks
+for replica locations under a read lease and reads from the nearest: its own
+segment, a same-node segment straight out of shared memory, or over UCX.
+``transport="ucx"`` forces UCX for everything not in the client's own segment.
+
+A heartbeat thread keeps the segment registered; when the master's epoch
+changes (it restarted), the client registers again and re-advertises what its
+segment holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from .held_index import HeldIndex
+from .master_state import Location, PutPlan, parse_address
+from .metrics import KVMetrics
+from .segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments, owner_alive
+from .ucx_transport import TransportError, UcxClient, UcxServer
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "ucx")
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    node_id: str
+    shm_name: str
+    ucx_address: tuple[str, int] | None
+
+
+class KVStoreClient:
+    def __init__(
+        self,
+        master: Any,
+        segment: Segment,
+        tenant: str,
+        node_id: str,
+        transport: str,
+        ucx_host: str,
+        page_bytes: int | None,
+        heartbeat_interval_s: float,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.master = master
+        self.segment = segment
+        self.tenant = tenant
+        self.node_id = node_id
+        self.transport = transport
+        self.segment_id = f"{node_id[:12]}-{uuid.uuid4().hex[:12]}"
+        self.held = HeldIndex()
+        self.metrics = KVMetrics(self.segment_id, tenant)
+        self._server = UcxServer(segment.buffer, host=ucx_host, on_write=self._on_remote_write)
+        self.ucx_address = self._server.start()
+        self._ucx = UcxClient()
+        self._peers: dict[str, _Peer] = {}
+        self._attached: dict[str, Segment] = {}
+        self._page_bytes = page_bytes
+        self._epoch = self._register()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, args=(heartbeat_interval_s,), name="kv-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    @classmethod
+    def connect(
+        cls,
+        master_name: str = "rayturn-kv",
+        segment_bytes: int = 256 << 20,
+        tenant: str = "default",
+        *,
+        namespace: str | None = None,
+        transport: str = "auto",
+        ucx_host: str = "127.0.0.1",
+        page_bytes: int | None = None,
+        heartbeat_interval_s: float = 1.0,
+    ) -> KVStoreClient:
+        """Join the store run by the named master (inside a Ray session), contributing a segment."""
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
+        master = ray.get_actor(master_name, namespace=namespace)
+        removed = cleanup_stale_segments()
+        if removed:
+            logger.info("removed %d stale KV segments left by dead processes", len(removed))
+        segment = Segment.create(segment_bytes)
+        node_id = ray.get_runtime_context().get_node_id()
+        return cls(master, segment, tenant, node_id, transport, ucx_host, page_bytes, heartbeat_interval_s)
+
+    # -- membership -------------------------------------------------------
+
+    def _register(self) -> str:
+        epoch: str = ray.get(
+            self.master.register_segment.remote(
+                self.segment_id,
+                self.node_id,
+                self.segment.name,
+                self.segment.capacity_bytes,
+                self.ucx_address,
+                self._page_bytes,
+            )
+        )
+        return epoch
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                epoch = ray.get(self.master.heartbeat.remote(self.segment_id), timeout=30)
+                if epoch is None or epoch != self._epoch:  # master restarted
+                    self._epoch = self._register()
+                    adopted = ray.get(self.master.advertise.remote(self.segment_id, self.held.items()))
+                    logger.info("kv master restarted; re-advertised %d objects", adopted)
+            except Exception as err:  # the master may be restarting: keep trying
+                logger.debug("kv heartbeat failed: %s", err)
+
+    def _on_remote_write(self, keys: list[bytes], ranges: list[tuple[int, int]]) -> None:
+        for key, (offset, num_bytes) in zip(keys, ranges):
+            self.held.record(key, self.tenant, offset, num_bytes)
+        self.metrics.bytes_in(sum(n for _, n in ranges))
+
+    def _peer(self, segment_id: str) -> _Peer | None:
+        if segment_id not in self._peers:
+            directory = ray.get(self.master.segment_directory.remote())
+            for sid, info in directory.items():
+                self._peers[sid] = _Peer(info["node_id"], info["shm_name"], parse_address(info["ucx_address"]))
+        return self._peers.get(segment_id)
+
+    # -- puts -------------------------------------------------------------
+
+    def put(self, key: bytes, value: Any) -> bool:
+        return self.put_batch([key], [value])[0]
+
+    def put_batch(
+        self, keys: Sequence[bytes], values: Sequence[Any], replicas: int = 1, pin_ttl_s: float | None = None
+    ) -> list[bool]:
+        """Store values (bytes-like, numpy or CPU tensors); True per key stored (or already there)."""
+        _check_keys(keys)
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        views = [as_bytes_view(v) for v in values]
+        plans: list[PutPlan] = ray.get(
+            self.master.put_start.remote(
+                list(keys), [v.nbytes for v in views], self.tenant, replicas, self.segment_id, pin_ttl_s
+            )
+        )
+        to_write = [i for i, plan in enumerate(plans) if plan.status == "write"]
+        written: list[bytes] = []
+        failed: list[bytes] = []
+        by_segment: dict[str, list[tuple[int, Location]]] = defaultdict(list)
+        for i in to_write:
+            for location in plans[i].locations:
+                by_segment[location.segment_id].append((i, location))
+        failed_indices: set[int] = set()
+        for segment_id, items in by_segment.items():
+            try:
+                self._write_segment(segment_id, [keys[i] for i, _ in items], items, views)
+            except (TransportError, OSError, ValueError) as err:
+                logger.warning("kv put to segment %s failed: %s", segment_id, err)
+                failed_indices.update(i for i, _ in items)
+        for i in to_write:
+            (failed if i in failed_indices else written).append(keys[i])
+        if failed:
+            ray.get(self.master.put_revoke.remote(failed))
+        committed = dict(zip(written, ray.get(self.master.put_end.remote(written)))) if written else {}
+        result = []
+        for key, plan in zip(keys, plans):
+            ok = plan.status == "exists" or committed.get(key, False)
+            result.append(ok)
+            if not ok:
+                self.metrics.put_failure()
+        return result
+
+    def _write_segment(
+        self, segment_id: str, keys: list[bytes], items: list[tuple[int, Location]], views: list[memoryview]
+    ) -> None:
+        if segment_id == self.segment_id:
+            for key, (i, location) in zip(keys, items):
+                self.segment.write(location.offset, views[i])
+                self.held.record(key, self.tenant, location.offset, location.num_bytes)
+            return
+        peer = self._peer(segment_id)
+        if peer is None or peer.ucx_address is None:
+            raise TransportError(f"segment {segment_id} is unknown or has no UCX address")
+        ranges = [(location.offset, location.num_bytes) for _, location in items]
+        self._ucx.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items])
+        self.metrics.bytes_out(sum(n for _, n in ranges))
+
+    # -- gets -------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        _check_keys(keys)
+        locations = self._locate(keys)
+        buffers = [np.empty(locs[0].num_bytes if locs else 0, dtype=np.uint8) for locs in locations]
+        landed = self._read(locations, buffers)
+        return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        """Land each object in the caller's buffer (numpy, CPU tensor, bytearray); False for a miss."""
+        _check_keys(keys)
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        dests = [np.frombuffer(as_writable_view(b), dtype=np.uint8) for b in buffers]
+        locations = self._locate(keys)
+        for i, (dest, locs) in enumerate(zip(dests, locations)):
+            if locs and dest.nbytes != locs[0].num_bytes:
+                raise ValueError(
+                    f"buffer {i} has {dest.nbytes} bytes; object {keys[i].hex()[:16]} has {locs[0].num_bytes}"
+                )
+        return self._read(locations, dests)
+
+    def _locate(self, keys: Sequence[bytes]) -> list[list[Location] | None]:
+        found = ray.get(self.master.get_locations.remote(list(keys), self.node_id))
+        return [None if replicas is None else [Location(*loc) for loc in replicas] for replicas in found]
+
+    def _read(self, locations: list[list[Location] | None], dests: Sequence[np.ndarray]) -> list[bool]:
+        """Try each object's replicas in order until one read lands; batches UCX reads per segment."""
+        done = [False] * len(locations)
+        attempt = 0
+        while True:
+            pending = [i for i, locs in enumerate(locations) if not done[i] and locs and attempt < len(locs)]
+            if not pending:
+                return done
+            by_segment: dict[str, list[int]] = defaultdict(list)
+            for i in pending:
+                by_segment[locations[i][attempt].segment_id].append(i)  # type: ignore[index]
+            for segment_id, indices in by_segment.items():
+                locs = [locations[i][attempt] for i in indices]  # type: ignore[index]
+                if self._read_segment(segment_id, locs, [dests[i] for i in indices]):
+                    for i in indices:
+                        done[i] = True
+            attempt += 1
+
+    def _read_segment(self, segment_id: str, locs: list[Location], dests: list[np.ndarray]) -> bool:
+        """Land ``locs`` of one segment in flat uint8 ``dests``; False if that segment cannot serve them."""
+        num_bytes = sum(loc.num_bytes for loc in locs)
+        try:
+            if segment_id == self.segment_id:
+                _copy_out(self.segment, locs, dests)
+                return True
+            peer = self._peer(segment_id)
+            if peer is None:
+                return False
+            if self.transport == "auto" and peer.node_id == self.node_id:
+                shared = self._attach(segment_id, peer)
+                if shared is not None:
+                    _copy_out(shared, locs, dests)
+                    self.metrics.bytes_in(num_bytes)
+                    return True
+            if peer.ucx_address is None:
+                return False
+            self._ucx.read(peer.ucx_address, [(loc.offset, loc.num_bytes) for loc in locs], list(dests))
+            self.metrics.bytes_in(num_bytes)
+            return True
+        except (TransportError, OSError, ValueError) as err:
+            logger.warning("kv read from segment %s failed: %s", segment_id, err)
+            return False
+
+    def _attach(self, segment_id: str, peer: _Peer) -> Segment | None:
+        """The peer's shared memory, if its owner process is alive (a dead owner's pages are lost)."""
+        if not owner_alive(peer.shm_name):
+            self._attached.pop(segment_id, None)
+            self.master.drop_segment.remote(segment_id)
+            return None
+        if segment_id not in self._attached:
+            self._attached[segment_id] = Segment.attach(peer.shm_name)
+        return self._attached[segment_id]
+
+    # -- the rest ---------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        _check_keys(keys)
+        result: list[bool] = ray.get(self.master.exists.remote(list(keys)))
+        return result
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        _check_keys(keys)
+        count: int = ray.get(self.master.longest_prefix.remote(list(keys)))
+        return count
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        _check_keys(keys)
+        removed: int = ray.get(self.master.remove.remote(list(keys)))
+        return removed
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
+        """Keep objects from eviction for ``ttl_s`` seconds (None: until ``unpin``)."""
+        _check_keys(keys)
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        ray.get(self.master.pin.remote(list(keys), ttl_s))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        _check_keys(keys)
+        ray.get(self.master.unpin.remote(list(keys)))
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = ray.get(self.master.stats.remote())
+        stats["client"] = {
+            "segment_id": self.segment_id,
+            "held_objects": len(self.held),
+            "ucx_address": list(self.ucx_address),
+            **self.metrics.totals(),
+        }
+        return stats
+
+    def close(self) -> None:
+        """Leave the store: stop serving, release the segment (its objects become misses)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        try:
+            ray.get(self.master.drop_segment.remote(self.segment_id), timeout=10)
+        except Exception as err:
+            logger.debug("kv drop_segment on close failed: %s", err)
+        self._server.stop()
+        self._ucx.close()
+        for shared in self._attached.values():
+            shared.close()
+        self.segment.close()
+
+
+def _copy_out(segment: Segment, locs: list[Location], dests: list[np.ndarray]) -> None:
+    """Copy ranges of a mapped segment into flat uint8 arrays: one numpy copy each, no checks per page
+    beyond the bounds numpy slicing enforces (sizes were checked against the master's metadata)."""
+    source = segment.array
+    for (_, offset, num_bytes), dest in zip(locs, dests):
+        if offset + num_bytes > source.size:
+            raise ValueError(f"range {offset}+{num_bytes} is outside segment {segment.name}")
+        np.copyto(dest, source[offset : offset + num_bytes])
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"key {i} must be non-empty bytes, got {type(key).__name__}")

@@ -1,0 +1,165 @@
+"""The KV store master as a named, restartable Ray actor.
+
+A thin shell over ``MasterState``: it serialises calls (an async actor runs
+one method at a time on its event loop), ticks housekeeping, and snapshots to
+``snapshot_dir`` so that a restart (Ray restarts it in place: the handle stays
+valid) comes back with its keys. Owners then re-advertise what they hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import ray
+
+from .master_state import MasterConfig, MasterState, PutPlan
+from .metrics import MasterMetrics
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_FILE = "kv-master.snapshot"
+TICK_INTERVAL_S = 0.25
+
+
+class KVMaster:
+    def __init__(
+        self,
+        config: MasterConfig | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_interval_s: float = 2.0,
+    ) -> None:
+        self.state = MasterState(config)
+        self.snapshot_path = Path(snapshot_dir) / SNAPSHOT_FILE if snapshot_dir else None
+        self.snapshot_interval_s = snapshot_interval_s
+        if self.snapshot_path is not None and self.snapshot_path.exists():
+            self.state.restore(msgpack.unpackb(self.snapshot_path.read_bytes(), raw=False))
+            logger.info("kv master restored %d objects from %s", len(self.state.objects), self.snapshot_path)
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._metrics = MasterMetrics()
+
+    async def _loop(self) -> None:
+        since_snapshot_s = 0.0
+        while True:
+            await asyncio.sleep(TICK_INTERVAL_S)
+            self.state.tick()
+            self._metrics.publish(self.state.stats())
+            since_snapshot_s += TICK_INTERVAL_S
+            if self.snapshot_path is not None and since_snapshot_s >= self.snapshot_interval_s:
+                self._write_snapshot()
+                since_snapshot_s = 0.0
+
+    def _write_snapshot(self) -> None:
+        assert self.snapshot_path is not None
+        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.snapshot_path.with_suffix(".tmp")
+        staging.write_bytes(msgpack.packb(self.state.snapshot(), use_bin_type=True))
+        os.replace(staging, self.snapshot_path)
+
+    def _ensure_started(self) -> None:
+        if self._housekeeping is None:
+            self._housekeeping = asyncio.get_running_loop().create_task(self._loop())
+
+    async def ready(self) -> str:
+        self._ensure_started()
+        return self.state.epoch
+
+    async def register_segment(
+        self,
+        segment_id: str,
+        node_id: str,
+        shm_name: str,
+        capacity_bytes: int,
+        ucx_address: tuple[str, int] | None,
+        page_bytes: int | None = None,
+    ) -> str:
+        self._ensure_started()
+        return self.state.register_segment(segment_id, node_id, shm_name, capacity_bytes, ucx_address, page_bytes)
+
+    async def heartbeat(self, segment_id: str) -> str | None:
+        self._ensure_started()
+        return self.state.heartbeat(segment_id)
+
+    async def advertise(self, segment_id: str, held: list[tuple[bytes, str, int, int]]) -> int:
+        return self.state.advertise(segment_id, held)
+
+    async def drop_segment(self, segment_id: str) -> None:
+        self.state.drop_segment(segment_id)
+
+    async def segment_directory(self) -> dict[str, dict[str, Any]]:
+        return {sid: s.public() for sid, s in self.state.segments.items()}
+
+    async def put_start(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        tenant: str,
+        replicas: int = 1,
+        preferred_segment_id: str | None = None,
+        pin_ttl_s: float | None = None,
+    ) -> list[PutPlan]:
+        self._ensure_started()
+        return self.state.put_start(keys, sizes, tenant, replicas, preferred_segment_id, pin_ttl_s)
+
+    async def put_end(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.state.put_end(keys)
+
+    async def put_revoke(self, keys: Sequence[bytes]) -> None:
+        self.state.put_revoke(keys)
+
+    async def get_locations(self, keys: Sequence[bytes], reader_node_id: str | None) -> list[list[list[Any]] | None]:
+        """Replica locations as plain lists: they cross Ray on its msgpack fast path."""
+        self._ensure_started()
+        found = self.state.get_locations(keys, reader_node_id)
+        return [None if replicas is None else [list(loc) for loc in replicas] for replicas in found]
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.state.exists(keys)
+
+    async def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.state.longest_prefix(keys)
+
+    async def remove(self, keys: Sequence[bytes]) -> int:
+        return self.state.remove(keys)
+
+    async def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
+        self.state.pin(keys, ttl_s)
+
+    async def unpin(self, keys: Sequence[bytes]) -> None:
+        self.state.unpin(keys)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.state.stats()
+
+    async def snapshot_now(self) -> None:
+        if self.snapshot_path is not None:
+            self._write_snapshot()
+
+
+def start_master(
+    name: str = "rayturn-kv",
+    snapshot_dir: str | None = None,
+    config: MasterConfig | None = None,
+    namespace: str | None = None,
+    snapshot_interval_s: float = 2.0,
+) -> Any:
+    """Start (or find) the named master actor inside the current Ray session; returns its handle."""
+    actor_cls: Any = ray.remote(KVMaster)
+    options = actor_cls.options(
+        name=name,
+        namespace=namespace,
+        get_if_exists=True,
+        lifetime="detached",
+        max_restarts=-1,
+        max_task_retries=-1,
+        num_cpus=0,
+        max_concurrency=1000,
+    )
+    handle = options.remote(config, snapshot_dir, snapshot_interval_s)
+    ray.get(handle.ready.remote())
+    return handle

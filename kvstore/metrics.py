@@ -1,0 +1,84 @@
+"""KV store metrics, exported through Ray's metrics agent (``rayturn_kv_*``).
+
+Clients count the bytes they move per segment and tenant; the master
+publishes what only it knows (hits, misses, evictions, lease expiries, put
+failures, pages stored and bytes used per segment) on every housekeeping tick.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ray.util import metrics
+
+_TAGS = ("segment", "tenant")
+
+
+class KVMetrics:
+    """Per-segment, per-tenant byte counters of one client (also kept as plain totals)."""
+
+    def __init__(self, segment_id: str, tenant: str) -> None:
+        self.tags = {"segment": segment_id, "tenant": tenant}
+        self._lock = threading.Lock()  # the UCX server thread counts too
+        self._totals = {"bytes_in": 0, "bytes_out": 0, "put_failures": 0}
+        self._bytes_in = metrics.Counter(
+            "rayturn_kv_bytes_in_total", description="Bytes landed in KV segments or caller buffers", tag_keys=_TAGS
+        )
+        self._bytes_out = metrics.Counter(
+            "rayturn_kv_bytes_out_total", description="Bytes sent to other workers' KV segments", tag_keys=_TAGS
+        )
+        self._put_failures = metrics.Counter(
+            "rayturn_kv_client_put_failures_total", description="KV puts that stored nothing", tag_keys=_TAGS
+        )
+
+    def bytes_in(self, num_bytes: int) -> None:
+        with self._lock:
+            self._totals["bytes_in"] += num_bytes
+        self._bytes_in.inc(num_bytes, tags=self.tags)
+
+    def bytes_out(self, num_bytes: int) -> None:
+        with self._lock:
+            self._totals["bytes_out"] += num_bytes
+        self._bytes_out.inc(num_bytes, tags=self.tags)
+
+    def put_failure(self) -> None:
+        with self._lock:
+            self._totals["put_failures"] += 1
+        self._put_failures.inc(1, tags=self.tags)
+
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._totals)
+
+
+class MasterMetrics:
+    """Publishes the master's counters (as deltas) and per-segment gauges."""
+
+    COUNTERS = ("hits", "misses", "evictions", "lease_expiries", "put_failures", "puts", "reclaimed_puts")
+
+    def __init__(self) -> None:
+        self._counters = {
+            name: metrics.Counter(f"rayturn_kv_{name}_total", description=f"KV store {name.replace('_', ' ')}")
+            for name in self.COUNTERS
+        }
+        self._last = dict.fromkeys(self.COUNTERS, 0)
+        self._used_bytes = metrics.Gauge(
+            "rayturn_kv_segment_used_bytes", description="Bytes allocated in a KV segment", tag_keys=("segment",)
+        )
+        self._objects = metrics.Gauge("rayturn_kv_objects_stored", description="Objects (pages) in the KV store")
+        self._tenant_bytes = metrics.Gauge(
+            "rayturn_kv_tenant_bytes", description="Bytes stored per tenant", tag_keys=("tenant",)
+        )
+
+    def publish(self, stats: dict[str, Any]) -> None:
+        for name in self.COUNTERS:
+            delta = stats[name] - self._last[name]
+            if delta > 0:
+                self._counters[name].inc(delta)
+            self._last[name] = stats[name]
+        self._objects.set(stats["complete_objects"])
+        for segment_id, segment in stats["segments"].items():
+            self._used_bytes.set(segment["used_bytes"], tags={"segment": segment_id})
+        for tenant, num_bytes in stats["tenant_bytes"].items():
+            self._tenant_bytes.set(num_bytes, tags={"tenant": tenant})

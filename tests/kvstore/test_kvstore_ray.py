@@ -1,0 +1,188 @@
+"""The KV store with real Ray actors in separate processes, real shared memory and real UCX."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rayturn.kvstore import KVStoreClient, MasterConfig, start_master  # noqa: E402
+
+PAGE = 32 << 10
+SEGMENT = 4 << 20
+CONFIG = MasterConfig(heartbeat_timeout_s=3.0, put_timeout_s=2.0, lease_ttl_s=2.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvstore-tests")
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0.1)
+class StoreWorker:
+    def __init__(self, master_name: str, transport: str = "auto", segment_bytes: int = SEGMENT) -> None:
+        self.client = KVStoreClient.connect(
+            master_name, segment_bytes, transport=transport, heartbeat_interval_s=0.5, page_bytes=PAGE
+        )
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.client, method)(*args, **kwargs)
+
+    def get_into_numpy(self, keys: list[bytes], num_bytes: int) -> tuple[list[bool], list[bytes]]:
+        buffers = [np.zeros(num_bytes, dtype=np.uint8) for _ in keys]
+        landed = self.client.get_into(keys, buffers)
+        return landed, [b.tobytes() for b in buffers]
+
+    def put_float_array(self, key: bytes, seed: int) -> bytes:
+        array = np.random.default_rng(seed).standard_normal(PAGE // 4).astype(np.float32)
+        assert self.client.put(key, array)
+        return array.tobytes()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def page(seed: int, num_bytes: int = PAGE) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()
+
+
+def keys_for(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(n)]
+
+
+def until(predicate: Any, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("transport", ["auto", "ucx"])
+def test_put_get_across_two_processes(transport: str) -> None:
+    master_name = f"kv-basic-{transport}"
+    start_master(master_name, config=CONFIG)
+    writer = StoreWorker.remote(master_name, transport)
+    reader = StoreWorker.remote(master_name, transport)
+    assert ray.get(writer.pid.remote()) != ray.get(reader.pid.remote())
+    keys = keys_for("basic", 8)
+    values = [page(i) for i in range(8)]
+    assert ray.get(writer.call.remote("put_batch", keys, values)) == [True] * 8
+    assert ray.get(writer.call.remote("put", b"single", page(99)))
+    assert ray.get(reader.call.remote("get_batch", keys)) == values
+    assert ray.get(reader.call.remote("get", b"single")) == page(99)
+    assert ray.get(reader.call.remote("get", b"missing")) is None
+    landed, copies = ray.get(reader.get_into_numpy.remote(keys[:3] + [b"missing"], PAGE))
+    assert landed == [True, True, True, False] and copies[:3] == values[:3]
+    assert ray.get(reader.call.remote("exists", [keys[0], b"missing"])) == [True, False]
+    assert ray.get(reader.call.remote("longest_prefix", keys[:4] + [b"missing"] + keys[4:])) == 4
+    expected = ray.get(writer.put_float_array.remote(b"floats", 7))
+    assert ray.get(reader.call.remote("get", b"floats")) == expected
+    assert ray.get(reader.call.remote("remove", keys[:2])) == 2
+    assert ray.get(reader.call.remote("get_batch", keys[:3])) == [None, None, values[2]]
+    stats = ray.get(reader.call.remote("stats"))
+    assert stats["hits"] >= 13 and stats["misses"] >= 3 and stats["client"]["bytes_in"] >= 12 * PAGE
+
+
+def test_a_second_replica_survives_its_owner_and_a_lost_page_is_a_miss() -> None:
+    master_name = "kv-replicas"
+    start_master(master_name, config=CONFIG)
+    owner = StoreWorker.remote(master_name, "ucx")
+    other = StoreWorker.remote(master_name, "ucx")
+    reader = StoreWorker.remote(master_name, "ucx", SEGMENT)
+    ray.get([owner.pid.remote(), other.pid.remote(), reader.pid.remote()])
+    twice, once = keys_for("twice", 4), keys_for("once", 4)
+    assert ray.get(owner.call.remote("put_batch", twice, [page(i) for i in range(4)], replicas=2)) == [True] * 4
+    assert ray.get(owner.call.remote("put_batch", once, [page(10 + i) for i in range(4)])) == [True] * 4
+    ray.kill(owner)
+    assert ray.get(reader.call.remote("get_batch", twice)) == [page(i) for i in range(4)]
+    assert ray.get(reader.call.remote("get_batch", once)) == [None] * 4
+    until(lambda: ray.get(reader.call.remote("exists", once)) == [False] * 4)
+
+
+def test_concurrent_puts_of_one_key_both_succeed_with_one_value() -> None:
+    master_name = "kv-concurrent"
+    start_master(master_name, config=CONFIG)
+    a, b, reader = (StoreWorker.remote(master_name) for _ in range(3))
+    first, second = page(1), page(2)
+    results = ray.get([a.call.remote("put", b"same", first), b.call.remote("put", b"same", second)])
+    assert results == [True, True]
+    until(lambda: ray.get(reader.call.remote("get", b"same")) is not None)
+    assert ray.get(reader.call.remote("get", b"same")) in (first, second)
+
+
+def test_interrupted_put_is_reclaimed() -> None:
+    master_name = "kv-reclaim"
+    master = start_master(master_name, config=CONFIG)
+    worker = StoreWorker.remote(master_name)
+    ray.get(worker.pid.remote())
+    plans = ray.get(master.put_start.remote([b"orphan"], [PAGE], "default"))
+    assert plans[0].status == "write"  # a writer that dies before put_end
+    until(lambda: ray.get(master.stats.remote())["reclaimed_puts"] == 1)
+    assert ray.get(worker.call.remote("exists", [b"orphan"])) == [False]
+    assert ray.get(worker.call.remote("put", b"orphan", page(5)))  # the key is free again
+
+
+def test_watermark_eviction_keeps_puts_succeeding_and_pins_hold() -> None:
+    master_name = "kv-evict"
+    start_master(master_name, config=CONFIG)
+    worker = StoreWorker.remote(master_name, "auto", 16 * PAGE)
+    pinned = keys_for("pinned", 2)
+    assert ray.get(worker.call.remote("put_batch", pinned, [page(i) for i in range(2)], pin_ttl_s=60.0)) == [True] * 2
+    for round_index in range(4):  # 4 x 8 pages into a 16-page segment
+        keys = keys_for(f"fill{round_index}", 8)
+        assert ray.get(worker.call.remote("put_batch", keys, [page(i) for i in range(8)])) == [True] * 8
+    assert ray.get(worker.call.remote("exists", pinned)) == [True, True]
+    stats = ray.get(worker.call.remote("stats"))
+    assert stats["evictions"] >= 16
+    assert max(seg["usage"] for seg in stats["segments"].values()) <= 0.9
+
+
+def test_master_restart_finds_keys_again(tmp_path: Any) -> None:
+    master_name = "kv-restart"
+    master = start_master(master_name, snapshot_dir=str(tmp_path), config=CONFIG, snapshot_interval_s=0.5)
+    writer = StoreWorker.remote(master_name)
+    reader = StoreWorker.remote(master_name)
+    early, late = keys_for("early", 4), keys_for("late", 4)
+    assert ray.get(writer.call.remote("put_batch", early, [page(i) for i in range(4)])) == [True] * 4
+    ray.get(master.snapshot_now.remote())
+    # Written after the last snapshot: only the owner's re-advertisement can bring these back.
+    assert ray.get(writer.call.remote("put_batch", late, [page(10 + i) for i in range(4)])) == [True] * 4
+    epoch = ray.get(master.ready.remote())
+    ray.kill(master, no_restart=False)
+    until(lambda: _epoch_changed(master, epoch), timeout_s=60)
+    until(lambda: ray.get(reader.call.remote("exists", early + late)) == [True] * 8, timeout_s=30)
+    assert ray.get(reader.call.remote("get_batch", early + late)) == [page(i) for i in range(4)] + [
+        page(10 + i) for i in range(4)
+    ]
+
+
+def _epoch_changed(master: Any, old_epoch: str) -> bool:
+    try:
+        return bool(ray.get(master.ready.remote(), timeout=5) != old_epoch)
+    except Exception:
+        return False
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    master_name = "kv-bad"
+    master = start_master(master_name, config=CONFIG)
+    worker = StoreWorker.remote(master_name)
+    assert ray.get(worker.call.remote("put", b"k", page(1)))
+    with pytest.raises(ray.exceptions.RayTaskError, match="buffer 0 has 100 bytes"):
+        ray.get(worker.get_into_numpy.remote([b"k"], 100))
+    with pytest.raises(ray.exceptions.RayTaskError, match="unknown segment 'no-such-segment'"):
+        ray.get(master.advertise.remote("no-such-segment", [(b"k", "default", 0, PAGE)]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="key 0 must be non-empty bytes"):
+        ray.get(worker.call.remote("get_batch", ["not-bytes"]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="2 keys but 1 values"):
+        ray.get(worker.call.remote("put_batch", [b"a", b"b"], [page(1)]))
+    assert ray.get(worker.call.remote("get", b"k")) == page(1)  # still serving

@@ -1,0 +1,464 @@
+"""UcxServer / UcxClient over real UCX on loopback, with the server in a separate (spawned) process.
+
+The server process is this very file, run with ``runpy.run_path`` under a private ``__name__``: a
+spawn child cannot import test modules by name (pytest's importlib mode), but it can run a file.
+It owns a numpy segment filled with a seeded random pattern, serves it, and answers commands on a
+pipe: the bytes at a range, the on_write calls so far, stop.
+
+Every blocking call has a timeout (client calls, pipe polls, joins), so a hang fails a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import runpy
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rayturn.kvstore import wire
+from rayturn.kvstore.ucx_transport import (
+    CONTROL_HEADER,
+    CONTROL_MAGIC,
+    CONTROL_SLOT_BYTES,
+    CONTROL_VERSION,
+    FLAG_BODY_FOLLOWS,
+    Address,
+    TransportError,
+    UcxClient,
+    UcxServer,
+    describe_transports,
+    init_ucx,
+    run_in_ucx_loop,
+)
+
+CHILD_RUN_NAME = "__rayturn_ucx_transport_test_server__"
+SEGMENT_BYTES = 24 << 20
+WRITE_AREA = 20 << 20  # tests write at and above this offset; reads stay below it
+PATTERN_SEED = 1234
+CALL_TIMEOUT_S = 20.0
+STARTUP_TIMEOUT_S = 60.0
+FAILING_KEY = b"make-on_write-fail"
+
+
+def pattern() -> np.ndarray:
+    return np.random.default_rng(PATTERN_SEED).integers(0, 256, SEGMENT_BYTES, dtype=np.uint8)
+
+
+# -- the server process -------------------------------------------------------------------------
+
+
+def _serve(conn: Connection) -> None:
+    """Body of the server process: serve a patterned segment until told to stop."""
+    segment = np.zeros(SEGMENT_BYTES, dtype=np.uint8)
+    segment[:] = pattern()
+    writes: list[tuple[list[bytes], list[tuple[int, int]]]] = []
+
+    def on_write(keys: list[bytes], ranges: list[tuple[int, int]]) -> None:
+        if FAILING_KEY in keys:
+            raise RuntimeError("refusing this key on purpose")
+        writes.append((keys, ranges))
+
+    server = UcxServer(memoryview(segment), on_write=on_write, io_timeout_s=5.0)
+    conn.send(server.start())
+    while True:
+        command, *args = conn.recv()
+        if command == "bytes":
+            offset, num_bytes = args
+            conn.send(segment[offset : offset + num_bytes].tobytes())
+        elif command == "writes":
+            conn.send(list(writes))
+        elif command == "stop":
+            break
+    server.stop()
+    server.stop()  # idempotent
+    conn.send("stopped")
+
+
+if __name__ == CHILD_RUN_NAME:
+    _serve(globals()["CHILD_CONN"])  # handed over through runpy's init_globals
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RemoteServer:
+    process: Any
+    conn: Connection
+    address: Address
+
+    def ask(self, *command: Any) -> Any:
+        self.conn.send(command)
+        assert self.conn.poll(CALL_TIMEOUT_S), f"server process did not answer {command[0]!r}"
+        return self.conn.recv()
+
+    def segment_bytes(self, offset: int, num_bytes: int) -> bytes:
+        answer: bytes = self.ask("bytes", offset, num_bytes)
+        return answer
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[RemoteServer]:
+    context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(
+        target=runpy.run_path,
+        args=(__file__,),
+        kwargs={"run_name": CHILD_RUN_NAME, "init_globals": {"CHILD_CONN": child_conn}},
+        daemon=True,
+    )
+    process.start()
+    try:
+        if not conn.poll(STARTUP_TIMEOUT_S):
+            pytest.fail("UCX server process did not start")
+        yield RemoteServer(process, conn, conn.recv())
+        conn.send(("stop",))
+        assert conn.poll(CALL_TIMEOUT_S) and conn.recv() == "stopped"
+        process.join(CALL_TIMEOUT_S)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[UcxClient]:
+    with UcxClient(timeout_s=CALL_TIMEOUT_S) as ucx_client:
+        yield ucx_client
+
+
+@pytest.fixture(scope="module")
+def expected() -> np.ndarray:
+    return pattern()
+
+
+# -- reads --------------------------------------------------------------------------------------
+
+
+def test_read_single_range_into_bytearray(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    dest = bytearray(4096)
+    client.read(remote.address, [(12345, 4096)], [dest])
+    assert dest == expected[12345 : 12345 + 4096].tobytes()
+
+
+def test_read_many_non_contiguous_ranges_into_mixed_destinations(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray
+) -> None:
+    rng = np.random.default_rng(7)
+    offsets = rng.choice(WRITE_AREA // 8192, size=300, replace=False) * 8192 + rng.integers(0, 100, 300)
+    lengths = rng.integers(1, 5000, 300)
+    ranges = [(int(offset), int(length)) for offset, length in zip(offsets, lengths)]
+    dests: list[Any] = []
+    for index, (_, length) in enumerate(ranges):
+        kind = index % 3
+        if kind == 0:
+            dests.append(np.empty(length, dtype=np.uint8))
+        elif kind == 1:
+            dests.append(bytearray(length))
+        else:
+            dests.append(memoryview(bytearray(length)))
+    client.read(remote.address, ranges, dests)
+    for dest, (offset, length) in zip(dests, ranges):
+        assert bytes(dest) == expected[offset : offset + length].tobytes()
+
+
+def test_read_adjacent_ranges_into_typed_arrays(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    """Adjacent ranges (the server's zero-copy path) into multi-dimensional, non-byte arrays."""
+    dests = [np.empty((4, 16), dtype=np.float32), np.empty(100, dtype=np.int16), np.empty((3, 3, 3), dtype=np.uint8)]
+    ranges = [(1000, 256), (1256, 200), (1456, 27)]
+    client.read(remote.address, ranges, dests)
+    assert b"".join(dest.tobytes() for dest in dests) == expected[1000:1483].tobytes()
+
+
+def test_read_large_range(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    """16 MiB in one message: UCX's rendezvous path, straight into the destination."""
+    dest = np.zeros(16 << 20, dtype=np.uint8)
+    client.read(remote.address, [(1 << 20, 16 << 20)], [dest])
+    assert np.array_equal(dest, expected[1 << 20 : 17 << 20])
+
+
+def test_read_many_ranges_with_a_spilled_control_message(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray
+) -> None:
+    """Enough ranges that the request outgrows the inline control slot and travels as a second message."""
+    ranges = [(index * 97, 13) for index in range(0, 20000, 2)]
+    dest = np.empty((len(ranges), 13), dtype=np.uint8)
+    client.read(remote.address, ranges, list(dest))
+    assert len(wire.encode({"type": "read_request", "request_id": 1, "ranges": ranges})) > CONTROL_SLOT_BYTES
+    for row, (offset, length) in zip(dest, ranges):
+        assert row.tobytes() == expected[offset : offset + length].tobytes()
+
+
+def test_concurrent_reads_from_threads(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    failures: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        try:
+            for step in range(8):
+                offset = seed * 100_000 + step * 1000
+                dests = [bytearray(100), np.empty(300, dtype=np.uint8)]
+                client.read(remote.address, [(offset, 100), (offset + 500, 300)], dests)
+                assert bytes(dests[0]) == expected[offset : offset + 100].tobytes()
+                assert bytes(dests[1]) == expected[offset + 500 : offset + 800].tobytes()
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(CALL_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not failures, failures
+
+
+# -- writes -------------------------------------------------------------------------------------
+
+
+def _writes_since(remote: RemoteServer, count_before: int) -> list[Any]:
+    writes: list[Any] = remote.ask("writes")
+    return writes[count_before:]
+
+
+def test_write_scattered_ranges_lands_and_calls_on_write(remote: RemoteServer, client: UcxClient) -> None:
+    before = len(remote.ask("writes"))
+    ranges = [(WRITE_AREA + 5000, 3), (WRITE_AREA, 4), (WRITE_AREA + 70_000, 100_000)]
+    sources: list[Any] = [b"xyz", bytearray(b"abcd"), np.arange(100_000, dtype=np.uint32).astype(np.uint8)]
+    client.write(remote.address, [b"object-1", b"object-2"], ranges, sources)
+    assert remote.segment_bytes(WRITE_AREA + 5000, 3) == b"xyz"
+    assert remote.segment_bytes(WRITE_AREA, 4) == b"abcd"
+    assert remote.segment_bytes(WRITE_AREA + 70_000, 100_000) == sources[2].tobytes()
+    assert _writes_since(remote, before) == [([b"object-1", b"object-2"], ranges)]
+
+
+def test_write_contiguous_ranges_then_read_back(remote: RemoteServer, client: UcxClient) -> None:
+    """Adjacent ranges go straight into the segment (no staging) and read back identically."""
+    before = len(remote.ask("writes"))
+    payload = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    ranges = [(WRITE_AREA + (1 << 20), 1 << 20), (WRITE_AREA + (2 << 20), 2 << 20)]
+    client.write(remote.address, [b"big"], ranges, [payload[: 1 << 20], payload[1 << 20 :]])
+    back = np.empty(3 << 20, dtype=np.uint8)
+    client.read(remote.address, [(WRITE_AREA + (1 << 20), 3 << 20)], [back])
+    assert np.array_equal(back, payload)
+    assert _writes_since(remote, before) == [([b"big"], ranges)]
+
+
+def test_failing_on_write_is_reported_and_the_connection_survives(remote: RemoteServer, client: UcxClient) -> None:
+    with pytest.raises(TransportError, match="on_write failed: RuntimeError: refusing this key on purpose"):
+        client.write(remote.address, [FAILING_KEY], [(WRITE_AREA + 9000, 2)], [b"hi"])
+    assert remote.segment_bytes(WRITE_AREA + 9000, 2) == b"hi"  # the bytes had landed
+    client.write(remote.address, [b"fine"], [(WRITE_AREA + 9000, 2)], [b"ok"])
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranges", [[(SEGMENT_BYTES, 1)], [(0, 10), (SEGMENT_BYTES - 5, 6)]])
+def test_out_of_bounds_read_is_refused_and_the_server_keeps_serving(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray, ranges: list[tuple[int, int]]
+) -> None:
+    dests = [bytearray(length) for _, length in ranges]
+    with pytest.raises(TransportError, match=f"beyond the {SEGMENT_BYTES}-byte segment"):
+        client.read(remote.address, ranges, dests)
+    dest = bytearray(8)
+    client.read(remote.address, [(64, 8)], [dest])
+    assert dest == expected[64:72].tobytes()
+
+
+def test_out_of_bounds_write_is_refused_and_lands_nothing(remote: RemoteServer, client: UcxClient) -> None:
+    before = len(remote.ask("writes"))
+    with pytest.raises(TransportError, match="range 1 .* beyond"):
+        client.write(remote.address, [b"k"], [(WRITE_AREA + 100, 2), (SEGMENT_BYTES - 1, 2)], [b"no", b"pe"])
+    assert remote.segment_bytes(WRITE_AREA + 100, 2) != b"no"
+    assert _writes_since(remote, before) == []
+
+
+def test_bad_arguments_raise_before_any_traffic() -> None:
+    """Nothing listens on port 1: reaching the network would raise TransportError, not ValueError."""
+    nowhere = ("127.0.0.1", 1)
+    with UcxClient(timeout_s=CALL_TIMEOUT_S) as ucx_client:
+        with pytest.raises(ValueError, match=r"dests\[1\] holds 5 bytes but range 1 has length 4"):
+            ucx_client.read(nowhere, [(0, 4), (10, 4)], [bytearray(4), bytearray(5)])
+        with pytest.raises(ValueError, match=r"dests\[0\]: .*read-only"):
+            ucx_client.read(nowhere, [(0, 4)], [b"abcd"])
+        with pytest.raises(ValueError, match="2 ranges but 1 dests"):
+            ucx_client.read(nowhere, [(0, 4), (10, 4)], [bytearray(4)])
+        with pytest.raises(ValueError, match=r"ranges\[0\] length 0 must be positive"):
+            ucx_client.read(nowhere, [(0, 0)], [bytearray(0)])
+        with pytest.raises(ValueError, match=r"sources\[0\] holds 3 bytes but range 0 has length 2"):
+            ucx_client.write(nowhere, [b"k"], [(0, 2)], [b"abc"])
+        with pytest.raises(ValueError, match=r"keys\[0\] must be bytes"):
+            ucx_client.write(nowhere, ["k"], [(0, 2)], [b"ab"])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match=r"dests\[0\]: .*not C-contiguous"):
+            ucx_client.read(nowhere, [(0, 4)], [np.zeros((4, 2), dtype=np.uint8)[:, 0]])
+
+
+# -- misbehaving peers, spoken to through a raw ucxx endpoint -----------------------------------
+
+
+def _frame(body: bytes, *, magic: bytes = CONTROL_MAGIC, flags: int = 0, announced_bytes: int | None = None) -> bytes:
+    size = len(body) if announced_bytes is None else announced_bytes
+    return CONTROL_HEADER.pack(magic, CONTROL_VERSION, flags, size) + body
+
+
+async def _raw_session(address: Address, messages: list[bytes], replies: int) -> list[dict[str, Any]]:
+    """Send ``messages`` as they are on a fresh endpoint, then decode ``replies`` reply frames."""
+    import ucxx
+
+    endpoint = await ucxx.create_endpoint(*address)
+    try:
+        for message in messages:
+            await endpoint.send(message)
+        decoded = []
+        for _ in range(replies):
+            slot = bytearray(CONTROL_SLOT_BYTES)
+            await endpoint.recv(slot)
+            magic, _, _, body_bytes = CONTROL_HEADER.unpack_from(slot)
+            assert magic == CONTROL_MAGIC
+            decoded.append(wire.decode(slot[CONTROL_HEADER.size : CONTROL_HEADER.size + body_bytes], "reply"))
+        return decoded
+    finally:
+        endpoint.abort()
+
+
+def _raw(address: Address, messages: list[bytes], replies: int) -> list[dict[str, Any]]:
+    return run_in_ucx_loop(asyncio.wait_for(_raw_session(address, messages, replies), 10.0), timeout_s=CALL_TIMEOUT_S)
+
+
+def _still_serves(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    dest = bytearray(16)
+    client.read(remote.address, [(4096, 16)], [dest])
+    assert dest == expected[4096:4112].tobytes()
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (b"\x93\x01", "not valid msgpack"),
+        (wire.encode({"type": "reply", "request_id": 9, "ok": True, "total_bytes": 0}), "does not handle 'reply'"),
+        (b"\x81\xa4type\xa7unknown", "unknown control message type 'unknown'"),
+        (b"", "empty control message"),
+    ],
+)
+def test_malformed_control_message_gets_an_error_and_the_connection_keeps_serving(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray, body: bytes, complaint: str
+) -> None:
+    good = wire.encode({"type": "read_request", "request_id": 5, "ranges": [[0, 8]]})
+    refusal, answer = _raw(remote.address, [_frame(body), _frame(good)], replies=2)
+    assert refusal["ok"] is False
+    assert complaint in refusal["error"]
+    assert answer == {"type": "reply", "request_id": 5, "ok": True, "total_bytes": 8}  # same connection still in step
+    _still_serves(remote, client, expected)
+
+
+def test_frame_shorter_than_announced_is_refused(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    """A body cut short leaves zeros behind it, which the decoder reports as trailing bytes."""
+    good = wire.encode({"type": "read_request", "request_id": 5, "ranges": [[0, 8]]})
+    (refusal,) = _raw(remote.address, [_frame(good[:-3], announced_bytes=len(good) + 10)], replies=1)
+    assert refusal["ok"] is False
+    assert "malformed request" in refusal["error"]
+    _still_serves(remote, client, expected)
+
+
+@pytest.mark.parametrize(
+    ("message", "complaint"),
+    [
+        (_frame(b"\x80", magic=b"HTTP"), "not a control frame"),
+        (b"GET / HTTP/1.1\r\n", "not a control frame"),
+        (_frame(b"", flags=FLAG_BODY_FOLLOWS, announced_bytes=wire.MAX_CONTROL_BYTES + 1), "exceeds"),
+        (_frame(b"", flags=0x80), "unknown control frame flags"),
+        (_frame(b"", announced_bytes=CONTROL_SLOT_BYTES), "cannot fit"),
+        (bytes(CONTROL_SLOT_BYTES + 1), "larger than the"),
+    ],
+)
+def test_unusable_frame_closes_only_that_connection(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray, message: bytes, complaint: str
+) -> None:
+    (refusal,) = _raw(remote.address, [message], replies=1)
+    assert refusal["ok"] is False
+    assert refusal["error"].startswith("closing connection")
+    assert complaint in refusal["error"]
+    _still_serves(remote, client, expected)
+
+
+# -- connections, timeouts, lifecycle -----------------------------------------------------------
+
+
+def test_timeout_drops_the_endpoint_and_the_next_call_reconnects(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray
+) -> None:
+    _still_serves(remote, client, expected)
+    with pytest.raises(TransportError, match="timed out"):
+        client.read(remote.address, [(0, 8 << 20)], [np.empty(8 << 20, dtype=np.uint8)], timeout_s=1e-4)
+    _still_serves(remote, client, expected)
+
+
+def test_unreachable_server_raises_transport_error() -> None:
+    with UcxClient(timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client:
+        with pytest.raises(TransportError, match="127.0.0.1"):
+            ucx_client.read(("127.0.0.1", 1), [(0, 4)], [bytearray(4)])
+
+
+def test_server_in_this_process_and_clean_stop() -> None:
+    """A process can serve and read at once (one UCX loop); a stopped server breaks its clients' calls."""
+    segment = bytearray(range(256)) * 16
+    with UcxServer(segment) as server, UcxClient(timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client:
+        address = server.start()  # idempotent while running
+        assert server.address == address
+        dest = bytearray(6)
+        ucx_client.read(address, [(250, 6)], [dest])
+        assert dest == bytes([250, 251, 252, 253, 254, 255])
+        ucx_client.write(address, [b"k"], [(0, 2)], [b"\xff\xee"])
+        assert segment[:2] == b"\xff\xee"
+        server.stop()
+        server.stop()
+        assert server.address is None
+        with pytest.raises(TransportError):
+            ucx_client.read(address, [(0, 1)], [bytearray(1)])
+    with pytest.raises(RuntimeError, match="cannot be restarted"):
+        server.start()
+    with pytest.raises(TransportError, match="closed"):
+        ucx_client.read(address, [(0, 1)], [bytearray(1)])
+
+
+def test_server_refuses_read_only_segments_and_bad_ports() -> None:
+    with pytest.raises(ValueError, match="read-only"):
+        UcxServer(memoryview(b"abc"))
+    with pytest.raises(ValueError, match="port"):
+        UcxServer(bytearray(8), port=70000)
+
+
+def test_init_ucx_checks_names_and_refuses_after_start(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray
+) -> None:
+    with pytest.raises(ValueError, match="not a UCX option name"):
+        init_ucx({"tls": "tcp"})
+    _still_serves(remote, client, expected)  # now this process's UCX is surely running
+    with pytest.raises(RuntimeError, match="before the first"):
+        init_ucx({"TLS": "tcp,self"})
+
+
+def test_describe_transports_names_ucx_and_its_transports(remote: RemoteServer) -> None:
+    text = describe_transports()
+    assert text.startswith("UCX 1.")
+    assert "tcp" in text
+
+
+def test_calling_the_client_from_the_ucx_loop_is_refused(remote: RemoteServer, client: UcxClient) -> None:
+    async def nested() -> None:
+        client.read(remote.address, [(0, 1)], [bytearray(1)])
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="from the UCX loop thread"):
+        run_in_ucx_loop(nested(), timeout_s=CALL_TIMEOUT_S)
+    assert time.monotonic() - started < CALL_TIMEOUT_S / 2
