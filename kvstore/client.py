@@ -19,6 +19,7 @@ segment holds.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import uuid
@@ -222,7 +223,7 @@ class KVStoreClient:
         _check_keys(keys)
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        dests = [np.frombuffer(as_writable_view(b), dtype=np.uint8) for b in buffers]
+        dests = [_flat_destination(b) for b in buffers]
         locations = self._locate(keys)
         for i, (dest, locs) in enumerate(zip(dests, locations)):
             if locs and dest.nbytes != locs[0].num_bytes:
@@ -344,13 +345,41 @@ class KVStoreClient:
 
 
 def _copy_out(segment: Segment, locs: list[Location], dests: list[np.ndarray]) -> None:
-    """Copy ranges of a mapped segment into flat uint8 arrays: one numpy copy each, no checks per page
-    beyond the bounds numpy slicing enforces (sizes were checked against the master's metadata)."""
+    """Copy ranges of a mapped segment into flat uint8 arrays of exactly their sizes.
+
+    Pages written in one batch sit back to back in the segment, and callers
+    often land them in consecutive rows of one array: such runs become one
+    ``memmove`` each, which moves bytes at memcpy speed instead of paying a
+    per-page call.
+    """
     source = segment.array
+    base, capacity = source.ctypes.data, source.size
+    run_src = run_dst = run_bytes = 0
     for (_, offset, num_bytes), dest in zip(locs, dests):
-        if offset + num_bytes > source.size:
-            raise ValueError(f"range {offset}+{num_bytes} is outside segment {segment.name}")
-        np.copyto(dest, source[offset : offset + num_bytes])
+        if offset < 0 or offset + num_bytes > capacity or dest.nbytes != num_bytes:
+            raise ValueError(f"range {offset}+{num_bytes} does not fit segment {segment.name} or its buffer")
+        dst = dest.ctypes.data
+        if run_bytes and offset == run_src + run_bytes and dst == run_dst + run_bytes:
+            run_bytes += num_bytes
+            continue
+        if run_bytes:
+            ctypes.memmove(run_dst, base + run_src, run_bytes)
+        run_src, run_dst, run_bytes = offset, dst, num_bytes
+    if run_bytes:
+        ctypes.memmove(run_dst, base + run_src, run_bytes)
+
+
+def _flat_destination(buffer: Any) -> np.ndarray:
+    """A flat writable uint8 view of a caller's buffer (no copy)."""
+    if (
+        isinstance(buffer, np.ndarray)
+        and buffer.dtype == np.uint8
+        and buffer.ndim == 1
+        and buffer.flags.c_contiguous
+        and buffer.flags.writeable
+    ):
+        return buffer
+    return np.frombuffer(as_writable_view(buffer), dtype=np.uint8)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:
