@@ -11,27 +11,30 @@ their order)::
                     (a body over 64 KiB goes as a header with FLAG_BODY_FOLLOWS, then the body alone)
     data message    the raw bytes of all the request's ranges, back to back, in request order
 
-Life cycle of one request on one connection (the server handles one request at a time per
-connection, any number of connections at once)::
+Life cycle of requests on one connection, server side (one request at a time per connection,
+any number of connections at once)::
 
-                 +---------------------------------------------------------------------+
-                 |                                                                     |
-                 v               bad msgpack / schema: reply error (request_id -1) ----+
-      +-> WAIT_REQUEST --recv frame--> VALIDATE --out of bounds / over limits: reply error --+
-      |        |                        |     |                                             |
-      |        |            read_request|     |write_request                                |
-      |        |                        v     v                                             |
-      |        |           REPLY ok(total)   REPLY ok(total) "ready"                        |
-      |        |                        |     |                                             |
-      |        |                        v     v                                             |
-      |        |              SEND_DATA      RECV_DATA --> scatter --> on_write(keys, ranges)
-      |        |                        |     |                                |            |
-      |        |                        |     v                                v            |
-      |        |                        |    REPLY ok "done"       REPLY error "on_write.." |
-      +--------+------------------------+-----+--------------------------------+------------+
-               |
-               +-- bad frame header (magic, version, size), UCX error, peer gone, I/O timeout
-                   --> reply error if still possible --> CLOSED (this connection only)
+         +----------------------------------------------------------------------------+
+         v                                                                            |
+    WAIT_REQUEST --frame--> VALIDATE --invalid--> REPLY error ----------------------->+
+         |                     |                                                      |
+         |        read_request | write_request                                        |
+         |                     +-------------------------+                            |
+         |                     v                         v                            |
+         |         REPLY ok + SEND_DATA       REPLY ok "ready" + RECV_DATA            |
+         |                     |                         |                            |
+         |                     |              scatter, on_write(keys, ranges)         |
+         |                     |                         |                            |
+         |                     |              REPLY ok "done" / error                 |
+         |                     +-------------------------+--------------------------->+
+         |
+         +-- unusable frame, UCX error, peer gone, I/O timeout
+                 --> REPLY error (if still possible) --> CLOSED (this connection only)
+
+"invalid" is a message that is not msgpack or breaks its schema (the reply carries request_id -1),
+a range outside the segment, or a request over the staging limit: the connection stays in step.
+The reply and the data of a read are posted back to back, as are the "ready" reply and the data
+receive of a write, so neither waits for the other's completion to reach Python.
 
 The client side mirrors it: IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write)
 SEND_DATA -> WAIT_REPLY -> IDLE. A refusal (``ok=False``) leaves the connection usable and becomes
@@ -42,7 +45,7 @@ the next call reconnects instead of reading a stale message from a desynchronise
 Zero copy: when a request's ranges are adjacent in the segment (each starts where the previous
 ends, the common case for a contiguous object), the server sends straight from, or receives
 straight into, a memoryview slice of the segment. Otherwise it gathers into (or receives into and
-scatters from) a staging buffer that the connection keeps for its next request. The client
+scatters from) a staging buffer from a per-process pool, reused by later requests. The client
 likewise receives straight into the destination when a read has one range and sends straight
 from the source when a write has one range, and stages otherwise. Staging costs one memcpy of the
 payload; it buys one UCX message per request instead of one per range, which matters far more for
@@ -62,14 +65,24 @@ from one (that would deadlock; it raises RuntimeError instead).
 Transport settings: UCX reads its ``UCX_*`` environment variables (``UCX_TLS``,
 ``UCX_NET_DEVICES``, ``UCX_RNDV_THRESH``...) when ucxx creates its context, i.e. on the first
 UcxServer.start or UcxClient call in the process. :func:`init_ucx` sets them from a dict and must
-run before that. :func:`describe_transports` reports what UCX made available; which transport a
-given transfer used is UCX's per-message-size choice and ucxx does not expose it (set
-``UCX_PROTO_INFO=y`` to have UCX log its selection).
+run before that. Unless set, two defaults apply: ``UCX_TCP_CM_REUSEADDR=y`` (a server process
+restarted on a fixed port can bind it at once, despite the old connections' TIME_WAIT) and
+``UCX_WARN_UNUSED_ENV_VARS=n``. :func:`describe_transports` reports what UCX made available;
+which transport a given transfer used is UCX's per-message-size choice and ucxx does not expose
+it (set ``UCX_PROTO_INFO=y`` to have UCX log its selection). One choice worth knowing: ucxx's
+listener endpoints always ask for peer-failure error handling, which UCX's shared-memory
+transports lack by default, so two processes on one node talk over ``tcp/lo`` (about 1 GB/s
+here) unless ``UCX_MM_ERROR_HANDLING=y`` lets UCX use ``sysv``/``posix`` shared memory (several
+GB/s); ``cma`` is never eligible. Same-node peers of the KV store normally map each other's
+segment directly anyway.
+The server does no locking of ranges: a read racing a write of the same bytes sees either, as with
+any shared memory; who may touch which range is the store's business, not the transport's.
 
 Limits: a UCX tag receive accepts a message shorter than the posted buffer and ucxx does not
 report the received length, so a peer that sends fewer data bytes than the request announced is
 not detected; it can only leave stale bytes in ranges it was allowed to write anyway (staging
-buffers are zeroed when allocated, so nothing from other memory leaks in). A longer message is
+buffers are zeroed when allocated and only ever hold transfer payloads, so no other memory of the
+process can leak in). A longer message is
 detected (UCX truncation) and closes the connection. The UCX listener binds every interface
 (ucxx offers no bind address); ``host`` is the address the server advertises.
 """
@@ -89,7 +102,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
@@ -143,8 +156,10 @@ CONTROL_SLOT_BYTES: Final = 64 * 1024
 _INLINE_BODY_BYTES: Final = CONTROL_SLOT_BYTES - CONTROL_HEADER.size
 _ZEROS: Final = bytes(CONTROL_SLOT_BYTES)
 _UNPARSED_REQUEST_ID: Final = -1
-_KEEP_STAGING_BYTES: Final = 64 << 20  # staging above this is freed after each request, not kept
-_LOOP_GRACE_S: Final = 5.0  # the caller waits this much past a request's own timeout for its cleanup
+_KEEP_STAGING_BYTES: Final = 256 << 20  # staging a process keeps for reuse, all connections together
+# A blocking call waits this long past its request's own timeout (enforced on the loop, where the
+# endpoint can be dropped cleanly) before giving up on the loop itself.
+_LOOP_GRACE_S: Final = 5.0
 _INIT_TIMEOUT_S: Final = 60.0
 _ABORT_PERIOD_NS: Final = 10**9
 _STOP_WAIT_S: Final = 5.0
@@ -245,6 +260,15 @@ def _stop_notifier() -> None:
             worker.stop_request_notifier_thread()
 
 
+_UCX_DEFAULTS: Final = {
+    # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: spare every process the warning.
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # SO_REUSEADDR for listeners: a server restarted on its fixed port must not fail with "address
+    # in use" for as long as its previous connections linger in TIME_WAIT.
+    "UCX_TCP_CM_REUSEADDR": "y",
+}
+"""UCX settings this module applies unless the environment (or :func:`init_ucx`) says otherwise."""
+
 _runtime_lock = threading.Lock()
 _runtime: _UcxRuntime | None = None
 _runtime_was_shut_down = False
@@ -257,8 +281,8 @@ def _get_runtime() -> _UcxRuntime:
         if _runtime_was_shut_down:
             raise RuntimeError("the UCX runtime of this process was shut down (shutdown_ucx); it cannot restart")
         if _runtime is None:
-            # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: spare every process the warning.
-            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+            for name, value in _UCX_DEFAULTS.items():
+                os.environ.setdefault(name, value)
             _runtime = _UcxRuntime()
             atexit.register(shutdown_ucx)
         elif _runtime.pid != os.getpid():
@@ -326,6 +350,8 @@ def shutdown_ucx(timeout_s: float = 5.0) -> None:
     """
     global _runtime, _runtime_was_shut_down
     with _runtime_lock:
+        if _runtime is not None and _runtime.in_loop_thread():
+            raise RuntimeError("shutdown_ucx cannot run on the UCX loop thread it would stop")
         runtime, _runtime = _runtime, None
         if runtime is None:
             return
@@ -336,7 +362,10 @@ def shutdown_ucx(timeout_s: float = 5.0) -> None:
 
 async def _close_live_components() -> None:
     for component in list(_live_components):
-        await component._close_on_loop()
+        try:
+            await component._close_on_loop()
+        except Exception:  # shutting down regardless: one broken component must not keep the rest open
+            logger.exception("closing %r at UCX shutdown failed", component)
 
 
 def describe_transports(*, timeout_s: float = 10.0) -> str:
@@ -355,11 +384,17 @@ async def _describe_transports() -> str:
     ucxx = _ucxx()
     resources = re.findall(r"resource\s+\d+\s*:.*flags\s+\S+\s+(\S+)", ucxx.get_ucp_context_info())
     tls = ucxx.get_config().get("TLS", "?")
+    shared_memory = (
+        "posix/sysv eligible (UCX_MM_ERROR_HANDLING=y)"
+        if os.environ.get("UCX_MM_ERROR_HANDLING", "n").lower() in ("y", "yes", "on", "1", "true")
+        else "shared memory NOT eligible for these error-handling endpoints (set UCX_MM_ERROR_HANDLING=y), "
+        "so same-node peers use tcp"
+    )
     return (
         f"UCX {ucxx.__ucx_version__} (ucxx {ucxx.__version__}); UCX_TLS={tls}; "
         f"transports available: {', '.join(sorted(ucxx.get_active_transports()))} "
-        f"(resources: {', '.join(resources)}); UCX picks one per transfer by size and peer, "
-        "ucxx does not report which: set UCX_PROTO_INFO=y to log UCX's choices"
+        f"(resources: {', '.join(resources)}); {shared_memory}; UCX picks one per transfer by size and "
+        "peer and ucxx does not report which: set UCX_PROTO_INFO=y to log UCX's choices"
     )
 
 
@@ -466,24 +501,45 @@ def _check_header(magic: bytes, version: int, flags: int, body_bytes: int) -> No
         raise _FramingError(f"inline control body of {body_bytes} bytes cannot fit the {CONTROL_SLOT_BYTES}-byte frame")
 
 
-class _StagingBuffer:
-    """Reusable bytes for gathering and scattering, so batched requests do not allocate each time."""
+class _StagingPool:
+    """Reusable gather/scatter buffers shared by every connection of the process.
 
-    def __init__(self, keep_bytes: int = _KEEP_STAGING_BYTES) -> None:
-        self._array: np.ndarray | None = None
+    Shared rather than per connection, so that what is kept between requests is bounded per
+    process (``keep_bytes``), not multiplied by the number of peers. Used only on the UCX loop
+    thread, hence no lock.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._free: list[np.ndarray] = []
         self._keep_bytes = keep_bytes
 
-    def view(self, num_bytes: int) -> memoryview:
-        if self._array is None or self._array.nbytes < num_bytes:
-            self._array = None  # free the old one before allocating the new one
-            # Zeroed, not np.empty: a peer that sends fewer bytes than announced (undetectable, see
-            # the module docstring) must find zeros here, never leftovers of this process's heap.
-            self._array = np.zeros(num_bytes, dtype=np.uint8)
-        return self._array.data[:num_bytes]
+    @contextlib.contextmanager
+    def borrow(self, num_bytes: int) -> Iterator[memoryview]:
+        """``num_bytes`` of staging for the duration of one transfer.
 
-    def trim(self) -> None:
-        if self._array is not None and self._array.nbytes > self._keep_bytes:
-            self._array = None
+        The buffer goes back to the pool only if the block ends normally: after a failure UCX may
+        still be writing into it (until the endpoint's abort has cancelled the receive).
+        """
+        array = self._take(num_bytes)
+        yield array.data[:num_bytes]
+        self._give_back(array)
+
+    def _take(self, num_bytes: int) -> np.ndarray:
+        fitting = [index for index, array in enumerate(self._free) if array.nbytes >= num_bytes]
+        if fitting:
+            return self._free.pop(min(fitting, key=lambda index: self._free[index].nbytes))
+        # Zeroed, not np.empty: a peer that sends fewer bytes than announced (undetectable, see
+        # the module docstring) must find zeros here, never leftovers of this process's heap.
+        return np.zeros(num_bytes, dtype=np.uint8)
+
+    def _give_back(self, array: np.ndarray) -> None:
+        self._free.append(array)
+        self._free.sort(key=lambda kept: kept.nbytes)
+        while sum(kept.nbytes for kept in self._free) > self._keep_bytes:
+            self._free.pop()  # the largest goes first
+
+
+_staging_pool = _StagingPool(keep_bytes=_KEEP_STAGING_BYTES)
 
 
 def _contiguous_span(ranges: Sequence[Range]) -> Range | None:
@@ -672,14 +728,12 @@ class _ServerConnection:
     def __init__(self, endpoint: Any, server: UcxServer) -> None:
         self._channel = _Channel(endpoint)
         self._server = server
-        self._staging = _StagingBuffer()
 
     async def serve(self) -> None:
         while True:
             request = await self._next_request()
             if request is not None:
                 await self._handle(request)
-                self._staging.trim()
 
     async def _next_request(self) -> dict[str, Any] | None:
         try:
@@ -715,14 +769,17 @@ class _ServerConnection:
         segment = self._server._segment
         span = _contiguous_span(ranges)
         if span is not None:
-            data = segment[span[0] : span[1]]  # zero copy: UCX sends straight from the segment
-        else:
-            data = self._staging.view(total_bytes)
+            await self._send_read(request_id, segment[span[0] : span[1]])  # zero copy: straight from the segment
+            return
+        with _staging_pool.borrow(total_bytes) as data:
             _gather(segment, ranges, data)
+            await self._send_read(request_id, data)
+
+    async def _send_read(self, request_id: int, data: memoryview) -> None:
         # Reply and data are posted back to back (UCX keeps their order): the data does not wait
         # for the reply's completion to make its way back to this loop.
         await asyncio.gather(
-            self._channel.send_reply(request_id, ok=True, total_bytes=total_bytes),
+            self._channel.send_reply(request_id, ok=True, total_bytes=data.nbytes),
             self._channel.send_data(data, self._server._io_timeout_s),
         )
 
@@ -730,21 +787,25 @@ class _ServerConnection:
         total_bytes = self._server._check_request(ranges)
         segment = self._server._segment
         span = _contiguous_span(ranges)
-        # Zero copy when contiguous: UCX receives straight into the segment.
-        into = segment[span[0] : span[1]] if span is not None else self._staging.view(total_bytes)
-        await asyncio.gather(
-            self._channel.send_reply(request_id, ok=True, total_bytes=total_bytes),  # "ready: send the data"
-            self._channel.recv_data(into, self._server._io_timeout_s),
-        )
-        if span is None:
-            _scatter(into, ranges, segment)
+        if span is not None:
+            await self._recv_write(request_id, segment[span[0] : span[1]])  # zero copy: straight into the segment
+        else:
+            with _staging_pool.borrow(total_bytes) as data:
+                await self._recv_write(request_id, data)
+                _scatter(data, ranges, segment)
         self._server._notify_write(keys, ranges)
         await self._channel.send_reply(request_id, ok=True, total_bytes=total_bytes)  # "done"
+
+    async def _recv_write(self, request_id: int, into: memoryview) -> None:
+        await asyncio.gather(
+            self._channel.send_reply(request_id, ok=True, total_bytes=into.nbytes),  # "ready: send the data"
+            self._channel.recv_data(into, self._server._io_timeout_s),
+        )
 
 
 # -- client -----------------------------------------------------------------------------------
 
-_Operation: TypeAlias = Callable[[_Channel, _StagingBuffer], Awaitable[None]]
+_Operation: TypeAlias = Callable[[_Channel], Awaitable[None]]
 
 
 class _ServerRefused(Exception):
@@ -763,13 +824,12 @@ class _ClientConnection:
         self.lock = asyncio.Lock()
         self._connect_timeout_s = connect_timeout_s
         self._channel: _Channel | None = None
-        self._staging = _StagingBuffer()
 
     async def run(self, operation: _Operation) -> None:
         async with self.lock:
             try:
                 channel = self._channel or await self._connect()
-                await operation(channel, self._staging)
+                await operation(channel)
             except _ServerRefused:
                 raise
             except _ConnectionFailed:
@@ -781,14 +841,12 @@ class _ClientConnection:
             except BaseException:  # cancelled by the request's timeout, mid-exchange
                 self.drop()
                 raise
-            finally:
-                self._staging.trim()
 
     async def _connect(self) -> _Channel:
         host, port = self.address
         try:
             endpoint = await _ucxx().create_endpoint(host, port, connect_timeout=self._connect_timeout_s)
-        except TimeoutError:  # ucxx's handshake timed out: nobody (or no UCX listener) answered
+        except (TimeoutError, asyncio.TimeoutError):  # ucxx's handshake timed out: no UCX listener answered
             raise _ConnectionFailed(f"no UCX handshake from {host}:{port} within {self._connect_timeout_s} s") from None
         except Exception as error:
             raise _ConnectionFailed(f"cannot connect to {host}:{port}: {_describe_error(error)}") from error
@@ -808,17 +866,19 @@ async def _send_and_expect_ok(channel: _Channel, request_id: int, send: Awaitabl
     completed. _ServerRefused if the reply is a refusal.
     """
     _, reply = await asyncio.gather(send, channel.recv_control(expected_type="reply"))
+    # A refusal of a request the server could not even parse carries id -1; any other stranger
+    # means the stream is out of step, and the connection must go.
+    if reply["request_id"] not in (request_id, _UNPARSED_REQUEST_ID):
+        raise _ProtocolError(f"got the reply to request {reply['request_id']} while waiting for {request_id}")
     if not reply["ok"]:
         raise _ServerRefused(reply.get("error") or "the server refused the request without saying why")
     if reply["request_id"] != request_id:
-        raise _ProtocolError(f"got the reply to request {reply['request_id']} while waiting for {request_id}")
+        raise _ProtocolError(f"got an ok reply with request id {reply['request_id']} while waiting for {request_id}")
     total_bytes: int = reply["total_bytes"]
     return total_bytes
 
 
-async def _read_exchange(
-    channel: _Channel, staging: _StagingBuffer, request_id: int, body: bytes, views: list[memoryview]
-) -> None:
+async def _read_exchange(channel: _Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:
     total_bytes = await _send_and_expect_ok(channel, request_id, channel.send_control(body))
     expected_bytes = sum(view.nbytes for view in views)
     if total_bytes != expected_bytes:
@@ -826,24 +886,22 @@ async def _read_exchange(
     if len(views) == 1:
         await channel.recv_data(views[0])  # zero copy: straight into the caller's destination
         return
-    data = staging.view(total_bytes)
-    await channel.recv_data(data)
-    _scatter_views(data, views)
+    with _staging_pool.borrow(total_bytes) as data:
+        await channel.recv_data(data)
+        _scatter_views(data, views)
 
 
-async def _write_exchange(
-    channel: _Channel, staging: _StagingBuffer, request_id: int, body: bytes, views: list[memoryview]
-) -> None:
+async def _write_exchange(channel: _Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:
     total_bytes = await _send_and_expect_ok(channel, request_id, channel.send_control(body))
     expected_bytes = sum(view.nbytes for view in views)
     if total_bytes != expected_bytes:
         raise _ProtocolError(f"server announced {total_bytes} bytes for a write of {expected_bytes}")
     if len(views) == 1:
-        data = views[0]  # zero copy: straight from the caller's source
-    else:
-        data = staging.view(total_bytes)
+        await _send_and_expect_ok(channel, request_id, channel.send_data(views[0]))  # zero copy: from the source
+        return
+    with _staging_pool.borrow(total_bytes) as data:
         _gather_views(views, data)
-    await _send_and_expect_ok(channel, request_id, channel.send_data(data))
+        await _send_and_expect_ok(channel, request_id, channel.send_data(data))
 
 
 class UcxClient:
@@ -882,7 +940,7 @@ class UcxClient:
         body = wire.encode({"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]})
         self._run(
             address,
-            lambda channel, staging: _read_exchange(channel, staging, request_id, body, views),
+            lambda channel: _read_exchange(channel, request_id, body, views),
             "read",
             timeout_s,
         )
@@ -914,7 +972,7 @@ class UcxClient:
         )
         self._run(
             address,
-            lambda channel, staging: _write_exchange(channel, staging, request_id, body, views),
+            lambda channel: _write_exchange(channel, request_id, body, views),
             "write",
             timeout_s,
         )
