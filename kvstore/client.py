@@ -233,8 +233,13 @@ class KVStoreClient:
         return self._read(locations, dests)
 
     def _locate(self, keys: Sequence[bytes]) -> list[list[Location] | None]:
-        found = ray.get(self.master.get_locations.remote(list(keys), self.node_id))
-        return [None if replicas is None else [Location(*loc) for loc in replicas] for replicas in found]
+        segment_ids, flat = ray.get(self.master.get_locations.remote(list(keys), self.node_id))
+        return [
+            None
+            if entry is None
+            else [Location(segment_ids[entry[i]], entry[i + 1], entry[i + 2]) for i in range(0, len(entry), 3)]
+            for entry in flat
+        ]
 
     def _read(self, locations: list[list[Location] | None], dests: Sequence[np.ndarray]) -> list[bool]:
         """Try each object's replicas in order until one read lands; batches UCX reads per segment."""

@@ -112,11 +112,23 @@ class KVMaster:
     async def put_revoke(self, keys: Sequence[bytes]) -> None:
         self.state.put_revoke(keys)
 
-    async def get_locations(self, keys: Sequence[bytes], reader_node_id: str | None) -> list[list[list[Any]] | None]:
-        """Replica locations as plain lists: they cross Ray on its msgpack fast path."""
+    async def get_locations(
+        self, keys: Sequence[bytes], reader_node_id: str | None
+    ) -> tuple[list[str], list[list[int] | None]]:
+        """Replica locations, compact: a segment-id table and per key flat ``[segment index, offset,
+        num_bytes, ...]`` (best replica first), or None for a miss. Plain ints cross Ray cheaply."""
         self._ensure_started()
-        found = self.state.get_locations(keys, reader_node_id)
-        return [None if replicas is None else [list(loc) for loc in replicas] for replicas in found]
+        table: dict[str, int] = {}
+        flat: list[list[int] | None] = []
+        for replicas in self.state.get_locations(keys, reader_node_id):
+            if replicas is None:
+                flat.append(None)
+                continue
+            entry: list[int] = []
+            for segment_id, offset, num_bytes in replicas:
+                entry += (table.setdefault(segment_id, len(table)), offset, num_bytes)
+            flat.append(entry)
+        return list(table), flat
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.state.exists(keys)
