@@ -316,9 +316,8 @@ class LLMEngine:
         per_prompt = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        for prompt in prompts:  # validate all before admitting any
-            self.encode_prompt(prompt)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+        token_ids = [self.encode_prompt(prompt) for prompt in prompts]  # validate all before admitting any
+        ids = [self.add_request(prompt_ids, p) for prompt_ids, p in zip(token_ids, per_prompt)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             for output in self.step():
