@@ -1,0 +1,297 @@
+"""The UCX client: reads ranges from and writes ranges into the segments of remote UcxServers.
+
+Life cycle of a request, client side (it mirrors the server's, see :mod:`rayturn.kvstore.ucx_server`):
+IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE.
+A refusal (``ok=False``) leaves the connection usable and becomes a :class:`TransportError`
+carrying the server's message; anything else that goes wrong (timeout, broken connection,
+malformed reply) also raises TransportError and drops the cached endpoint, so the next call
+reconnects instead of reading a stale message from a desynchronised stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+from rayturn.kvstore import wire
+from rayturn.kvstore.segment import as_bytes_view, as_writable_view
+from rayturn.kvstore.ucx_framing import (
+    DEFAULT_TIMEOUT_S,
+    UNPARSED_REQUEST_ID,
+    Address,
+    Channel,
+    Range,
+    abort_endpoint,
+    describe_error,
+    gather_views,
+    scatter_views,
+    staging_pool,
+)
+from rayturn.kvstore.ucx_runtime import (
+    load_ucxx,
+    register_for_shutdown,
+    run_in_ucx_loop,
+    ucx_loop_running,
+    unregister_for_shutdown,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "TransportError", "UcxClient"]
+
+DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
+# A blocking call waits this long past its request's own timeout (enforced on the loop, where the
+# endpoint can be dropped cleanly) before giving up on the loop itself.
+_LOOP_GRACE_S: Final = 5.0
+
+_Operation: TypeAlias = Callable[[Channel], Awaitable[None]]
+
+
+class TransportError(RuntimeError):
+    """A transfer failed: the server refused it (its message is included) or the connection broke."""
+
+
+class _ProtocolError(Exception):
+    """The peer answered out of protocol (wrong request id, wrong size)."""
+
+
+class _ServerRefused(Exception):
+    """The server answered ok=False: the request failed, the connection is still in step."""
+
+
+class _ConnectionFailed(Exception):
+    """Connecting or talking to the server failed (its own timeouts included); the endpoint is gone."""
+
+
+class _ClientConnection:
+    """The cached endpoint to one server, with the lock that keeps its requests one at a time."""
+
+    def __init__(self, address: Address, connect_timeout_s: float) -> None:
+        self.address = address
+        self.lock = asyncio.Lock()
+        self._connect_timeout_s = connect_timeout_s
+        self._channel: Channel | None = None
+
+    async def run(self, operation: _Operation) -> None:
+        async with self.lock:
+            try:
+                channel = self._channel or await self._connect()
+                await operation(channel)
+            except _ServerRefused:
+                raise
+            except _ConnectionFailed:
+                raise
+            except Exception as error:  # the stream's state is unknown: never reuse it
+                self.drop()
+                # Wrapped, so that a TimeoutError from inside ucxx is not taken for the request's own.
+                raise _ConnectionFailed(describe_error(error)) from error
+            except BaseException:  # cancelled by the request's timeout, mid-exchange
+                self.drop()
+                raise
+
+    async def _connect(self) -> Channel:
+        host, port = self.address
+        try:
+            endpoint = await load_ucxx().create_endpoint(host, port, connect_timeout=self._connect_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # ucxx's handshake timed out: no UCX listener answered
+            raise _ConnectionFailed(f"no UCX handshake from {host}:{port} within {self._connect_timeout_s} s") from None
+        except Exception as error:
+            raise _ConnectionFailed(f"cannot connect to {host}:{port}: {describe_error(error)}") from error
+        self._channel = Channel(endpoint)
+        return self._channel
+
+    def drop(self) -> None:
+        if self._channel is not None:
+            abort_endpoint(self._channel.endpoint)
+            self._channel = None
+
+
+async def _send_and_expect_ok(channel: Channel, request_id: int, send: Awaitable[None]) -> int:
+    """Run ``send`` and receive the reply that answers it; the reply's ``total_bytes``.
+
+    Both are posted at once, so the reply's receive is waiting before the send has even
+    completed. _ServerRefused if the reply is a refusal.
+    """
+    _, reply = await asyncio.gather(send, channel.recv_control(expected_type="reply"))
+    # A refusal of a request the server could not even parse carries id -1; any other stranger
+    # means the stream is out of step, and the connection must go.
+    if reply["request_id"] not in (request_id, UNPARSED_REQUEST_ID):
+        raise _ProtocolError(f"got the reply to request {reply['request_id']} while waiting for {request_id}")
+    if not reply["ok"]:
+        raise _ServerRefused(reply.get("error") or "the server refused the request without saying why")
+    if reply["request_id"] != request_id:
+        raise _ProtocolError(f"got an ok reply with request id {reply['request_id']} while waiting for {request_id}")
+    total_bytes: int = reply["total_bytes"]
+    return total_bytes
+
+
+async def _read_exchange(channel: Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:
+    total_bytes = await _send_and_expect_ok(channel, request_id, channel.send_control(body))
+    expected_bytes = sum(view.nbytes for view in views)
+    if total_bytes != expected_bytes:
+        raise _ProtocolError(f"server announced {total_bytes} bytes for a read of {expected_bytes}")
+    if len(views) == 1:
+        await channel.recv_data(views[0])  # zero copy: straight into the caller's destination
+        return
+    with staging_pool.borrow(total_bytes) as data:
+        await channel.recv_data(data)
+        scatter_views(data, views)
+
+
+async def _write_exchange(channel: Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:
+    total_bytes = await _send_and_expect_ok(channel, request_id, channel.send_control(body))
+    expected_bytes = sum(view.nbytes for view in views)
+    if total_bytes != expected_bytes:
+        raise _ProtocolError(f"server announced {total_bytes} bytes for a write of {expected_bytes}")
+    if len(views) == 1:
+        await _send_and_expect_ok(channel, request_id, channel.send_data(views[0]))  # zero copy: from the source
+        return
+    with staging_pool.borrow(total_bytes) as data:
+        gather_views(views, data)
+        await _send_and_expect_ok(channel, request_id, channel.send_data(data))
+
+
+class UcxClient:
+    """Reads ranges from and writes ranges to remote :class:`UcxServer` s; a blocking, thread-safe facade.
+
+    One endpoint is cached per server address; requests to one server run one at a time (an
+    asyncio lock per endpoint), requests to different servers run concurrently. Every call takes
+    ``timeout_s`` (default: the client's) and raises :class:`TransportError` when it expires.
+    """
+
+    def __init__(
+        self, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._request_ids = itertools.count(1)
+        self._closed = False
+        self._connections: dict[Address, _ClientConnection] = {}  # touched only on the UCX loop
+
+    def read(
+        self,
+        address: Address,
+        ranges: Sequence[tuple[int, int]],
+        dests: Sequence[Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Copy each range of the server's segment into the destination at the same index.
+
+        Each destination is a writable, C-contiguous buffer (bytearray, numpy array, memoryview)
+        of exactly its range's length; ValueError naming the index, before any traffic, if not.
+        """
+        checked = wire.validate_ranges(list(ranges))
+        views = _buffer_views(dests, checked, "dests", as_writable_view)
+        request_id = next(self._request_ids)
+        body = wire.encode({"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]})
+        self._run(
+            address,
+            lambda channel: _read_exchange(channel, request_id, body, views),
+            "read",
+            timeout_s,
+        )
+
+    def write(
+        self,
+        address: Address,
+        keys: Sequence[bytes],
+        ranges: Sequence[tuple[int, int]],
+        sources: Sequence[Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Copy each source into the server's segment at the range of the same index; the server's
+        ``on_write(keys, ranges)`` has run when this returns.
+
+        Each source is a C-contiguous bytes-like object of exactly its range's length.
+        """
+        checked = wire.validate_ranges(list(ranges))
+        views = _buffer_views(sources, checked, "sources", as_bytes_view)
+        request_id = next(self._request_ids)
+        body = wire.encode(
+            {
+                "type": "write_request",
+                "request_id": request_id,
+                "ranges": [list(r) for r in checked],
+                "keys": wire.validate_keys(list(keys)),
+            }
+        )
+        self._run(
+            address,
+            lambda channel: _write_exchange(channel, request_id, body, views),
+            "write",
+            timeout_s,
+        )
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Close every cached endpoint. Idempotent; a closed client refuses further calls."""
+        if self._closed:
+            return
+        self._closed = True
+        unregister_for_shutdown(self)
+        if ucx_loop_running():
+            run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def _close_on_loop(self) -> None:
+        for connection in self._connections.values():
+            connection.drop()
+        self._connections.clear()
+
+    def _run(self, address: Address, operation: _Operation, what: str, timeout_s: float | None) -> None:
+        if self._closed:
+            raise TransportError("UcxClient is closed")
+        host, port = address
+        checked_address = (str(host), int(port))
+        register_for_shutdown(self, UcxClient._close_on_loop)
+        request_timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        try:
+            run_in_ucx_loop(
+                self._request(checked_address, operation, what, request_timeout_s),
+                timeout_s=request_timeout_s + _LOOP_GRACE_S,
+            )
+        except TimeoutError:  # the loop itself did not answer in time (the request's own timeout is inside)
+            raise TransportError(f"{what} {checked_address}: no answer from the UCX loop") from None
+
+    async def _request(self, address: Address, operation: _Operation, what: str, timeout_s: float) -> None:
+        connection = self._connections.get(address)
+        if connection is None:
+            connection = self._connections[address] = _ClientConnection(address, self._connect_timeout_s)
+        try:
+            await asyncio.wait_for(connection.run(operation), timeout_s)
+        except _ServerRefused as error:
+            raise TransportError(f"{what} {address} refused by the server: {error}") from None
+        except _ConnectionFailed as error:
+            raise TransportError(f"{what} {address} failed: {error}") from error.__cause__
+        except asyncio.TimeoutError:
+            raise TransportError(f"{what} {address} timed out after {timeout_s} s") from None
+
+
+def _buffer_views(
+    buffers: Sequence[Any], ranges: list[Range], what: str, as_view: Callable[[object], memoryview]
+) -> list[memoryview]:
+    """Byte views of ``buffers``, each checked against its range's length; errors name the index."""
+    if len(buffers) != len(ranges):
+        raise ValueError(f"{len(ranges)} ranges but {len(buffers)} {what}")
+    views = []
+    for index, (buffer, (_, length)) in enumerate(zip(buffers, ranges)):
+        try:
+            view = as_view(buffer)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{what}[{index}]: {error}") from error
+        if view.nbytes != length:
+            raise ValueError(f"{what}[{index}] holds {view.nbytes} bytes but range {index} has length {length}")
+        views.append(view)
+    return views
