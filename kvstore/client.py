@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,6 +351,24 @@ class KVStoreClient:
         self.segment.close()
 
 
+_PARALLEL_COPY_BYTES = 4 << 20  # runs at least this long are split across two threads
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _memmove_parallel(dst: int, src: int, num_bytes: int) -> None:
+    """memmove, with long runs split in two halves on two threads (``ctypes.memmove`` drops the GIL)."""
+    global _copy_pool
+    if num_bytes < _PARALLEL_COPY_BYTES or (os.cpu_count() or 1) < 2:
+        ctypes.memmove(dst, src, num_bytes)
+        return
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+    half = num_bytes // 2
+    second = _copy_pool.submit(ctypes.memmove, dst + half, src + half, num_bytes - half)
+    ctypes.memmove(dst, src, half)
+    second.result()
+
+
 def _copy_out(segment: Segment, locs: list[Location], dests: list[np.ndarray]) -> None:
     """Copy ranges of a mapped segment into flat uint8 arrays of exactly their sizes.
 
@@ -368,10 +388,10 @@ def _copy_out(segment: Segment, locs: list[Location], dests: list[np.ndarray]) -
             run_bytes += num_bytes
             continue
         if run_bytes:
-            ctypes.memmove(run_dst, base + run_src, run_bytes)
+            _memmove_parallel(run_dst, base + run_src, run_bytes)
         run_src, run_dst, run_bytes = offset, dst, num_bytes
     if run_bytes:
-        ctypes.memmove(run_dst, base + run_src, run_bytes)
+        _memmove_parallel(run_dst, base + run_src, run_bytes)
 
 
 def _flat_destination(buffer: Any) -> np.ndarray:
