@@ -11,10 +11,13 @@ reconnects instead of reading a stale message from a desynchronised stream.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import numpy as np
 
 from rayturn.kvstore import wire
 from rayturn.kvstore.segment import as_bytes_view, as_writable_view
@@ -134,8 +137,9 @@ async def _read_exchange(channel: Channel, request_id: int, body: bytes, views: 
     expected_bytes = sum(view.nbytes for view in views)
     if total_bytes != expected_bytes:
         raise _ProtocolError(f"server announced {total_bytes} bytes for a read of {expected_bytes}")
-    if len(views) == 1:
-        await channel.recv_data(views[0])  # zero copy: straight into the caller's destination
+    span = adjacent_span(views)
+    if span is not None:
+        await channel.recv_data(span)  # zero copy: straight into the caller's destination(s)
         return
     with staging_pool.borrow(total_bytes) as data:
         await channel.recv_data(data)
@@ -147,8 +151,9 @@ async def _write_exchange(channel: Channel, request_id: int, body: bytes, views:
     expected_bytes = sum(view.nbytes for view in views)
     if total_bytes != expected_bytes:
         raise _ProtocolError(f"server announced {total_bytes} bytes for a write of {expected_bytes}")
-    if len(views) == 1:
-        await _send_and_expect_ok(channel, request_id, channel.send_data(views[0]))  # zero copy: from the source
+    span = adjacent_span(views)
+    if span is not None:
+        await _send_and_expect_ok(channel, request_id, channel.send_data(span))  # zero copy: from the source(s)
         return
     with staging_pool.borrow(total_bytes) as data:
         gather_views(views, data)
@@ -277,6 +282,24 @@ class UcxClient:
             raise TransportError(f"{what} {address} failed: {error}") from error.__cause__
         except asyncio.TimeoutError:
             raise TransportError(f"{what} {address} timed out after {timeout_s} s") from None
+
+
+def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:
+    """One view over buffers that lie back to back in memory (rows of one array, say), else None.
+
+    Receiving into (or sending from) that span moves a batch as one message
+    with no staging copy. The caller keeps ``views`` alive, and so the memory.
+    """
+    if len(views) == 1:
+        return views[0]
+    start = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
+    end = start
+    for view in views:
+        if np.frombuffer(view, dtype=np.uint8).ctypes.data != end:
+            return None
+        end += view.nbytes
+    span = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start))
+    return span.data
 
 
 def _buffer_views(
