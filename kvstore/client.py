@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +33,14 @@ from typing import Any
 import numpy as np
 import ray
 
+from .connection import MasterConnection, RayMaster, RemoteClient, RemoteServer, WriteCallback
 from .held_index import HeldIndex
 from .master_state import Location, PutPlan, parse_address
 from .metrics import KVMetrics
 from .segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments, owner_alive
 from .ucx_transport import TransportError, UcxClient, UcxServer
+
+ServerFactory = Callable[[memoryview, WriteCallback], RemoteServer]
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +57,18 @@ class _Peer:
 class KVStoreClient:
     def __init__(
         self,
-        master: Any,
+        master: MasterConnection,
         segment: Segment,
         tenant: str,
         node_id: str,
-        transport: str,
-        ucx_host: str,
-        page_bytes: int | None,
-        heartbeat_interval_s: float,
+        *,
+        transport: str = "auto",
+        page_bytes: int | None = None,
+        heartbeat_interval_s: float = 1.0,
+        server_factory: ServerFactory | None = None,
+        remote_client: RemoteClient | None = None,
     ) -> None:
+        """Production callers use ``connect``; the factories exist so unit tests can run in one process."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.master = master
@@ -73,9 +79,10 @@ class KVStoreClient:
         self.segment_id = f"{node_id[:12]}-{uuid.uuid4().hex[:12]}"
         self.held = HeldIndex()
         self.metrics = KVMetrics(self.segment_id, tenant)
-        self._server = UcxServer(segment.buffer, host=ucx_host, on_write=self._on_remote_write)
+        make_server = server_factory or (lambda buffer, on_write: UcxServer(buffer, on_write=on_write))
+        self._server = make_server(segment.buffer, self._on_remote_write)
         self.ucx_address = self._server.start()
-        self._ucx = UcxClient()
+        self._remote: RemoteClient = remote_client or UcxClient()
         self._peers: dict[str, _Peer] = {}
         self._attached: dict[str, Segment] = {}
         self._page_bytes = page_bytes
@@ -108,30 +115,38 @@ class KVStoreClient:
             logger.info("removed %d stale KV segments left by dead processes", len(removed))
         segment = Segment.create(segment_bytes)
         node_id = ray.get_runtime_context().get_node_id()
-        return cls(master, segment, tenant, node_id, transport, ucx_host, page_bytes, heartbeat_interval_s)
+        return cls(
+            RayMaster(master),
+            segment,
+            tenant,
+            node_id,
+            transport=transport,
+            page_bytes=page_bytes,
+            heartbeat_interval_s=heartbeat_interval_s,
+            server_factory=lambda buffer, on_write: UcxServer(buffer, host=ucx_host, on_write=on_write),
+        )
 
     # -- membership -------------------------------------------------------
 
     def _register(self) -> str:
-        epoch: str = ray.get(
-            self.master.register_segment.remote(
-                self.segment_id,
-                self.node_id,
-                self.segment.name,
-                self.segment.capacity_bytes,
-                self.ucx_address,
-                self._page_bytes,
-            )
+        epoch: str = self.master.call(
+            "register_segment",
+            self.segment_id,
+            self.node_id,
+            self.segment.name,
+            self.segment.capacity_bytes,
+            self.ucx_address,
+            self._page_bytes,
         )
         return epoch
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             try:
-                epoch = ray.get(self.master.heartbeat.remote(self.segment_id), timeout=30)
+                epoch = self.master.call("heartbeat", self.segment_id, timeout_s=30)
                 if epoch is None or epoch != self._epoch:  # master restarted
                     self._epoch = self._register()
-                    adopted = ray.get(self.master.advertise.remote(self.segment_id, self.held.items()))
+                    adopted = self.master.call("advertise", self.segment_id, self.held.items())
                     logger.info("kv master restarted; re-advertised %d objects", adopted)
             except Exception as err:  # the master may be restarting: keep trying
                 logger.debug("kv heartbeat failed: %s", err)
@@ -143,7 +158,7 @@ class KVStoreClient:
 
     def _peer(self, segment_id: str) -> _Peer | None:
         if segment_id not in self._peers:
-            directory = ray.get(self.master.segment_directory.remote())
+            directory = self.master.call("segment_directory")
             for sid, info in directory.items():
                 self._peers[sid] = _Peer(info["node_id"], info["shm_name"], parse_address(info["ucx_address"]))
         return self._peers.get(segment_id)
@@ -161,10 +176,8 @@ class KVStoreClient:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         views = [as_bytes_view(v) for v in values]
-        plans: list[PutPlan] = ray.get(
-            self.master.put_start.remote(
-                list(keys), [v.nbytes for v in views], self.tenant, replicas, self.segment_id, pin_ttl_s
-            )
+        plans: list[PutPlan] = self.master.call(
+            "put_start", list(keys), [v.nbytes for v in views], self.tenant, replicas, self.segment_id, pin_ttl_s
         )
         to_write = [i for i, plan in enumerate(plans) if plan.status == "write"]
         written: list[bytes] = []
@@ -183,8 +196,8 @@ class KVStoreClient:
         for i in to_write:
             (failed if i in failed_indices else written).append(keys[i])
         if failed:
-            ray.get(self.master.put_revoke.remote(failed))
-        committed = dict(zip(written, ray.get(self.master.put_end.remote(written)))) if written else {}
+            self.master.call("put_revoke", failed)
+        committed = dict(zip(written, self.master.call("put_end", written))) if written else {}
         result = []
         for key, plan in zip(keys, plans):
             ok = plan.status == "exists" or committed.get(key, False)
@@ -205,7 +218,7 @@ class KVStoreClient:
         if peer is None or peer.ucx_address is None:
             raise TransportError(f"segment {segment_id} is unknown or has no UCX address")
         ranges = [(location.offset, location.num_bytes) for _, location in items]
-        self._ucx.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items])
+        self._remote.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items])
         self.metrics.bytes_out(sum(n for _, n in ranges))
 
     # -- gets -------------------------------------------------------------
@@ -235,7 +248,7 @@ class KVStoreClient:
         return self._read(locations, dests)
 
     def _locate(self, keys: Sequence[bytes]) -> list[list[Location] | None]:
-        segment_ids, flat = ray.get(self.master.get_locations.remote(list(keys), self.node_id))
+        segment_ids, flat = self.master.call("get_locations", list(keys), self.node_id)
         return [
             None
             if entry is None
@@ -279,7 +292,7 @@ class KVStoreClient:
                     return True
             if peer.ucx_address is None:
                 return False
-            self._ucx.read(peer.ucx_address, [(loc.offset, loc.num_bytes) for loc in locs], list(dests))
+            self._remote.read(peer.ucx_address, [(loc.offset, loc.num_bytes) for loc in locs], list(dests))
             self.metrics.bytes_in(num_bytes)
             return True
         except (TransportError, OSError, ValueError) as err:
@@ -290,7 +303,7 @@ class KVStoreClient:
         """The peer's shared memory, if its owner process is alive (a dead owner's pages are lost)."""
         if not owner_alive(peer.shm_name):
             self._attached.pop(segment_id, None)
-            self.master.drop_segment.remote(segment_id)
+            self.master.notify("drop_segment", segment_id)
             return None
         if segment_id not in self._attached:
             self._attached[segment_id] = Segment.attach(peer.shm_name)
@@ -300,17 +313,17 @@ class KVStoreClient:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         _check_keys(keys)
-        result: list[bool] = ray.get(self.master.exists.remote(list(keys)))
+        result: list[bool] = self.master.call("exists", list(keys))
         return result
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         _check_keys(keys)
-        count: int = ray.get(self.master.longest_prefix.remote(list(keys)))
+        count: int = self.master.call("longest_prefix", list(keys))
         return count
 
     def remove(self, keys: Sequence[bytes]) -> int:
         _check_keys(keys)
-        removed: int = ray.get(self.master.remove.remote(list(keys)))
+        removed: int = self.master.call("remove", list(keys))
         return removed
 
     def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
@@ -318,14 +331,14 @@ class KVStoreClient:
         _check_keys(keys)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
-        ray.get(self.master.pin.remote(list(keys), ttl_s))
+        self.master.call("pin", list(keys), ttl_s)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         _check_keys(keys)
-        ray.get(self.master.unpin.remote(list(keys)))
+        self.master.call("unpin", list(keys))
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = ray.get(self.master.stats.remote())
+        stats: dict[str, Any] = self.master.call("stats")
         stats["client"] = {
             "segment_id": self.segment_id,
             "held_objects": len(self.held),
@@ -341,14 +354,18 @@ class KVStoreClient:
         self._stop.set()
         self._heartbeat.join(timeout=5)
         try:
-            ray.get(self.master.drop_segment.remote(self.segment_id), timeout=10)
+            self.master.call("drop_segment", self.segment_id, timeout_s=10)
         except Exception as err:
             logger.debug("kv drop_segment on close failed: %s", err)
         self._server.stop()
-        self._ucx.close()
-        for shared in self._attached.values():
-            shared.close()
-        self.segment.close()
+        self._remote.close()
+        segments = [*self._attached.values(), self.segment]
+        self._attached.clear()
+        for segment in segments:
+            try:
+                segment.close()
+            except BufferError as err:  # a caller still holds a view: unmapped when it is dropped
+                logger.debug("kv segment close deferred: %s", err)
 
 
 _PARALLEL_COPY_BYTES = 4 << 20  # runs at least this long are split across two threads

@@ -151,6 +151,7 @@ class UcxServer:
         unregister_for_shutdown(self)
         if was_running and ucx_loop_running():
             run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
+        self._segment = memoryview(b"")  # release the segment's memory so its owner can unmap it
 
     def __enter__(self) -> Self:
         self.start()

@@ -1,0 +1,158 @@
+"""How a client reaches the master and other owners' segments: production or in-process.
+
+``KVStoreClient`` talks to the master through a ``MasterConnection`` and to
+remote segments through a ``RemoteServer`` / ``RemoteClient`` pair. In
+production these are the Ray actor (``RayMaster``) and UCX
+(``UcxServer``/``UcxClient``). ``LocalMaster`` and the in-process transport
+run the same master code and the same client code inside one process, for
+unit tests only: they never cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import ray
+
+from .master import KVMaster
+from .segment import as_bytes_view
+from .ucx_transport import TransportError
+
+Address = tuple[str, int]
+WriteCallback = Callable[[list[bytes], list[tuple[int, int]]], None]
+
+
+class MasterConnection(Protocol):
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Run a master method and return its result."""
+
+    def notify(self, method: str, *args: Any) -> None:
+        """Run a master method without waiting for it."""
+
+
+class RemoteServer(Protocol):
+    def start(self) -> Address: ...
+
+    def stop(self) -> None: ...
+
+
+class RemoteClient(Protocol):
+    def read(self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any]) -> None: ...
+
+    def write(
+        self, address: Address, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]], sources: Sequence[Any]
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RayMaster:
+    """The master actor, called through Ray."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
+
+    def notify(self, method: str, *args: Any) -> None:
+        getattr(self.handle, method).remote(*args)
+
+
+class LocalMaster:
+    """A ``KVMaster`` on a private event loop thread of this process (unit tests)."""
+
+    def __init__(self, master: KVMaster | None = None) -> None:
+        self.master = master or KVMaster()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-local-master", daemon=True)
+        self._thread.start()
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        coroutine = getattr(self.master, method)(*args)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def notify(self, method: str, *args: Any) -> None:
+        asyncio.run_coroutine_threadsafe(getattr(self.master, method)(*args), self._loop)
+
+    def close(self) -> None:
+        """Cancel the master's housekeeping and stop the loop thread."""
+        asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+async def _cancel_other_tasks() -> None:
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            task.cancel()
+
+
+_in_process_servers: dict[Address, InProcessServer] = {}
+_ports = itertools.count(1)
+
+
+class InProcessServer:
+    """Serves a segment buffer to ``InProcessClient`` in the same process (unit tests)."""
+
+    def __init__(self, buffer: memoryview, *, on_write: WriteCallback | None = None) -> None:
+        self.array: np.ndarray = np.frombuffer(buffer, dtype=np.uint8)
+        self.on_write = on_write
+        self.address: Address | None = None
+
+    def start(self) -> Address:
+        self.address = ("in-process", next(_ports))
+        _in_process_servers[self.address] = self
+        return self.address
+
+    def stop(self) -> None:
+        if self.address is not None:
+            _in_process_servers.pop(self.address, None)
+        self.array = np.empty(0, dtype=np.uint8)  # release the segment's memory
+
+    def check(self, ranges: Sequence[tuple[int, int]]) -> None:
+        for index, (offset, length) in enumerate(ranges):
+            if offset < 0 or length <= 0 or offset + length > self.array.size:
+                raise TransportError(f"range {index} ({offset}, {length}) lies beyond the segment")
+
+
+class InProcessClient:
+    """Reads and writes ``InProcessServer`` segments by address, with the UCX client's checks."""
+
+    def read(self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any]) -> None:
+        server = _server_at(address)
+        server.check(ranges)
+        for (offset, length), dest in zip(ranges, dests):
+            target = np.frombuffer(dest, dtype=np.uint8) if not isinstance(dest, np.ndarray) else dest.view(np.uint8)
+            if target.nbytes != length:
+                raise ValueError(f"destination holds {target.nbytes} bytes but the range has {length}")
+            np.copyto(target.reshape(-1), server.array[offset : offset + length])
+
+    def write(
+        self, address: Address, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]], sources: Sequence[Any]
+    ) -> None:
+        server = _server_at(address)
+        server.check(ranges)
+        for (offset, length), source in zip(ranges, sources):
+            data = np.frombuffer(as_bytes_view(source), dtype=np.uint8)
+            if data.nbytes != length:
+                raise ValueError(f"source holds {data.nbytes} bytes but the range has {length}")
+            server.array[offset : offset + length] = data
+        if server.on_write is not None:
+            server.on_write(list(keys), list(ranges))
+
+    def close(self) -> None:
+        pass
+
+
+def _server_at(address: Address) -> InProcessServer:
+    server = _in_process_servers.get(tuple(address))  # type: ignore[arg-type]
+    if server is None:
+        raise TransportError(f"no in-process server at {address}")
+    return server

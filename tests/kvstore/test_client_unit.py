@@ -1,0 +1,130 @@
+"""KVStoreClient logic in one process: the real master code on a local loop, the in-process transport.
+
+Integration tests (``test_kvstore_ray.py``) cover the same paths with real Ray
+actors and UCX; these pin down the client's own decisions quickly: which path
+a read takes, what a write records, how a restart is survived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from rayturn.kvstore.client import KVStoreClient
+from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster
+from rayturn.kvstore.master import KVMaster
+from rayturn.kvstore.master_state import MasterConfig
+from rayturn.kvstore.segment import Segment
+
+PAGE = 4096
+SEGMENT = 64 * PAGE
+
+
+def page(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def master() -> Iterator[LocalMaster]:
+    local = LocalMaster(KVMaster(MasterConfig(heartbeat_timeout_s=2.0)))
+    yield local
+    local.close()
+
+
+@pytest.fixture
+def make_client(master: LocalMaster) -> Iterator[Callable[..., KVStoreClient]]:
+    clients: list[KVStoreClient] = []
+
+    def make(node_id: str, transport: str = "auto", connection: LocalMaster | None = None) -> KVStoreClient:
+        client = KVStoreClient(
+            connection or master,
+            Segment.create(SEGMENT),
+            "default",
+            node_id,
+            transport=transport,
+            page_bytes=PAGE,
+            heartbeat_interval_s=0.2,
+            server_factory=lambda buffer, on_write: InProcessServer(buffer, on_write=on_write),
+            remote_client=InProcessClient(),
+        )
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def test_same_node_reads_come_from_shared_memory(make_client: Callable[..., KVStoreClient]) -> None:
+    writer, reader = make_client("node-a"), make_client("node-a")
+    assert writer.put_batch([b"k0", b"k1"], [page(0), page(1)]) == [True, True]
+    assert reader.get_batch([b"k0", b"k1", b"nope"]) == [page(0), page(1), None]
+    assert writer.segment.name in {s.name for s in reader._attached.values()}
+    assert reader.stats()["client"]["bytes_in"] == 2 * PAGE
+
+
+def test_cross_node_reads_and_replica_writes_use_the_remote_transport(
+    make_client: Callable[..., KVStoreClient],
+) -> None:
+    writer, other, reader = make_client("node-a"), make_client("node-b"), make_client("node-c")
+    assert writer.put_batch([b"r"], [page(3)], replicas=2) == [True]
+    # The second replica went to the other node through its owner, who recorded it.
+    assert [key for key, *_ in other.held.items()] == [b"r"]
+    assert [key for key, *_ in writer.held.items()] == [b"r"]
+    assert writer.stats()["client"]["bytes_out"] == PAGE
+    buffer = np.zeros(PAGE, dtype=np.uint8)
+    assert reader.get_into([b"r"], [buffer]) == [True]
+    assert buffer.tobytes() == page(3)
+    assert reader._attached == {}  # nothing on node-c was mapped
+
+
+def test_forced_ucx_path_never_maps_peers(make_client: Callable[..., KVStoreClient]) -> None:
+    writer, reader = make_client("node-a"), make_client("node-a", transport="ucx")
+    writer.put(b"x", page(4))
+    assert reader.get(b"x") == page(4)
+    assert reader._attached == {}
+
+
+def test_reads_fall_back_to_the_next_replica(make_client: Callable[..., KVStoreClient]) -> None:
+    first, second, reader = make_client("node-a"), make_client("node-b"), make_client("node-c")
+    first.put_batch([b"two"], [page(5)], replicas=2)
+    assert [key for key, *_ in second.held.items()] == [b"two"]
+    first._server.stop()  # its owner stops answering before the master notices
+    assert reader.get(b"two") == page(5)
+
+
+def test_closed_owner_makes_its_pages_misses(make_client: Callable[..., KVStoreClient]) -> None:
+    owner, reader = make_client("node-a"), make_client("node-b")
+    owner.put(b"gone", page(6))
+    owner.close()
+    assert reader.get(b"gone") is None
+    assert reader.exists([b"gone"]) == [False]
+
+
+def test_wrong_buffer_and_bad_keys_are_value_errors(make_client: Callable[..., KVStoreClient]) -> None:
+    client = make_client("node-a")
+    client.put(b"k", page(7))
+    with pytest.raises(ValueError, match="buffer 0 has 10 bytes"):
+        client.get_into([b"k"], [np.zeros(10, dtype=np.uint8)])
+    with pytest.raises(ValueError, match="key 1 must be non-empty bytes"):
+        client.exists([b"k", b""])
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_client("node-a", transport="carrier-pigeon")
+    assert client.get(b"k") == page(7)
+
+
+def test_owner_readvertises_after_a_master_restart(
+    master: LocalMaster, make_client: Callable[..., KVStoreClient]
+) -> None:
+    owner = make_client("node-a")
+    owner.put_batch([b"a", b"b"], [page(8), page(9)])
+    # A new master with no snapshot: only the owner's re-advertisement can bring the keys back.
+    master.master = KVMaster(MasterConfig(heartbeat_timeout_s=2.0))
+    deadline = time.monotonic() + 10
+    while owner.exists([b"a", b"b"]) != [True, True]:
+        assert time.monotonic() < deadline, "owner did not re-advertise"
+        time.sleep(0.1)
+    assert owner.get_batch([b"a", b"b"]) == [page(8), page(9)]
