@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +38,7 @@ from .held_index import HeldIndex
 from .master_state import Location, PutPlan, parse_address
 from .metrics import KVMetrics
 from .segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments, owner_alive
-from .ucx_transport import TransportError, UcxClient, UcxServer
+from .ucx_transport import TransportError, UcxClient, UcxServer, init_ucx
 
 ServerFactory = Callable[[memoryview, WriteCallback], RemoteServer]
 
@@ -103,12 +103,21 @@ class KVStoreClient:
         namespace: str | None = None,
         transport: str = "auto",
         ucx_host: str = "127.0.0.1",
+        ucx_port: int = 0,
+        ucx_config: Mapping[str, str] | None = None,
         page_bytes: int | None = None,
         heartbeat_interval_s: float = 1.0,
     ) -> KVStoreClient:
-        """Join the store run by the named master (inside a Ray session), contributing a segment."""
+        """Join the store run by the named master (inside a Ray session), contributing a segment.
+
+        ``ucx_host``/``ucx_port`` are where this worker's segment is served (port 0: any free
+        one); ``ucx_config`` sets UCX options such as ``{"TLS": "rc,tcp,self", "NET_DEVICES":
+        "mlx5_0:1"}`` and must come before this process first uses UCX.
+        """
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
+        if ucx_config:
+            init_ucx(ucx_config)
         master = ray.get_actor(master_name, namespace=namespace)
         removed = cleanup_stale_segments()
         if removed:
@@ -123,7 +132,7 @@ class KVStoreClient:
             transport=transport,
             page_bytes=page_bytes,
             heartbeat_interval_s=heartbeat_interval_s,
-            server_factory=lambda buffer, on_write: UcxServer(buffer, host=ucx_host, on_write=on_write),
+            server_factory=lambda buffer, on_write: UcxServer(buffer, host=ucx_host, port=ucx_port, on_write=on_write),
         )
 
     # -- membership -------------------------------------------------------

@@ -28,9 +28,20 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @ray.remote(num_cpus=0.1)
 class StoreWorker:
-    def __init__(self, master_name: str, transport: str = "auto", segment_bytes: int = SEGMENT) -> None:
+    def __init__(
+        self,
+        master_name: str,
+        transport: str = "auto",
+        segment_bytes: int = SEGMENT,
+        ucx_config: dict[str, str] | None = None,
+    ) -> None:
         self.client = KVStoreClient.connect(
-            master_name, segment_bytes, transport=transport, heartbeat_interval_s=0.5, page_bytes=PAGE
+            master_name,
+            segment_bytes,
+            transport=transport,
+            heartbeat_interval_s=0.5,
+            page_bytes=PAGE,
+            ucx_config=ucx_config,
         )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -48,6 +59,9 @@ class StoreWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
 
 
 def page(seed: int, num_bytes: int = PAGE) -> bytes:
@@ -186,3 +200,14 @@ def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(ray.exceptions.RayTaskError, match="2 keys but 1 values"):
         ray.get(worker.call.remote("put_batch", [b"a", b"b"], [page(1)]))
     assert ray.get(worker.call.remote("get", b"k")) == page(1)  # still serving
+
+
+def test_ucx_settings_come_from_the_caller() -> None:
+    master_name = "kv-ucx-config"
+    start_master(master_name, config=CONFIG)
+    tcp_only = {"TLS": "tcp,self"}
+    writer = StoreWorker.remote(master_name, "ucx", SEGMENT, tcp_only)
+    reader = StoreWorker.remote(master_name, "ucx", SEGMENT, tcp_only)
+    assert ray.get(reader.env.remote("UCX_TLS")) == "tcp,self"
+    assert ray.get(writer.call.remote("put", b"over-tcp", page(11)))
+    assert ray.get(reader.call.remote("get", b"over-tcp")) == page(11)
