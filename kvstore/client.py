@@ -257,7 +257,7 @@ class KVStoreClient:
         return self._read(locations, dests)
 
     def _locate(self, keys: Sequence[bytes]) -> list[list[Location] | None]:
-        segment_ids, flat = self.master.call("get_locations", list(keys), self.node_id)
+        segment_ids, flat = self.master.call("get_locations", list(keys), self.node_id, self.tenant)
         return [
             None
             if entry is None

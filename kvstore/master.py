@@ -113,14 +113,14 @@ class KVMaster:
         self.state.put_revoke(keys)
 
     async def get_locations(
-        self, keys: Sequence[bytes], reader_node_id: str | None
+        self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str = "default"
     ) -> tuple[list[str], list[list[int] | None]]:
         """Replica locations, compact: a segment-id table and per key flat ``[segment index, offset,
         num_bytes, ...]`` (best replica first), or None for a miss. Plain ints cross Ray cheaply."""
         self._ensure_started()
         table: dict[str, int] = {}
         flat: list[list[int] | None] = []
-        for replicas in self.state.get_locations(keys, reader_node_id):
+        for replicas in self.state.get_locations(keys, reader_node_id, reader_tenant):
             if replicas is None:
                 flat.append(None)
                 continue

@@ -54,8 +54,15 @@ class MasterState:
         self.objects: dict[bytes, ObjectMeta] = {}
         self.tenant_bytes: dict[str, int] = {}
         self.counters = Counters()
+        self.tenant_counters: dict[str, Counters] = {}
         # Space of removed-but-leased replicas, freed when the lease ends.
-        self._deferred: list[tuple[float, Location]] = []
+        self._deferred: list[tuple[float, Location, str]] = []  # (lease end, replica, tenant)
+
+    def _count(self, name: str, tenant: str) -> None:
+        """Bump a counter store-wide and for one tenant."""
+        setattr(self.counters, name, getattr(self.counters, name) + 1)
+        per_tenant = self.tenant_counters.setdefault(tenant, Counters())
+        setattr(per_tenant, name, getattr(per_tenant, name) + 1)
 
     # -- segments ---------------------------------------------------------
 
@@ -125,7 +132,7 @@ class MasterState:
                 meta.replicas = kept
                 if not kept:
                     self._forget(key, meta)
-        self._deferred = [(t, loc) for t, loc in self._deferred if loc.segment_id != segment_id]
+        self._deferred = [entry for entry in self._deferred if entry[1].segment_id != segment_id]
 
     # -- puts -------------------------------------------------------------
 
@@ -153,12 +160,12 @@ class MasterState:
                 plans.append(PutPlan("exists"))
                 continue
             if not self._make_quota_room(tenant, num_bytes):
-                self.counters.put_failures += 1
+                self._count("put_failures", tenant)
                 plans.append(PutPlan("quota"))
                 continue
             locations = self._place(num_bytes, replicas, preferred_segment_id)
             if not locations:
-                self.counters.put_failures += 1
+                self._count("put_failures", tenant)
                 plans.append(PutPlan("no_space"))
                 continue
             self.objects[key] = ObjectMeta(
@@ -187,7 +194,7 @@ class MasterState:
             meta.last_access_s = now
             if meta.pin_ttl_on_complete_s is not None:
                 meta.pin_until_s = now + meta.pin_ttl_on_complete_s
-            self.counters.puts += 1
+            self._count("puts", meta.tenant)
             done.append(True)
         return done
 
@@ -195,7 +202,7 @@ class MasterState:
         for key in keys:
             meta = self.objects.get(key)
             if meta is not None and meta.state is ObjectState.PENDING:
-                self.counters.put_failures += 1
+                self._count("put_failures", meta.tenant)
                 self._forget(key, meta)
 
     def _place(self, num_bytes: int, replicas: int, preferred: str | None) -> list[Location]:
@@ -226,17 +233,22 @@ class MasterState:
 
     # -- reads ------------------------------------------------------------
 
-    def get_locations(self, keys: Sequence[bytes], reader_node_id: str | None = None) -> list[list[Location] | None]:
-        """Replicas of each complete object (same-node first), each read under a fresh lease."""
+    def get_locations(
+        self, keys: Sequence[bytes], reader_node_id: str | None = None, reader_tenant: str = "default"
+    ) -> list[list[Location] | None]:
+        """Replicas of each complete object (same-node first), each read under a fresh lease.
+
+        Hits count for the object's tenant, misses for the reader's.
+        """
         now = self.clock()
         out: list[list[Location] | None] = []
         for key in keys:
             meta = self.objects.get(key)
             if meta is None or meta.state is not ObjectState.COMPLETE or not meta.replicas:
-                self.counters.misses += 1
+                self._count("misses", reader_tenant)
                 out.append(None)
                 continue
-            self.counters.hits += 1
+            self._count("hits", meta.tenant)
             meta.last_access_s = now
             meta.lease_until_s = max(meta.lease_until_s, now + self.config.lease_ttl_s)
             out.append(sorted(meta.replicas, key=lambda loc: self.segments[loc.segment_id].node_id != reader_node_id))
@@ -296,7 +308,7 @@ class MasterState:
         now = self.clock()
         for location in meta.replicas:
             if meta.lease_until_s > now:
-                self._deferred.append((meta.lease_until_s, location))
+                self._deferred.append((meta.lease_until_s, location, meta.tenant))
             else:
                 self._free(location)
 
@@ -329,7 +341,7 @@ class MasterState:
         return evicted
 
     def _evict_replica(self, key: bytes, meta: ObjectMeta, segment_id: str) -> None:
-        self.counters.evictions += 1
+        self._count("evictions", meta.tenant)
         if len(meta.replicas) == 1:
             self._forget(key, meta)
             return
@@ -355,7 +367,7 @@ class MasterState:
             if over <= 0:
                 break
             over -= meta.num_bytes
-            self.counters.evictions += 1
+            self._count("evictions", tenant)
             self._forget(key, meta)
         return over <= 0
 
@@ -366,16 +378,16 @@ class MasterState:
         now = self.clock()
         for key, meta in list(self.objects.items()):
             if meta.state is ObjectState.PENDING and meta.put_deadline_s <= now:
-                self.counters.reclaimed_puts += 1
-                self.counters.put_failures += 1
+                self._count("reclaimed_puts", meta.tenant)
+                self._count("put_failures", meta.tenant)
                 self._forget(key, meta)
         still_leased = []
-        for until_s, location in self._deferred:
+        for until_s, location, tenant in self._deferred:
             if until_s <= now:
-                self.counters.lease_expiries += 1
+                self._count("lease_expiries", tenant)
                 self._free(location)
             else:
-                still_leased.append((until_s, location))
+                still_leased.append((until_s, location, tenant))
         self._deferred = still_leased
         for segment in list(self.segments.values()):
             if now - segment.last_heartbeat_s > self.config.heartbeat_timeout_s:
@@ -385,12 +397,13 @@ class MasterState:
                 self._evict(segment)
 
     def stats(self) -> dict[str, Any]:
-        counters = {name: getattr(self.counters, name) for name in Counters.__dataclass_fields__}
+        counters = _as_dict(self.counters)
         return {
             "epoch": self.epoch,
             "objects": len(self.objects),
             "complete_objects": sum(1 for m in self.objects.values() if m.state is ObjectState.COMPLETE),
             "tenant_bytes": dict(self.tenant_bytes),
+            "tenants": {tenant: _as_dict(counters) for tenant, counters in self.tenant_counters.items()},
             "segments": {
                 sid: {
                     "node_id": s.node_id,
@@ -441,3 +454,7 @@ class MasterState:
                 self.advertise(segment_id, [(key, tenant, offset, length)])
             if key in self.objects:
                 self.objects[key].hard_pinned = bool(hard_pinned)
+
+
+def _as_dict(counters: Counters) -> dict[str, int]:
+    return {name: getattr(counters, name) for name in Counters.__dataclass_fields__}

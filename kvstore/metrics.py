@@ -1,8 +1,9 @@
 """KV store metrics, exported through Ray's metrics agent (``rayturn_kv_*``).
 
 Clients count the bytes they move per segment and tenant; the master
-publishes what only it knows (hits, misses, evictions, lease expiries, put
-failures, pages stored and bytes used per segment) on every housekeeping tick.
+publishes what only it knows on every housekeeping tick: hits, misses,
+evictions, lease expiries and put failures per tenant, bytes used per segment,
+objects stored.
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ class MasterMetrics:
 
     def __init__(self) -> None:
         self._counters = {
-            name: metrics.Counter(f"rayturn_kv_{name}_total", description=f"KV store {name.replace('_', ' ')}")
+            name: metrics.Counter(
+                f"rayturn_kv_{name}_total", description=f"KV store {name.replace('_', ' ')}", tag_keys=("tenant",)
+            )
             for name in self.COUNTERS
         }
-        self._last = dict.fromkeys(self.COUNTERS, 0)
+        self._last: dict[tuple[str, str], int] = {}
         self._used_bytes = metrics.Gauge(
             "rayturn_kv_segment_used_bytes", description="Bytes allocated in a KV segment", tag_keys=("segment",)
         )
@@ -72,11 +75,12 @@ class MasterMetrics:
         )
 
     def publish(self, stats: dict[str, Any]) -> None:
-        for name in self.COUNTERS:
-            delta = stats[name] - self._last[name]
-            if delta > 0:
-                self._counters[name].inc(delta)
-            self._last[name] = stats[name]
+        for tenant, counters in stats["tenants"].items():
+            for name in self.COUNTERS:
+                delta = counters[name] - self._last.get((tenant, name), 0)
+                if delta > 0:
+                    self._counters[name].inc(delta, tags={"tenant": tenant})
+                self._last[(tenant, name)] = counters[name]
         self._objects.set(stats["complete_objects"])
         for segment_id, segment in stats["segments"].items():
             self._used_bytes.set(segment["used_bytes"], tags={"segment": segment_id})

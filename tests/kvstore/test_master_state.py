@@ -189,3 +189,22 @@ def test_snapshot_restore_and_readvertise_after_restart() -> None:
     assert restarted.exists([b"late", b"stale"]) == [True, False]
     assert pending.status == "write"
     assert restarted.objects[b"a"].state is ObjectState.COMPLETE
+
+
+def test_counters_are_kept_per_tenant() -> None:
+    state, clock = make(capacity=2 * PAGE, lease_ttl_s=1.0, high_watermark=1.0, low_watermark=0.5)
+    state.put_start([b"a"], [PAGE], "alice")
+    state.put_end([b"a"])
+    state.put_start([b"b"], [PAGE], "bob")
+    state.put_end([b"b"])
+    state.get_locations([b"a", b"missing"], reader_tenant="bob")  # a hit for alice's object, bob's miss
+    state.remove([b"a"])  # leased: its space waits for the lease
+    clock.now_s += 2
+    state.tick()
+    clock.now_s += 1
+    assert state.put_start([b"c"], [PAGE], "carol")[0].status == "write"  # takes alice's freed page
+    assert state.put_start([b"d"], [PAGE], "carol")[0].status == "write"  # evicts bob's object
+    tenants = state.stats()["tenants"]
+    assert (tenants["alice"]["hits"], tenants["alice"]["lease_expiries"], tenants["alice"]["puts"]) == (1, 1, 1)
+    assert (tenants["bob"]["misses"], tenants["bob"]["evictions"]) == (1, 1)
+    assert state.stats()["hits"] == 1 and state.stats()["evictions"] == 1
