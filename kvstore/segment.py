@@ -108,6 +108,15 @@ def _tensor_as_array(tensor: Any) -> np.ndarray:
     try:
         array = tensor.numpy()
     except (TypeError, RuntimeError) as error:
+        # numpy has no bfloat16 (nor float8): view such a tensor's bytes as uint8. A tensor in
+        # hand means its library is imported already, so this looks it up rather than importing.
+        library = sys.modules.get(type(tensor).__module__.split(".")[0])
+        uint8 = getattr(library, "uint8", None)
+        if uint8 is not None and callable(getattr(tensor, "view", None)):
+            try:
+                return np.asarray(tensor.view(uint8).numpy())
+            except (TypeError, RuntimeError):
+                pass
         raise TypeError(
             f"cannot view {type(tensor).__name__} through .numpy() ({error}); pass a CPU tensor, "
             "viewed as an integer dtype when numpy lacks its dtype (bfloat16: tensor.view(torch.uint8))"

@@ -406,3 +406,15 @@ def test_cleanup_removes_segments_of_killed_owners_only(tmp_path: Path, segment:
     assert not (SHM_DIR / stale_name).exists()
     assert (SHM_DIR / segment.name).exists()  # ours: the owner is alive
     assert cleanup_stale_segments(PREFIX) == []
+
+
+def test_bfloat16_torch_tensors_move_as_their_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    pages = torch.randn(2, 16, dtype=torch.bfloat16)
+    with Segment.create(1024) as segment:
+        segment.write(0, pages)
+        landed = torch.zeros_like(pages)
+        segment.read_into(0, landed)
+    assert torch.equal(landed, pages)
+    as_writable_view(pages)[:2] = b"\x00\x00"  # the view is the tensor's own memory
+    assert pages[0, 0].item() == 0.0
