@@ -206,30 +206,40 @@ class MasterState:
                 self._forget(key, meta)
 
     def _place(self, num_bytes: int, replicas: int, preferred: str | None) -> list[Location]:
-        """Allocate up to ``replicas`` copies on different segments, preferring different nodes."""
+        """Allocate up to ``replicas`` copies on different segments, preferring different nodes.
+
+        A copy goes to the first segment (the writer's own first) that stays under the high
+        watermark with it, else to any with room, and only when none has room does a segment evict:
+        space on a store node beats evicting the writer's own pages.
+        """
         chosen: list[Location] = []
         used_nodes: set[str] = set()
         for _ in range(replicas):
             candidates = [s for s in self.segments.values() if all(loc.segment_id != s.segment_id for loc in chosen)]
             candidates.sort(key=lambda s: (s.segment_id != preferred, s.node_id in used_nodes, s.allocator.usage))
-            for segment in candidates:
-                offset = self._allocate(segment, num_bytes)
-                if offset is not None:
-                    chosen.append(Location(segment.segment_id, offset, num_bytes))
-                    used_nodes.add(segment.node_id)
-                    break
-            else:
+            placed = self._allocate_somewhere(candidates, num_bytes)
+            if placed is None:
                 break  # best effort: fewer replicas than asked
+            segment, offset = placed
+            chosen.append(Location(segment.segment_id, offset, num_bytes))
+            used_nodes.add(segment.node_id)
+            if segment.allocator.usage > self.config.high_watermark:
+                self._evict(segment)
         return chosen
 
-    def _allocate(self, segment: SegmentInfo, num_bytes: int) -> int | None:
-        offset = segment.allocator.allocate(num_bytes)
-        if offset is None:  # evict before failing
+    def _allocate_somewhere(self, candidates: list[SegmentInfo], num_bytes: int) -> tuple[SegmentInfo, int] | None:
+        high = self.config.high_watermark
+        roomy = [s for s in candidates if s.allocator.used_bytes + num_bytes <= high * s.allocator.capacity_bytes]
+        for segment in roomy + [s for s in candidates if s not in roomy]:
+            offset = segment.allocator.allocate(num_bytes)
+            if offset is not None:
+                return segment, offset
+        for segment in candidates:  # nowhere has room: evict, then allocate
             self._evict(segment, need_bytes=num_bytes)
             offset = segment.allocator.allocate(num_bytes)
-        if offset is not None and segment.allocator.usage > self.config.high_watermark:
-            self._evict(segment)
-        return offset
+            if offset is not None:
+                return segment, offset
+        return None
 
     # -- reads ------------------------------------------------------------
 

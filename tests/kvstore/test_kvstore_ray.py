@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rayturn.kvstore import KVStoreClient, MasterConfig, start_master  # noqa: E402
+from rayturn.kvstore import KVStoreClient, MasterConfig, start_master, start_store_nodes  # noqa: E402
 
 PAGE = 32 << 10
 SEGMENT = 4 << 20
@@ -211,3 +211,16 @@ def test_ucx_settings_come_from_the_caller() -> None:
     assert ray.get(reader.env.remote("UCX_TLS")) == "tcp,self"
     assert ray.get(writer.call.remote("put", b"over-tcp", page(11)))
     assert ray.get(reader.call.remote("get", b"over-tcp")) == page(11)
+
+
+def test_puts_spill_to_a_store_node_before_evicting() -> None:
+    master_name = "kv-store-node"
+    master = start_master(master_name, config=CONFIG)
+    (node,) = start_store_nodes(master_name, 1, 64 * PAGE, namespace="kvstore-tests", page_bytes=PAGE)
+    worker = StoreWorker.remote(master_name, "auto", 10 * PAGE)
+    keys = keys_for("spill", 30)  # three times the worker's own segment
+    assert ray.get(worker.call.remote("put_batch", keys, [page(i) for i in range(30)])) == [True] * 30
+    assert ray.get(master.stats.remote())["evictions"] == 0
+    assert ray.get(node.held_objects.remote()) == 21  # 9 stay home (90%), the rest go through the node's server
+    reader = StoreWorker.remote(master_name)
+    assert ray.get(reader.call.remote("get_batch", keys)) == [page(i) for i in range(30)]

@@ -208,3 +208,14 @@ def test_counters_are_kept_per_tenant() -> None:
     assert (tenants["alice"]["hits"], tenants["alice"]["lease_expiries"], tenants["alice"]["puts"]) == (1, 1, 1)
     assert (tenants["bob"]["misses"], tenants["bob"]["evictions"]) == (1, 1)
     assert state.stats()["hits"] == 1 and state.stats()["evictions"] == 1
+
+
+def test_a_full_writer_spills_to_a_segment_with_room_before_evicting() -> None:
+    state, _ = make(capacity=10 * PAGE, segments=2)
+    keys = [bytes([i]) for i in range(12)]
+    for key in keys:
+        put(state, [key], preferred_segment_id="seg0")
+    where = {key: state.objects[key].replicas[0].segment_id for key in keys}
+    assert [where[k] for k in keys[:9]] == ["seg0"] * 9  # up to the high watermark at home
+    assert [where[k] for k in keys[9:]] == ["seg1"] * 3  # then on the segment with room
+    assert state.counters.evictions == 0 and all(state.exists(keys))
