@@ -69,8 +69,8 @@ class ModelRunner:
             end = start + chunk.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            page_ids = [page.page_id for page in seq.pages]
-            slots.extend(page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+            pages = seq.pages  # only the pages this chunk writes are touched: a decode costs O(1) here
+            slots.extend(pages[p // page_size].page_id * page_size + p % page_size for p in range(start, end))
             if chunk.samples:
                 logit_rows.append(len(input_ids) - 1)
 
