@@ -7,19 +7,12 @@ of up to ~2000 tokens, in bfloat16 and float32. Skipped without a GPU.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Skip before anything imports triton: on CPU-only runs the interpreter
-    # tests need to set TRITON_INTERPRET first.
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 pytest.importorskip("triton")
-# The tests tree has no packages (import mode "importlib"): make the shared helpers importable.
-sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 
 from triton_cases import (
     CacheSpec,

@@ -2,24 +2,16 @@
 
 Without a GPU the kernels run on CPU tensors under the Triton interpreter.
 ``triton.jit`` decides between compiling and interpreting when a kernel is
-decorated, so TRITON_INTERPRET must be set before the backend module is
-imported.
+decorated, so ``tests/conftest.py`` sets TRITON_INTERPRET before any test
+module imports Triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-# The tests tree has no packages (import mode "importlib"): make the shared helpers importable.
-sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_cases import (
     CacheSpec,
