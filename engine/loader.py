@@ -106,4 +106,5 @@ def load_model(
         raise
     except ValueError as err:  # an unexpected, misshapen or missing tensor
         raise ValueError(f"{source[0]}: {err}") from None
+    model.prepare()
     return model.eval()

@@ -31,6 +31,28 @@ class ForwardBatch:
     prefill: PrefillBatch | None
 
 
+class Linear(nn.Module):
+    """``nn.Linear``'s parameters (and names), computed by the kernel backend.
+
+    ``prepare`` hands the loaded weight to the backend once, which may keep a
+    copy in a faster layout; until then (and for backends that keep none) the
+    plain weight is used.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.backend = backend
+        self.prepared: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        self.prepared = self.backend.prepare_linear(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias, self.prepared)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, backend: KernelBackend) -> None:
         super().__init__()
@@ -48,8 +70,8 @@ class Attention(nn.Module):
         self.config = config
         self.layer_index = layer_index
         self.backend = backend
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, config.qkv_bias, backend)
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, backend)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
         self.scale = config.head_dim**-0.5
@@ -95,9 +117,9 @@ class MLP(nn.Module):
         self.backend = backend
         # Separate gate and up projections: on CPUs two contiguous outputs beat
         # one fused output split in halves (measured ~20% on this MLP).
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias, backend)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias, backend)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
@@ -132,8 +154,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, backend)
         )
+        self._tied_head: torch.Tensor | None = None  # prepared embedding matrix when the head is tied
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -144,8 +167,17 @@ class CausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return self.backend.linear(hidden, self.embed_tokens.weight, None, self._tied_head).float()
+
+    def prepare(self) -> None:
+        """Let the backend repack every matmul weight; call again after changing weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare()
+        if self.lm_head is None:
+            self._tied_head = self.backend.prepare_linear(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; raise naming any tensor missing or unexpected."""

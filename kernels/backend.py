@@ -23,6 +23,7 @@ import abc
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,20 @@ class KernelBackend(abc.ABC):
     @abc.abstractmethod
     def scatter_pages(self, src: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Copy contiguous ``src`` ([len(page_ids), *page_shape]) into pages ``page_ids`` of ``kv_cache``."""
+
+    def prepare_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight`` ([out, in]) repacked for this backend's ``linear``, or None to use it as it is.
+
+        Called once per weight after loading; the result is passed back to
+        every ``linear`` call with that weight.
+        """
+        return None
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` for ``x`` [num_tokens, in]; ``prepared`` is ``prepare_linear(weight)``."""
+        return F.linear(x, weight, bias)
 
     def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
         """Copy whole pages inside the cache (copy-on-write of shared pages)."""

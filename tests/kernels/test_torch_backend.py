@@ -130,6 +130,10 @@ def test_length_groups_split_only_when_padding_dominates() -> None:
     assert _length_groups((10, 12, 11)) == [([0, 1, 2], 12)]
     # Three short sequences beside one long one: pad them to their own longest.
     assert _length_groups((500, 20, 30, 25)) == [([1, 3, 2], 30), ([0], 500)]
+    # Three length bands: each padded only to its own longest.
+    assert _length_groups((1000, 10, 200, 1010, 11, 210)) == [([1, 4], 11), ([2, 5], 210), ([0, 3], 1010)]
+    # Never more groups than asked for.
+    assert len(_length_groups(tuple(4**i for i in range(8)), max_groups=3)) == 3
 
 
 def test_decode_attention_with_length_groups_matches_longhand() -> None:
@@ -146,3 +150,29 @@ def test_decode_attention_with_length_groups_matches_longhand() -> None:
         pages = tables[i].tolist()
         expected = naive_attention(query[i], tokens_of(keys, pages, seq_len), tokens_of(values, pages, seq_len), 0.5)
         torch.testing.assert_close(out[i], expected)
+
+
+def test_linear_with_packed_weight_matches_plain_matmul() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 32, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    prepared = BACKEND.prepare_linear(weight)
+    if torch.backends.mkldnn.is_available():
+        assert prepared is not None  # CPU float32 weights are repacked
+    for rows in (1, 7, 33, 300):
+        x = torch.randn(rows, 32, generator=generator)
+        expected = x @ weight.T + bias
+        torch.testing.assert_close(BACKEND.linear(x, weight, bias, prepared), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(BACKEND.linear(x, weight, None, prepared), x @ weight.T, rtol=1e-5, atol=1e-5)
+    # Strided input (a column slice) is accepted.
+    wide = torch.randn(5, 64, generator=generator)
+    torch.testing.assert_close(
+        BACKEND.linear(wide[:, :32], weight, None, prepared), wide[:, :32] @ weight.T, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> None:
+    weight = torch.randn(8, 4)
+    assert BACKEND.prepare_linear(weight.to(torch.bfloat16)) is None
+    monkeypatch.setenv("RAYTURN_PACKED_LINEAR", "0")
+    assert BACKEND.prepare_linear(weight) is None
