@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export MYPYPATH := .typing
 
-.PHONY: install test lint typecheck pytest serve bench clean
+.PHONY: install test lint typecheck pytest protos serve bench clean
 
 install: $(STAMP)
 
@@ -24,12 +24,16 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 typecheck: install
-	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode
+	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode -p rayturn.protos
 
 pytest: install
 	$(VENV)/bin/pytest -q tests
 
 test: lint typecheck pytest
+
+# Regenerate the gRPC modules from protos/rayturn.proto; tests/protos fails while they are stale.
+protos: install
+	$(PY) -m rayturn.protos.generate
 
 serve: install
 	$(VENV)/bin/rayturn serve

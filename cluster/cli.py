@@ -1,8 +1,7 @@
 """The ``rayturn`` command line.
 
-``rayturn generate`` runs the offline engine on prompts. ``rayturn serve``
-will start the cluster; until the cluster lands it runs an offline
-generation demo on the chosen model and says so.
+``rayturn serve`` runs the cluster (embedded local Ray, or ``--address`` to
+join one); ``rayturn generate`` runs the offline engine on prompts.
 """
 
 from __future__ import annotations
@@ -12,12 +11,6 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-
-DEMO_PROMPTS = (
-    "Write a Python function that reverses a string.",
-    "Explain what a KV cache is in one sentence.",
-    "List three uses of a hash map.",
-)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +42,20 @@ def _generate(args: argparse.Namespace, prompts: Sequence[str], chat: bool) -> i
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .runner import serve_forever
+
+    flags = {
+        "model.name": args.model,
+        "server.http_port": args.http_port,
+        "server.grpc_port": args.grpc_port,
+        "server.host": args.host,
+    }
+    config = load_config(args.config, **{key: value for key, value in flags.items() if value is not None})
+    return serve_forever(config, args.address)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayturn", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -57,20 +64,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_engine_args(gen)
     gen.add_argument("prompts", nargs="+", help="prompts (raw text)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    serve = sub.add_parser("serve", help="run rayturn (for now: an offline generation demo)")
-    _add_engine_args(serve)
+    serve = sub.add_parser("serve", help="run the cluster: OpenAI HTTP + gRPC on Ray Serve")
+    serve.add_argument("--config", default=None, help="cluster YAML (see cluster/examples/rayturn.yaml)")
+    serve.add_argument("--model", default=None, help="preset (tiny, small) or a Hugging Face model directory")
+    serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    serve.add_argument("--http-port", type=int, default=None)
+    serve.add_argument("--grpc-port", type=int, default=None)
+    serve.add_argument("--host", default=None, help="HTTP bind address (default from config: 127.0.0.1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
         if args.command == "generate":
             return _generate(args, args.prompts, args.chat)
-        print(
-            "rayturn serve: the HTTP/gRPC cluster is not built yet; running an offline generation demo "
-            f"on the {args.model!r} model instead (random weights for presets: the text is noise).",
-            flush=True,
-        )
-        return _generate(args, DEMO_PROMPTS, chat=True)
+        return _serve(args)
     except ValueError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)
         return 2

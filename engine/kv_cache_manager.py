@@ -12,7 +12,7 @@ own it alone (copy-on-write), and the copy is queued for the model runner.
 
 from __future__ import annotations
 
-from .page_hash import hash_pages
+from .page_hash import PageHash, hash_pages
 from .page_pool import Page, PagePool
 from .sequence import Sequence
 
@@ -32,6 +32,11 @@ class KVCacheManager:
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free_pages
+
+    def hash_prefix(self, seq: Sequence, num_tokens: int) -> list[PageHash]:
+        """``seq``'s page hashes, extended to cover the full pages among its first ``num_tokens`` tokens."""
+        self._hash_full_pages(seq, num_tokens)
+        return seq.page_hashes
 
     def _hash_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.page_hashes`` to cover the full pages among its first ``num_tokens`` tokens."""

@@ -22,14 +22,17 @@ from rayturn.kernels import KernelBackend, select_backend
 
 from .config import ModelConfig
 from .kv_cache_manager import KVCacheManager, pages_for
+from .kv_connector import KVConnector
 from .loader import load_model, parse_dtype
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
+from .page_hash import PageHash, hash_pages
+from .page_pool import Page
 from .presets import PRESETS, preset_dir
 from .sampler import compute_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus, TokenLogprob
 from .stop import StopChecker
 from .tokenizer import Tokenizer
 
@@ -69,6 +72,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         device: str | torch.device | None = None,
         model_id: str | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -79,7 +83,7 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype)
         self.model = load_model(model_dir, self.config, self.backend, self.dtype, self.device)
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
-        self.model_id = model_id or _model_id(model_dir)
+        self.model_id = model_id or model_identity(model_dir)
         self.page_size = page_size
         self.num_pages = num_pages or self._default_num_pages(max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching)
@@ -88,7 +92,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # Pages missing locally are loaded from here at admission; finished
+        # sequences publish their full pages here (prefix caching must be on).
+        self.kv_connector = kv_connector if enable_prefix_caching else None
         self._requests: dict[str, _Request] = {}
+        self._finished_on_arrival: list[_Request] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         logger.info(
@@ -166,11 +174,36 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str = "",
+        output_prefix: Seq[int] = (),
+        output_prefix_logprobs: Seq[TokenLogprob] | None = None,
     ) -> str:
+        """Queue a request; returns its id.
+
+        ``output_prefix``: tokens already generated for this request elsewhere
+        (a prefill server's first token): they count as output, go through
+        the stop checks, and decoding continues after them.
+        """
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.config.max_num_seqs}")
+        prefix = list(output_prefix)
+        if prefix:
+            if params.n > 1:
+                raise ValueError("output_prefix cannot be combined with n > 1")
+            vocab_size = self.config.vocab_size
+            bad = [t for t in prefix if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"output_prefix token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+            if len(token_ids) + len(prefix) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt plus output_prefix is {len(token_ids) + len(prefix)} tokens; "
+                    f"max_model_len is {self.max_model_len}"
+                )
+            if output_prefix_logprobs is not None and len(output_prefix_logprobs) != len(prefix):
+                raise ValueError(
+                    f"output_prefix_logprobs has {len(output_prefix_logprobs)} entries for {len(prefix)} tokens"
+                )
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if pages_for(longest, self.page_size) * params.n > self.num_pages:
             raise ValueError(
@@ -185,10 +218,77 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, list(token_ids), len(token_ids), params, cache_salt, 0)
         request = _Request(request_id, list(token_ids), params, [seq])
-        request.stops[seq.seq_id] = StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids)
+        stops = StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids)
+        request.stops[seq.seq_id] = stops
         self._requests[request_id] = request
+        for i, token in enumerate(prefix):
+            seq.token_ids.append(token)
+            if params.logprobs is not None and output_prefix_logprobs is not None:
+                seq.logprobs.append(output_prefix_logprobs[i])
+            verdict = stops.check(seq, self.max_model_len)
+            if verdict is not None:  # done before any step: report it from the next one
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason, seq.stop_reason = verdict
+                seq.num_cached_prompt_tokens = 0
+                self._finished_on_arrival.append(request)
+                return request_id
+        if self.kv_connector is not None:
+            self._load_prefix(seq)
         self.scheduler.add(seq)
         return request_id
+
+    def _load_prefix(self, seq: Sequence) -> None:
+        """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache.
+
+        They enter the prefix cache as free, cached pages at the tail of the
+        free queue (evicted last), so admission finds them like any other hit.
+        A failed or partial load only means more tokens to compute.
+        """
+        assert self.kv_connector is not None
+        pool = self.kv_cache.pool
+        max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
+        hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
+        local: list[Page] = []
+        for page_hash in hashes:
+            page = pool.lookup(page_hash)
+            if page is None:
+                break
+            local.append(page)
+        missing = hashes[len(local) :]
+        if not missing:
+            return
+        try:
+            available = self.kv_connector.longest_prefix(missing)
+        except Exception as err:  # the store is an optimisation: never fail a request over it
+            logger.warning("KV store lookup failed, computing instead: %s", err)
+            return
+        pool.touch(local)  # keep local hits from being evicted by the allocation below
+        pages = pool.allocate(min(available, pool.num_free_pages))
+        try:
+            cache = self.runner.kv_cache
+            landed = self.kv_connector.load(missing[: len(pages)], [cache[page.page_id] for page in pages])
+        except Exception as err:
+            logger.warning("KV store load failed, computing instead: %s", err)
+            landed = [False] * len(pages)
+        num_loaded = next((i for i, ok in enumerate(landed) if not ok), len(landed))
+        for page, page_hash in zip(pages[:num_loaded], missing):
+            pool.cache(page, page_hash)
+        pool.free(reversed(pages))
+        pool.free(reversed(local))
+        seq.num_loaded_prompt_tokens = num_loaded * self.page_size
+
+    def _save_pages(self, seq: Sequence) -> None:
+        """Publish the full pages ``seq`` has computed to the connector."""
+        assert self.kv_connector is not None
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full == 0:
+            return
+        keys = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+        cache = self.runner.kv_cache
+        try:
+            self.kv_connector.save(keys, [cache[page.page_id] for page in seq.pages[:num_full]])
+        except Exception as err:
+            logger.warning("KV store save failed for request %s: %s", seq.request_id, err)
 
     def _new_sequence(
         self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: str, index: int
@@ -218,20 +318,54 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def load_stats(self) -> dict[str, int]:
+        """What a router weighs: queued prompt tokens, running sequences, free and total pages."""
+        waiting = self.scheduler.waiting
+        running = self.scheduler.running
+        return {
+            "queued_prompt_tokens": sum(seq.num_tokens - seq.num_computed_tokens for seq in waiting)
+            + sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in running),
+            "running_seqs": len(running),
+            "waiting_seqs": len(waiting),
+            "max_num_seqs": self.scheduler.config.max_num_seqs,
+            "free_pages": self.kv_cache.num_free_pages,
+            "total_pages": self.num_pages,
+        }
+
+    def prefix_residency(self, token_ids: Seq[int], cache_salt: str = "") -> tuple[list[PageHash], int]:
+        """A prompt's page hashes (all but the always-computed last token) and how many lead pages are here."""
+        usable = (len(token_ids) - 1) // self.page_size
+        hashes = hash_pages(list(token_ids[: usable * self.page_size]), self.page_size, self.model_id, cache_salt)
+        pool = self.kv_cache.pool
+        local = 0
+        for page_hash in hashes:
+            if pool.lookup(page_hash) is None:
+                break
+            local += 1
+        return hashes, local
+
+    def cached_page_hashes(self, limit: int) -> list[PageHash]:
+        """Up to ``limit`` page hashes this engine holds, most recently cached last."""
+        return self.kv_cache.pool.recent_hashes(limit)
+
     # -- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests it advanced (finished ones last seen here)."""
+        arrived = [self._output(request) for request in self._finished_on_arrival]
+        for output in arrived:
+            del self._requests[output.request_id]
+        self._finished_on_arrival.clear()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
-            return []
+            return arrived
         self.runner.apply_page_copies(self.kv_cache.pending_copies)
         self.kv_cache.pending_copies.clear()
         sampled, logits = self.runner.run(scheduled.chunks)
         for chunk in scheduled.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         if not sampled:  # only mid-prompt chunks ran
-            return []
+            return arrived
         seqs = [chunk.seq for chunk in sampled]
         rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
@@ -255,13 +389,15 @@ class LLMEngine:
             request = self._requests[seq.request_id]
             verdict = request.stops[seq.seq_id].check(seq, self.max_model_len)
             if verdict is not None:
+                if self.kv_connector is not None:
+                    self._save_pages(seq)
                 self.scheduler.finish(seq, *verdict)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()]
         for output in outputs:
             if output.finished:
                 del self._requests[output.request_id]
-        return outputs
+        return arrived + outputs
 
     def _fork(self, request: _Request, parent: Sequence) -> list[Sequence]:
         children = []
@@ -303,6 +439,9 @@ class LLMEngine:
             num_cached_prompt_tokens=request.seqs[0].num_cached_prompt_tokens or 0,
             completions=completions,
             finished=request.finished,
+            num_loaded_prompt_tokens=min(
+                request.seqs[0].num_loaded_prompt_tokens, request.seqs[0].num_cached_prompt_tokens or 0
+            ),
         )
 
     def generate(
@@ -330,7 +469,7 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _model_id(model_dir: Path) -> str:
+def model_identity(model_dir: Path) -> str:
     """A name for the weights that is the same on every node: folder name + config digest."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
     return f"{model_dir.name}@{digest}"

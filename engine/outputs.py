@@ -26,6 +26,8 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     completions: tuple[CompletionOutput, ...]
     finished: bool
+    # Of the cached prompt tokens, those loaded from the KV store (not found on this engine).
+    num_loaded_prompt_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

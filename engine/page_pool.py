@@ -139,6 +139,13 @@ class PagePool:
             if page.ref_count == 0:
                 self.free_queue.append(page)
 
+    def recent_hashes(self, limit: int) -> list[PageHash]:
+        """Up to ``limit`` cached hashes, the most recently cached last."""
+        if limit <= 0:
+            return []
+        hashes = list(self._cached)  # insertion order: oldest first
+        return hashes[-limit:]
+
     def cache(self, page: Page, page_hash: PageHash) -> None:
         """Publish a full page under its hash; a hash cached already keeps its first page."""
         if not self.enable_caching or page.page_hash is not None or page_hash in self._cached:

@@ -48,6 +48,8 @@ class Sequence:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at first admission; None until then.
     num_cached_prompt_tokens: int | None = None
+    # Of those, tokens whose pages were loaded from the KV store at arrival.
+    num_loaded_prompt_tokens: int = 0
     pages: list[Page] = field(default_factory=list)
     page_hashes: list[PageHash] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -3,7 +3,7 @@
 from .client import KVStoreClient
 from .master import KVMaster, start_master
 from .master_state import Location, MasterConfig, MasterState
-from .store_node import KVStoreNode, start_store_nodes
+from .store_node import KVStoreNode, StoreNodeReplica, join_store, start_store_nodes
 
 __all__ = [
     "KVMaster",
@@ -12,6 +12,8 @@ __all__ = [
     "Location",
     "MasterConfig",
     "MasterState",
+    "StoreNodeReplica",
+    "join_store",
     "start_master",
     "start_store_nodes",
 ]

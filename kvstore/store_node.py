@@ -13,6 +13,8 @@ from typing import Any
 import ray
 
 from .client import KVStoreClient
+from .master import start_master
+from .master_types import MasterConfig
 
 
 class KVStoreNode:
@@ -53,3 +55,32 @@ def start_store_nodes(
     ]
     ray.get([node.segment_id.remote() for node in nodes])
     return nodes
+
+
+def join_store(settings: Mapping[str, Any], segment_bytes: int | None = None) -> KVStoreClient:
+    """Start the store's master if nobody has yet, then join the store with a segment.
+
+    ``settings``: ``{"master": start_master kwargs (name, namespace, snapshot_dir,
+    high_watermark, low_watermark), "connect": KVStoreClient.connect kwargs}``.
+    Every worker calls this, so whichever starts first creates the (detached,
+    restartable) master and the order in which pools start does not matter.
+    """
+    master = dict(settings["master"])
+    config = MasterConfig(
+        high_watermark=master.pop("high_watermark", 0.9), low_watermark=master.pop("low_watermark", 0.8)
+    )
+    start_master(config=config, **master)
+    connect = dict(settings["connect"])
+    if segment_bytes is not None:
+        connect["segment_bytes"] = segment_bytes
+    return KVStoreClient.connect(**connect)
+
+
+class StoreNodeReplica:
+    """A store node as a Ray Serve deployment body: Serve keeps the configured count alive."""
+
+    def __init__(self, settings: Mapping[str, Any], segment_bytes: int) -> None:
+        self.client = join_store(settings, segment_bytes)
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "segment_id": self.client.segment_id, "held_objects": len(self.client.held)}

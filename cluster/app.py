@@ -1,0 +1,177 @@
+"""Config -> Ray Serve application: the builder ``rayturn serve`` and KubeRay both use.
+
+One Serve application, ``rayturn``, at route prefix ``/``:
+
+    ingress (HTTP + gRPC)  ->  decode pool  ->  prefill pool
+                                     \\            /
+                              KV store (master actor + segments in every
+                              replica + optional store-node replicas)
+
+The decode and prefill pools route with ``KVAwareRequestRouter``; each pool
+has its own replica count or autoscaling and its own Ray resources, so the
+pools scale independently and can be pinned to node groups. The KV store's
+master is a detached, restartable actor that the first replica to start
+creates (``start_master`` is idempotent); store nodes are a Serve deployment
+so Serve keeps their count.
+
+``build_app(config)`` returns the application; ``app_builder(args)`` is the
+import path for ``serve run`` / a KubeRay ``RayService``
+(``rayturn.cluster.app:app_builder`` with ``args: {config: /path.yaml}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from rayturn.decode.server import DecodeServer
+from rayturn.engine.presets import PRESETS, preset_dir
+from rayturn.kvstore import StoreNodeReplica
+from rayturn.prefill.server import PrefillServer
+from rayturn.protos import SERVICER_FUNCTION
+
+from .config import ClusterConfig, load_config
+from .ingress import Ingress
+
+# ``serve.deployment`` is overloaded in ways type checkers do not follow for classes.
+_deployment: Any = serve.deployment
+
+APP_NAME = "rayturn"
+KV_NAMESPACE = "rayturn"
+# Requests a decode replica queues beyond its ongoing ones before callers get 429.
+MAX_QUEUED_REQUESTS = 256
+
+
+def model_path(config: ClusterConfig) -> str:
+    """The model as every process can load it: a preset name or an absolute directory."""
+    name = config.model.name
+    if name in PRESETS:
+        return name
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.name {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
+    return str(path.resolve())
+
+
+def model_dir(config: ClusterConfig) -> Path:
+    name = model_path(config)
+    return preset_dir(name) if name in PRESETS else Path(name)
+
+
+def kvstore_settings(config: ClusterConfig) -> dict[str, Any]:
+    """What each replica needs to start or find the master and join the store."""
+    kv = config.kvstore
+    return {
+        "master": {
+            "name": kv.master_name,
+            "namespace": KV_NAMESPACE,
+            "snapshot_dir": kv.snapshot_dir,
+            "high_watermark": kv.high_watermark,
+            "low_watermark": kv.low_watermark,
+        },
+        "connect": {
+            "master_name": kv.master_name,
+            "segment_bytes": kv.segment_bytes,
+            "tenant": config.tenant,
+            "namespace": KV_NAMESPACE,
+            "transport": kv.transport,
+            "ucx_port": kv.ucx.port,
+            "ucx_config": kv.ucx_config() or None,
+        },
+        "replicas": kv.replicas,
+    }
+
+
+ROUTER_CLASSES = {
+    "kv_aware": "rayturn.router.request_router.KVAwareRequestRouter",
+    "round_robin": "rayturn.router.request_router.RoundRobinRequestRouter",
+}
+
+
+def _router_config(config: ClusterConfig) -> dict[str, Any]:
+    router = config.router
+    return {
+        "request_router_class": ROUTER_CLASSES[router.policy],
+        "request_router_kwargs": {
+            "kv_overlap": router.kv_overlap_weight,
+            "load": router.load_weight,
+            "affinity": router.affinity_weight,
+        },
+        "request_routing_stats_period_s": router.stats_period_s,
+        "request_routing_stats_timeout_s": max(router.stats_period_s, 1.0),
+    }
+
+
+def build_app(config: ClusterConfig) -> Application:
+    model = model_path(config)
+    engine_kwargs = config.model.engine_kwargs()
+    kvstore = kvstore_settings(config) if config.kvstore.enabled else None
+    router = _router_config(config)
+
+    prefill = None
+    if config.prefill.max_replicas > 0:
+        prefill = (
+            _deployment(PrefillServer)
+            .options(name="prefill", request_router_config=router, **config.prefill.serve_options())
+            .bind(model, engine_kwargs, kvstore)
+        )
+    decode = (
+        _deployment(DecodeServer)
+        .options(
+            name="decode",
+            request_router_config=router,
+            max_queued_requests=MAX_QUEUED_REQUESTS,
+            **config.decode.serve_options(),
+        )
+        .bind(model, engine_kwargs, kvstore, prefill, config.router.disaggregation_threshold_tokens)
+    )
+    store_nodes = None
+    kv = config.kvstore
+    if kvstore is not None and kv.store_nodes > 0:
+        store_nodes = (
+            _deployment(StoreNodeReplica)
+            .options(
+                name="kv-store",
+                num_replicas=kv.store_nodes,
+                ray_actor_options={"num_cpus": kv.store_node_num_cpus, "resources": dict(kv.store_node_resources)},
+            )
+            .bind(kvstore, kv.store_node_bytes)
+        )
+    ingress_settings = {
+        "model": model,
+        "served_model_name": config.model.model_name,
+        "page_size": config.model.page_size,
+        "max_model_len": config.model.max_model_len,
+        "api_keys": list(config.server.api_keys),
+        "kvstore_master": {"name": kv.master_name, "namespace": KV_NAMESPACE},
+    }
+    return (
+        _deployment(Ingress)
+        .options(
+            name="ingress",
+            num_replicas=config.server.ingress_replicas,
+            ray_actor_options={"num_cpus": config.server.ingress_num_cpus},
+            max_ongoing_requests=1000,
+        )
+        .bind(decode, prefill, store_nodes, ingress_settings)
+    )
+
+
+def serve_start_options(config: ClusterConfig) -> dict[str, Any]:
+    """``serve.start`` options: HTTP host/port and the gRPC port with rayturn's servicer."""
+    server = config.server
+    return {
+        "http_options": {"host": server.host, "port": server.http_port},
+        "grpc_options": {"port": server.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+    }
+
+
+def app_builder(args: Mapping[str, Any]) -> Application:
+    """Serve's application-builder entry: ``args`` may name a ``config`` file and dotted overrides."""
+    options = dict(args)
+    path = options.pop("config", None)
+    return build_app(load_config(path, **options))

@@ -1,0 +1,503 @@
+"""The cluster's configuration: one YAML file, parsed once into frozen, validated objects.
+
+    config = load_config("rayturn.yaml", **{"decode.max_replicas": 4})
+    engine = LLMEngine.from_pretrained(config.model.name, **config.model.engine_kwargs())
+    app = DecodeServer.options(**config.decode.serve_options())
+
+Every key is optional: a key left out, or a section left empty, takes the
+default that ``cluster/examples/rayturn.yaml`` documents. Parsing is strict,
+because a misspelt key would otherwise run the default without a word:
+unknown keys, wrong types and out-of-range values raise ``ValueError`` naming
+the full dotted key, e.g. ``unknown key 'decode.min_replica' (did you mean
+'min_replicas'?)``. Booleans are not accepted as numbers; integers are
+accepted where a float is expected. Byte sizes take an integer or a string
+such as ``"512MB"`` (powers of 1000) or ``"256MiB"`` (powers of 1024).
+
+Each spec checks its own ranges in ``__post_init__`` and names the offending
+field relative to itself; the parser, which knows where the spec sits in the
+file, adds the section prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+DTYPES = ("float32", "bfloat16", "float16")
+ROUTER_POLICIES = ("kv_aware", "round_robin")
+KV_TRANSPORTS = ("auto", "ucx")  # rayturn.kvstore.client.TRANSPORTS, without importing Ray to parse a file
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
+
+_Spec = TypeVar("_Spec")
+
+
+class _FieldError(ValueError):
+    """A bad value, named relative to the spec that holds it."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key} {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str = "tiny"
+    served_name: str | None = None
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_non_empty("name", self.name)
+        _check_non_empty("served_name", self.served_name)
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_at_least("page_size", self.page_size, 1)
+        _check_at_least("num_pages", self.num_pages, 1)
+        _check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_at_least("max_model_len", self.max_model_len, 1)
+        _check_non_empty("backend", self.backend)
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send in the OpenAI ``model`` field: a preset's name, or the model directory's basename."""
+        return self.served_name or Path(self.name).name
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``LLMEngine.from_pretrained(self.name, **kwargs)``."""
+        return {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    target_ongoing_requests: float = 8.0
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check_above("target_ongoing_requests", self.target_ongoing_requests, 0)
+        _check_at_least("upscale_delay_s", self.upscale_delay_s, 0)
+        _check_at_least("downscale_delay_s", self.downscale_delay_s, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """A pool of identical Ray Serve replicas (the prefill pool or the decode pool)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict, hash=False)
+    max_ongoing_requests: int = 64
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "resources", _frozen_mapping(self.resources))
+        _check_at_least("min_replicas", self.min_replicas, 0)
+        _check_at_least("max_replicas", self.max_replicas, 0)  # 0: no such pool (prefill only)
+        _check(
+            self.max_replicas >= self.min_replicas,
+            "max_replicas",
+            f"must be >= min_replicas ({self.min_replicas}), got {self.max_replicas}",
+        )
+        _check(
+            self.initial_replicas is None or self.min_replicas <= self.initial_replicas <= self.max_replicas,
+            "initial_replicas",
+            f"must lie in [min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}], "
+            f"got {self.initial_replicas}",
+        )
+        _check_at_least("num_cpus", self.num_cpus, 0)
+        _check_at_least("num_gpus", self.num_gpus, 0)
+        _check_resources("resources", self.resources)
+        _check_at_least("max_ongoing_requests", self.max_ongoing_requests, 1)
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas != self.max_replicas
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Per-replica Ray resources; ``num_cpus`` always, since Ray's default is not ours."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+    def serve_options(self) -> dict[str, Any]:
+        """Ray Serve deployment options: a fixed ``num_replicas`` when min == max, else an ``autoscaling_config``."""
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": self.ray_actor_options(),
+        }
+        if not self.autoscaled:
+            options["num_replicas"] = self.min_replicas
+            return options
+        options["autoscaling_config"] = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.min_replicas if self.initial_replicas is None else self.initial_replicas,
+            "target_ongoing_requests": self.autoscaling.target_ongoing_requests,
+            "upscale_delay_s": self.autoscaling.upscale_delay_s,
+            "downscale_delay_s": self.autoscaling.downscale_delay_s,
+        }
+        return options
+
+
+@dataclass(frozen=True, slots=True)
+class UCXSpec:
+    tls: str | None = None
+    net_devices: str | None = None
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_non_empty("tls", self.tls)
+        _check_non_empty("net_devices", self.net_devices)
+        _check_port("port", self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreSpec:
+    enabled: bool = True
+    master_name: str = "rayturn-kv"
+    segment_bytes: int = field(default=256 << 20, metadata={"size": True})
+    store_nodes: int = 0
+    store_node_bytes: int = field(default=1 << 30, metadata={"size": True})
+    store_node_num_cpus: float = 0.1
+    store_node_resources: Mapping[str, float] = field(default_factory=dict, hash=False)
+    replicas: int = 1
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    snapshot_dir: str | None = None
+    transport: str = "auto"
+    ucx: UCXSpec = field(default_factory=UCXSpec)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store_node_resources", _frozen_mapping(self.store_node_resources))
+        _check_non_empty("master_name", self.master_name)
+        _check_at_least("segment_bytes", self.segment_bytes, 1)
+        _check_at_least("store_nodes", self.store_nodes, 0)
+        _check_at_least("store_node_bytes", self.store_node_bytes, 1)
+        _check_at_least("store_node_num_cpus", self.store_node_num_cpus, 0)
+        _check_resources("store_node_resources", self.store_node_resources)
+        _check_at_least("replicas", self.replicas, 1)
+        _check(0 < self.high_watermark <= 1, "high_watermark", f"must lie in (0, 1], got {self.high_watermark}")
+        _check(
+            0 < self.low_watermark < self.high_watermark,
+            "low_watermark",
+            f"must lie in (0, high_watermark) = (0, {self.high_watermark}), got {self.low_watermark}",
+        )
+        _check_non_empty("snapshot_dir", self.snapshot_dir)
+        _check(
+            self.transport in KV_TRANSPORTS,
+            "transport",
+            f"must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}",
+        )
+
+    def ucx_config(self) -> dict[str, str]:
+        """UCX options as environment variables, only those set (for ``KVStoreClient.connect(ucx_config=...)``)."""
+        config = {"UCX_TLS": self.ucx.tls, "UCX_NET_DEVICES": self.ucx.net_devices}
+        return {name: value for name, value in config.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    policy: str = "kv_aware"
+    kv_overlap_weight: float = 1.0
+    load_weight: float = 1.0
+    affinity_weight: float = 0.5
+    disaggregation_threshold_tokens: int = 512
+    stats_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        policies = ", ".join(ROUTER_POLICIES)
+        _check(self.policy in ROUTER_POLICIES, "policy", f"must be one of {policies}, got {self.policy!r}")
+        _check_at_least("kv_overlap_weight", self.kv_overlap_weight, 0)
+        _check_at_least("load_weight", self.load_weight, 0)
+        _check_at_least("affinity_weight", self.affinity_weight, 0)
+        _check_at_least("disaggregation_threshold_tokens", self.disaggregation_threshold_tokens, 0)
+        _check_above("stats_period_s", self.stats_period_s, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 9000
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets stay out of logged reprs
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        _check_non_empty("host", self.host)
+        _check_port("http_port", self.http_port)
+        _check_port("grpc_port", self.grpc_port)
+        # Port 0 asks the OS for any free port, so two zeros never collide.
+        _check(
+            self.grpc_port != self.http_port or self.grpc_port == 0,
+            "grpc_port",
+            f"must differ from http_port, both are {self.grpc_port}",
+        )
+        for index, api_key in enumerate(self.api_keys):
+            _check_non_empty(f"api_keys[{index}]", api_key)
+        _check_at_least("ingress_replicas", self.ingress_replicas, 1)
+        _check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    prefill: PoolSpec = field(default_factory=PoolSpec)
+    decode: PoolSpec = field(default_factory=PoolSpec)
+    kvstore: KVStoreSpec = field(default_factory=KVStoreSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    server: ServerSpec = field(default_factory=ServerSpec)
+    tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        _check_non_empty("tenant", self.tenant)
+        _check(self.decode.max_replicas >= 1, "decode.max_replicas", f"must be >= 1, got {self.decode.max_replicas}")
+        _check(
+            self.kvstore.enabled or self.prefill.max_replicas == 0,
+            "prefill.max_replicas",
+            "must be 0 when kvstore.enabled is false (prefill replicas hand pages over through the store)",
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """Parse and validate a config mapping (as ``yaml.safe_load`` returns it)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the config must be a mapping, got {_describe(data)}")
+        return _build(cls, data, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and scalars (YAML-safe); ``from_dict`` turns it back into an equal config."""
+        plain = _to_plain(self)
+        assert isinstance(plain, dict)
+        return plain
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConfig:
+    """Read a YAML config (None: all defaults), then apply dotted-key overrides.
+
+    ``load_config("rayturn.yaml", **{"model.name": "small", "decode.min_replicas": 2})``.
+    An override replaces one value, or a whole section when given a mapping; the
+    key splits on every dot, so a resource whose name has dots is set through
+    its whole mapping (``{"decode.resources": {"node:10.0.0.1": 0.01}}``).
+    """
+    data = {} if path is None else _read_yaml(Path(path))
+    for dotted_key, value in overrides.items():
+        _set_dotted(data, dotted_key, value)
+    return ClusterConfig.from_dict(data)
+
+
+# -- reading ------------------------------------------------------------
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read config file {str(path)!r}: {err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"cannot parse config file {str(path)!r}: {err}") from err
+    if data is None:  # an empty (or all-comment) file means all defaults
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level, got {_describe(data)}")
+    return data
+
+
+def _set_dotted(data: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *sections, leaf = dotted_key.split(".")
+    node = data
+    for depth, section in enumerate(sections, start=1):
+        child = node.get(section)
+        if child is None:
+            child = node[section] = {}
+        elif not isinstance(child, dict):
+            raise ValueError(f"override {dotted_key!r}: {'.'.join(sections[:depth])!r} is not a section")
+        node = child
+    node[leaf] = copy.deepcopy(value)  # later overrides may write into it
+
+
+# -- parsing ------------------------------------------------------------
+
+
+def _build(cls: type[_Spec], data: object, key: str) -> _Spec:
+    """Build spec ``cls`` from ``data``, found at dotted ``key`` ("" for the top level)."""
+    if data is None:  # a section with every key commented out
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{key} must be a mapping, got {_describe(data)}")
+    prefix = f"{key}." if key else ""
+    fields = {spec_field.name: spec_field for spec_field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        spec_field = fields.get(name)
+        if spec_field is None:
+            raise ValueError(_unknown_key(f"{prefix}{name}", str(name), fields))
+        field_key = f"{prefix}{name}"
+        if spec_field.metadata.get("size"):
+            kwargs[name] = _parse_size(value, field_key)
+        else:
+            kwargs[name] = _convert(value, hints[name], field_key)
+    try:
+        return cls(**kwargs)
+    except _FieldError as err:
+        raise ValueError(f"{prefix}{err.key} {err.reason}") from None
+
+
+def _unknown_key(full_key: str, name: str, fields: Mapping[str, object]) -> str:
+    close = difflib.get_close_matches(name, list(fields), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(fields)})"
+    return f"unknown key {full_key!r}{hint}"
+
+
+def _convert(value: object, hint: Any, key: str) -> Any:
+    """Check ``value`` against a field's type hint and return it in the field's own type."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if isinstance(hint, types.UnionType):  # the fields' only unions are `X | None`
+        if value is None:
+            return None
+        (inner,) = (arm for arm in typing.get_args(hint) if arm is not type(None))
+        return _convert(value, inner, key)
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key} must be a list, got {_describe(value)}")
+        item_hint = typing.get_args(hint)[0]
+        return tuple(_convert(item, item_hint, f"{key}[{index}]") for index, item in enumerate(value))
+    if origin is Mapping:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key} must be a mapping, got {_describe(value)}")
+        _, value_hint = typing.get_args(hint)
+        for name in value:
+            if not isinstance(name, str):
+                raise ValueError(f"{key} names must be strings, got {_describe(name)}")
+        return {name: _convert(item, value_hint, f"{key}.{name}") for name, item in value.items()}
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {_describe(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {_describe(value)}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {_describe(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key} must be a number, got {_describe(value)}")
+        return float(value)
+    raise TypeError(f"no parser for {key}'s type {hint!r}")
+
+
+def _parse_size(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        match = _SIZE_PATTERN.fullmatch(value.strip().lower())
+        if match is not None and match[2] in _SIZE_UNITS:
+            return int(Decimal(match[1]) * _SIZE_UNITS[match[2]])
+    raise ValueError(
+        f"{key} must be a byte count or a size such as '512MB', '256MiB' or '1GiB', got {_describe(value)}"
+    )
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _to_plain(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {spec_field.name: _to_plain(getattr(value, spec_field.name)) for spec_field in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _frozen_mapping(mapping: Mapping[str, float]) -> Mapping[str, float]:
+    # A read-only copy: the caller's dict cannot change a frozen spec. Ray's cloudpickle
+    # carries mapping proxies to actors.
+    return types.MappingProxyType(dict(mapping))
+
+
+# -- range checks (keys relative to the spec; the parser adds the prefix) --
+
+
+def _check(ok: bool, key: str, reason: str) -> None:
+    if not ok:
+        raise _FieldError(key, reason)
+
+
+def _check_at_least(key: str, value: float | None, minimum: float) -> None:
+    _check(value is None or value >= minimum, key, f"must be >= {minimum}, got {value}")
+
+
+def _check_above(key: str, value: float, bound: float) -> None:
+    _check(value > bound, key, f"must be > {bound}, got {value}")
+
+
+def _check_non_empty(key: str, value: str | None) -> None:
+    _check(value is None or value.strip() != "", key, "must not be empty")
+
+
+def _check_port(key: str, port: int) -> None:
+    _check(0 <= port <= 65535, key, f"must be a port number in 0-65535, got {port}")
+
+
+def _check_resources(key: str, resources: Mapping[str, float]) -> None:
+    for name, amount in resources.items():
+        _check(name.strip() != "", key, "must not hold an empty resource name")
+        _check(amount > 0, f"{key}.{name}", f"must be > 0, got {amount}")

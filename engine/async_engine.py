@@ -1,0 +1,179 @@
+"""An ``LLMEngine`` driven by its own thread, for servers with an asyncio loop.
+
+One thread owns the engine: it admits requests, runs ``step()`` while there
+is work and hands each output to the coroutine waiting for it. Everything
+that touches the engine runs on that thread (``call`` runs a function there
+between steps), so the engine itself needs no locks. A caller that stops
+listening (client gone, task cancelled) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_IDLE_WAIT_S = 0.05
+_STATS_PERIOD_S = 0.5
+_CACHED_HASHES_REPORTED = 2048
+
+
+class _Finished:
+    """Sentinel put on a request's queue after its last output."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
+        self._stats: dict[str, Any] = {**engine.load_stats(), "page_size": engine.page_size, "cached_page_hashes": []}
+        self._stats_at = 0.0
+        self._running = True
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="rayturn-engine", daemon=True)
+        self._thread.start()
+
+    # -- the engine thread ------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while self._running:
+            try:
+                block = not engine.has_unfinished_requests()
+                self._run_commands(block)
+                if engine.has_unfinished_requests():
+                    for output in engine.step():
+                        self._deliver(output.request_id, output)
+                        if output.finished:
+                            self._deliver(output.request_id, _Finished())
+                            self._listeners.pop(output.request_id, None)
+                    self._refresh_stats(force=not engine.has_unfinished_requests())
+                else:
+                    self._refresh_stats()
+            except Exception as err:  # a bug in a step: fail every listener, keep serving new requests
+                logger.exception("engine step failed")
+                self._failure = err
+                for request_id in list(self._listeners):
+                    self._deliver(request_id, err)
+                    self._listeners.pop(request_id, None)
+                    engine.abort(request_id)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        listener = self._listeners.get(request_id)
+        if listener is not None:
+            loop, outputs = listener
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= _STATS_PERIOD_S:
+            hashes = [h.hex()[:16] for h in self.engine.cached_page_hashes(_CACHED_HASHES_REPORTED)]
+            self._stats = {**self.engine.load_stats(), "page_size": self.engine.page_size, "cached_page_hashes": hashes}
+            self._stats_at = now
+
+    # -- callers (any thread, usually an asyncio loop) --------------------
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps."""
+        future: Future[T] = Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as err:
+                future.set_exception(err)
+
+        self._commands.put(command)
+        return future
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str = "",
+        output_prefix: Sequence[int] = (),
+        output_prefix_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises ``ValueError`` for bad input before the first one."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[object] = asyncio.Queue()
+
+        def admit(engine: LLMEngine) -> None:
+            self._listeners[request_id] = (loop, outputs)
+            try:
+                engine.add_request(
+                    list(prompt_token_ids),
+                    params,
+                    request_id=request_id,
+                    cache_salt=cache_salt,
+                    output_prefix=output_prefix,
+                    output_prefix_logprobs=output_prefix_logprobs,
+                )
+            except BaseException:
+                self._listeners.pop(request_id, None)
+                raise
+
+        await asyncio.wrap_future(self.call(admit))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, _Finished):
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise RuntimeError(f"request {request_id} failed in the engine: {item}") from item
+                assert isinstance(item, RequestOutput)
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        def command() -> None:
+            self._listeners.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.put(command)
+
+    def stats(self) -> dict[str, Any]:
+        """The latest load figures and recently cached page hashes (16 hex chars each)."""
+        return dict(self._stats)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._running = False
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)

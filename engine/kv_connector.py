@@ -1,0 +1,79 @@
+"""The engine's door to KV pages kept outside it (the distributed KV store).
+
+The engine names pages by their chained hashes (``page_hash.py``); so does
+the store. A connector moves whole pages, each one contiguous block of the
+engine's cache (``[layers, 2, page_size, kv_heads, head_dim]``):
+
+- ``longest_prefix(keys)``: how many leading pages the store holds;
+- ``load(keys, pages)``: land pages straight in the engine's cache pages;
+- ``save(keys, pages)``: publish pages (a key the store has already counts
+  as saved).
+
+``StoreConnector`` adapts a ``rayturn.kvstore.KVStoreClient``. On a CPU the
+store reads into and writes from the cache pages themselves (no staging
+copy); on an accelerator pages pass through a host staging buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class KVConnector(Protocol):
+    def longest_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]: ...
+
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]: ...
+
+
+class _StoreClient(Protocol):
+    """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses."""
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[bool]: ...
+
+    def put_batch(
+        self, keys: Sequence[bytes], values: Sequence[object], replicas: int = 1, pin_ttl_s: float | None = None
+    ) -> list[bool]: ...
+
+
+class StoreConnector:
+    """A ``KVConnector`` over the distributed KV store's client."""
+
+    def __init__(self, client: _StoreClient, replicas: int = 1) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.client = client
+        self.replicas = replicas
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.client.longest_prefix(keys) if keys else 0
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+        if not keys:
+            return []
+        if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
+            return self.client.get_into(keys, list(pages))
+        staging = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, pin_memory=_can_pin())
+        landed = self.client.get_into(keys, list(staging.unbind(0)))
+        for page, host, ok in zip(pages, staging, landed):
+            if ok:
+                page.copy_(host)
+        return landed
+
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+        if not keys:
+            return []
+        if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
+            return self.client.put_batch(keys, list(pages), replicas=self.replicas)
+        host = torch.stack([page.to("cpu") for page in pages])
+        return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas)
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,227 @@
+"""A Ray Serve request router that sends each call where its KV already lives.
+
+Plugging it in (on the decode deployment, or any deployment whose replicas
+report ``ReplicaStats``)::
+
+    from ray.serve.config import RequestRouterConfig
+
+    @serve.deployment(
+        request_router_config=RequestRouterConfig(
+            request_router_class="rayturn.router.request_router.KVAwareRequestRouter",
+            request_router_kwargs={"kv_overlap": 1.0, "load": 1.0, "affinity": 0.5},
+            request_routing_stats_period_s=1.0,
+        ),
+    )
+    class DecodeServer:
+        def record_routing_stats(self) -> dict:  # called by Serve every period
+            return ReplicaStats(...).to_dict()
+
+Routing hints. The caller passes one mapping as the first positional argument
+(or as the keyword ``request``), e.g. ``handle.generate.remote(request)``:
+
+    session_id: str | None    the session (see ``rayturn.router.session``); when
+                              absent, the handle's own session id is used
+                              (``handle.options(session_id=...)``, or the
+                              ``x-session-id`` header of a call that came in
+                              through Serve's HTTP proxy)
+    page_hashes: list[str]    hex chained hashes of the prompt's full pages, in
+                              prompt order (full digests or ``page_hash_key``
+                              prefixes); may be empty
+    prompt_tokens: int        prompt length in tokens
+    store_prefix_pages: int   optional: leading pages the KV store holds
+
+Any other keys are the callee's business. Missing or malformed hints make the
+call route on load alone; they never fail it.
+
+Replica stats. Each replica's ``record_routing_stats`` returns a dict that
+``ReplicaStats.from_dict`` reads (``ReplicaStats.to_dict`` writes one). Serve's
+own replica id is used for the replica, whatever the dict says.
+
+Consistency across routing processes. Every process that holds a handle (each
+ingress replica, each proxy, a driver) runs its own instance of this router;
+there is no shared session table. They agree without talking because:
+
+- session affinity is rendezvous hashing over the replica ids that the Serve
+  controller broadcasts to every router, so the same ids give the same answer
+  in every process, and a replica joining or leaving moves only ~1/N sessions;
+- the KV and load terms come from the stats each replica reports to the
+  controller every ``request_routing_stats_period_s``, broadcast the same way.
+
+Routers disagree only while a broadcast is in flight, and a wrong choice costs
+a recompute, never a wrong answer. Stats lag by up to a period, so a router
+does not see the load it adds itself between reports; replicas whose scores
+tie therefore share one rank, and Serve's live queue-length probe picks the
+shortest queue among them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from rayturn.router.scoring import ReplicaStats, ScoringWeights, scored_replicas
+
+logger = logging.getLogger(__name__)
+
+REQUEST_KEYWORD = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingHints:
+    """What a call tells the router about itself (see the module docstring)."""
+
+    session_id: str | None = None
+    page_hashes: tuple[str, ...] = ()
+    prompt_tokens: int = 0
+    store_prefix_pages: int = 0
+
+    @classmethod
+    def from_pending_request(cls, pending_request: PendingRequest) -> RoutingHints:
+        """The hints of a pending call; empty hints when it carries none or bad ones."""
+        request: object = (
+            pending_request.args[0] if pending_request.args else pending_request.kwargs.get(REQUEST_KEYWORD)
+        )
+        hints = cls.from_request(request) if isinstance(request, Mapping) else cls()
+        if hints.session_id is None and pending_request.metadata.session_id:
+            hints = replace(hints, session_id=pending_request.metadata.session_id)
+        return hints
+
+    @classmethod
+    def from_request(cls, request: Mapping[str, Any]) -> RoutingHints:
+        session_id = request.get("session_id")
+        page_hashes = request.get("page_hashes") or ()
+        prompt_tokens = request.get("prompt_tokens", 0)
+        store_prefix_pages = request.get("store_prefix_pages", 0)
+        if (
+            (session_id is not None and not isinstance(session_id, str))
+            or not isinstance(page_hashes, list | tuple)
+            or not all(isinstance(page_hash, str) for page_hash in page_hashes)
+            or not _is_count(prompt_tokens)
+            or not _is_count(store_prefix_pages)
+        ):
+            # The request itself is not logged: it carries the user's prompt.
+            logger.debug("Ignoring malformed routing hints (keys: %s).", sorted(map(str, request)))
+            return cls()
+        return cls(session_id or None, tuple(page_hashes), prompt_tokens, store_prefix_pages)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class KVAwareRequestRouter(RequestRouter):
+    """Ranks replicas for every call by ``rayturn.router.scoring.scored_replicas``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._weights = ScoringWeights()
+        # Parsed stats per replica id, with the reported dict they came from:
+        # Serve replaces that dict when new stats arrive, so identity tells
+        # whether to parse again.
+        self._parsed_stats: dict[str, tuple[dict[str, Any], ReplicaStats | None]] = {}
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Take ``ScoringWeights`` fields from ``request_router_kwargs``."""
+        known = {f.name for f in fields(ScoringWeights)}
+        for name, value in kwargs.items():
+            if name not in known:
+                raise ValueError(f"request_router_kwargs: unknown key {name!r} (known: {', '.join(sorted(known))})")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"request_router_kwargs: {name!r} must be a finite number >= 0, got {value!r}")
+        self._weights = ScoringWeights(**{name: float(value) for name, value in kwargs.items()})
+
+    @property
+    def weights(self) -> ScoringWeights:
+        return self._weights
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Candidates best first; each rank holds the replicas whose scores tie."""
+        if not candidate_replicas:
+            return []
+        if pending_request is None:
+            return [candidate_replicas]
+        # Every rank is returned at once, so once they are all tried, Serve
+        # should back off before asking again.
+        pending_request.routing_context.should_backoff = True
+
+        hints = RoutingHints.from_pending_request(pending_request)
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        scored = scored_replicas(
+            hints.page_hashes,
+            hints.session_id,
+            hints.prompt_tokens,
+            {replica_id: self._stats(replica) for replica_id, replica in by_id.items()},
+            self._weights,
+            hints.store_prefix_pages,
+        )
+        ranks: list[list[RunningReplica]] = []
+        last_score: float | None = None
+        for replica_id, replica_score in scored:
+            if replica_score != last_score:
+                ranks.append([])
+                last_score = replica_score
+            ranks[-1].append(by_id[replica_id])
+        return ranks
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {replica.replica_id.unique_id for replica in replicas}
+        for replica_id in self._parsed_stats.keys() - live:
+            del self._parsed_stats[replica_id]
+
+    def _stats(self, replica: RunningReplica) -> ReplicaStats | None:
+        """The replica's last reported stats, or None before its first report or after a bad one."""
+        replica_id = replica.replica_id.unique_id
+        reported = replica.routing_stats
+        cached = self._parsed_stats.get(replica_id)
+        if cached is not None and cached[0] is reported:
+            return cached[1]
+        stats: ReplicaStats | None = None
+        if reported:
+            try:
+                stats = ReplicaStats.from_dict(reported, replica_id=replica_id)
+            except ValueError as error:
+                logger.warning("Replica %s reported unusable routing stats: %s", replica_id, error)
+        self._parsed_stats[replica_id] = (reported, stats)
+        return stats
+
+
+class RoundRobinRequestRouter(RequestRouter):
+    """Replicas in turn, blind to cached pages, load and sessions: the baseline rayturn's router is measured against.
+
+    Each calling process keeps its own turn counter (nothing is shared), so
+    with several callers the rotation is per caller.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._turn = 0
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Scoring weights may be passed (one config serves both routers); they are ignored."""
+        unknown = set(kwargs) - {f.name for f in fields(ScoringWeights)}
+        if unknown:
+            raise ValueError(f"unknown router option(s): {', '.join(sorted(unknown))}")
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
+        start = self._turn % len(ordered)
+        self._turn += 1
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        return [[replica] for replica in ordered[start:] + ordered[:start]]

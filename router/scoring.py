@@ -1,0 +1,320 @@
+"""Pure replica scoring: KV overlap, load and soft session affinity.
+
+A call is a long cached prefix plus a short new suffix, so where its prefix
+already lives matters most; load decides between replicas that hold it
+equally, and session affinity breaks what is left. Every input is a value
+(no Ray, no clocks, no randomness), so any number of routing processes rank
+the same replicas the same way from the same stats:
+
+    score = kv_overlap * w.kv_overlap - load_penalty * w.load + affinity * w.affinity
+
+Affinity is soft: an overloaded replica loses its bonus, so a hot session
+spills over to other replicas instead of saturating its preferred one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Page hashes travel as hex prefixes: 16 hex chars (64 bits) keep collisions
+# among the pages of a cluster negligible and make stats messages 4x smaller.
+PAGE_HASH_PREFIX_CHARS = 16
+
+# Credit per prompt page by where the replica finds it, relative to a page it
+# must recompute (0). A page in device memory is free; one in the replica's host
+# segment costs a host->device copy, far cheaper than recomputing it; one only
+# the store holds costs a transfer from another worker first.
+DEVICE_PAGE_CREDIT = 1.0
+HOST_PAGE_CREDIT = 0.8
+STORE_PAGE_CREDIT = 0.5
+
+# Prompt tokens waiting for prefill on a replica that count as a full queue:
+# about a second of prefill on one accelerator, past which the new call's
+# time to first token is lost anyway.
+QUEUED_TOKEN_BUDGET = 16_384
+
+# A replica whose load penalty reaches this is overloaded: it keeps its KV
+# overlap credit but loses its session-affinity bonus.
+OVERLOAD_THRESHOLD = 0.9
+
+# Load assumed for a replica that has not reported stats yet: neither favoured
+# as idle nor avoided as busy.
+NEUTRAL_LOAD = 0.5
+
+# Scores are compared at this many decimals, so sums that differ only by float
+# rounding count as equal.
+SCORE_DECIMALS = 9
+
+
+# Tokens per KV page when a replica does not say (the engine's default).
+DEFAULT_PAGE_SIZE = 16
+
+_COUNT_FIELDS = ("queued_prompt_tokens", "running_seqs", "max_num_seqs", "free_pages", "total_pages")
+
+
+def page_hash_key(page_hash: bytes | str) -> str:
+    """The short hex form of a page hash that stats and routing hints carry."""
+    text = page_hash.hex() if isinstance(page_hash, bytes) else page_hash
+    return text[:PAGE_HASH_PREFIX_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """What one replica reports about itself (its `record_routing_stats`)."""
+
+    replica_id: str
+    queued_prompt_tokens: int
+    running_seqs: int
+    max_num_seqs: int
+    free_pages: int
+    total_pages: int
+    # Short hex prefixes (`page_hash_key`) of pages held in device memory: a
+    # bounded set of the most recently used ones, not the whole cache.
+    cached_page_hashes: frozenset[str]
+    # The same for pages in the replica's host segment.
+    host_page_hashes: frozenset[str] = frozenset()
+    page_size: int = DEFAULT_PAGE_SIZE
+
+    def __post_init__(self) -> None:
+        for name in _COUNT_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"ReplicaStats.{name} must be >= 0, got {getattr(self, name)}")
+        if self.page_size <= 0:
+            raise ValueError(f"ReplicaStats.page_size must be > 0, got {self.page_size}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], replica_id: str | None = None) -> ReplicaStats:
+        """Parse a stats dict; ``replica_id`` (Serve's id) wins over the one in ``data``.
+
+        Page hashes may be full hex digests or any iterable of them; they are
+        cut to ``PAGE_HASH_PREFIX_CHARS``. Raises ValueError naming the bad key.
+        """
+        replica_id = replica_id if replica_id is not None else data.get("replica_id")
+        if not isinstance(replica_id, str) or not replica_id:
+            raise ValueError("replica stats need a non-empty string 'replica_id'")
+        counts = {name: _int_field(data, name) for name in _COUNT_FIELDS}
+        page_size = _int_field(data, "page_size") if "page_size" in data else DEFAULT_PAGE_SIZE
+        return cls(
+            replica_id=replica_id,
+            cached_page_hashes=_hash_set(data, "cached_page_hashes", required=True),
+            host_page_hashes=_hash_set(data, "host_page_hashes", required=False),
+            page_size=page_size,
+            **counts,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (lists, not sets) that Serve can ship and ``from_dict`` reads back."""
+        return {
+            "replica_id": self.replica_id,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
+            "running_seqs": self.running_seqs,
+            "max_num_seqs": self.max_num_seqs,
+            "free_pages": self.free_pages,
+            "total_pages": self.total_pages,
+            "cached_page_hashes": sorted(self.cached_page_hashes),
+            "host_page_hashes": sorted(self.host_page_hashes),
+            "page_size": self.page_size,
+        }
+
+
+def _int_field(data: Mapping[str, Any], name: str) -> int:
+    if name not in data:
+        raise ValueError(f"replica stats lack {name!r}")
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"replica stats {name!r} must be an int, got {value!r}")
+    return value
+
+
+def _hash_set(data: Mapping[str, Any], name: str, *, required: bool) -> frozenset[str]:
+    if name not in data:
+        if required:
+            raise ValueError(f"replica stats lack {name!r}")
+        return frozenset()
+    values = data[name]
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ValueError(f"replica stats {name!r} must be a list of hex strings")
+    if not all(isinstance(value, str) for value in values):
+        raise ValueError(f"replica stats {name!r} must hold only strings")
+    return frozenset(page_hash_key(value) for value in values)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringWeights:
+    """How much each term counts; `request_router_kwargs` may override them."""
+
+    kv_overlap: float = 1.0
+    load: float = 1.0
+    affinity: float = 0.5
+
+
+def resident_prefix_pages(page_hashes: Sequence[str], stats: ReplicaStats) -> tuple[int, int]:
+    """(device pages, host pages) of the longest prefix of the prompt the replica holds.
+
+    Hashes are chained, so a page is usable only when every page before it is
+    too: the walk stops at the first page held in neither tier.
+    """
+    return _resident_prefix([page_hash_key(h) for h in page_hashes], stats)
+
+
+def _resident_prefix(page_keys: Sequence[str], stats: ReplicaStats) -> tuple[int, int]:
+    device_pages = host_pages = 0
+    for key in page_keys:
+        if key in stats.cached_page_hashes:
+            device_pages += 1
+        elif key in stats.host_page_hashes:
+            host_pages += 1
+        else:
+            break
+    return device_pages, host_pages
+
+
+def kv_overlap(page_hashes: Sequence[str], stats: ReplicaStats | None, store_prefix_pages: int = 0) -> float:
+    """The fraction of the prompt's pages the replica serves without recompute, in [0, 1].
+
+    Its resident prefix counts at device or host credit; the pages after it up
+    to ``store_prefix_pages`` (the leading pages the store holds) at store credit.
+    """
+    device_pages, host_pages = resident_prefix_pages(page_hashes, stats) if stats is not None else (0, 0)
+    return _overlap(len(page_hashes), device_pages, host_pages, store_prefix_pages)
+
+
+def _overlap(num_pages: int, device_pages: int, host_pages: int, store_prefix_pages: int) -> float:
+    if num_pages == 0:
+        return 0.0
+    store_pages = max(0, min(store_prefix_pages, num_pages) - device_pages - host_pages)
+    credit = device_pages * DEVICE_PAGE_CREDIT + host_pages * HOST_PAGE_CREDIT + store_pages * STORE_PAGE_CREDIT
+    return credit / num_pages
+
+
+def load_penalty(stats: ReplicaStats | None, prompt_tokens: int, resident_pages: int = 0) -> float:
+    """How busy the replica is for this call, in [0, 1]; ``NEUTRAL_LOAD`` without stats.
+
+    The call waits on whichever resource runs out first, so the penalty is the
+    largest of: queued prompt tokens against ``QUEUED_TOKEN_BUDGET``, running
+    sequences against the replica's maximum, and page occupancy once the pages
+    this prompt needs (less ``resident_pages`` already on the device) are taken.
+    """
+    if stats is None:
+        return NEUTRAL_LOAD
+    queue = stats.queued_prompt_tokens / QUEUED_TOKEN_BUDGET
+    seqs = stats.running_seqs / stats.max_num_seqs if stats.max_num_seqs > 0 else 1.0
+    if stats.total_pages > 0:
+        needed_pages = max(0, -(-prompt_tokens // stats.page_size) - resident_pages)
+        pages = (stats.total_pages - stats.free_pages + needed_pages) / stats.total_pages
+    else:
+        pages = 1.0
+    return min(1.0, max(queue, seqs, pages))
+
+
+def rendezvous_weight(session_id: str, replica_id: str) -> int:
+    """A stable 64-bit weight of a (session, replica) pair, equal in every process."""
+    digest = hashlib.blake2b(f"{session_id}\x00{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def preferred_replica(session_id: str | None, replica_ids: Iterable[str]) -> str | None:
+    """The session's replica by rendezvous (highest-random-weight) hashing.
+
+    Each router computes it alone and all agree. When a replica joins, only
+    the sessions it now wins (about 1/N) move to it; when one leaves, only its
+    own sessions move.
+    """
+    if not session_id:
+        return None
+    return max(
+        replica_ids, key=lambda replica_id: (rendezvous_weight(session_id, replica_id), replica_id), default=None
+    )
+
+
+def affinity(session_id: str | None, replica_id: str, replica_ids: Iterable[str]) -> float:
+    """1.0 for the session's preferred replica among ``replica_ids``, else 0.0."""
+    return 1.0 if replica_id == preferred_replica(session_id, replica_ids) else 0.0
+
+
+def score(
+    page_hashes: Sequence[str],
+    stats: ReplicaStats | None,
+    prompt_tokens: int,
+    affinity_score: float,
+    weights: ScoringWeights,
+    store_prefix_pages: int = 0,
+) -> float:
+    """One replica's score for a call; higher is better.
+
+    ``affinity_score`` comes from ``affinity``; it is dropped when the replica
+    is overloaded.
+    """
+    page_keys = [page_hash_key(h) for h in page_hashes]
+    return _score(page_keys, stats, prompt_tokens, affinity_score, weights, store_prefix_pages)
+
+
+def _score(
+    page_keys: Sequence[str],
+    stats: ReplicaStats | None,
+    prompt_tokens: int,
+    affinity_score: float,
+    weights: ScoringWeights,
+    store_prefix_pages: int,
+) -> float:
+    device_pages, host_pages = _resident_prefix(page_keys, stats) if stats is not None else (0, 0)
+    load = load_penalty(stats, prompt_tokens, resident_pages=device_pages)
+    if load >= OVERLOAD_THRESHOLD:
+        affinity_score = 0.0
+    overlap = _overlap(len(page_keys), device_pages, host_pages, store_prefix_pages)
+    return weights.kv_overlap * overlap - weights.load * load + weights.affinity * affinity_score
+
+
+def scored_replicas(
+    page_hashes: Sequence[str],
+    session_id: str | None,
+    prompt_tokens: int,
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    weights: ScoringWeights,
+    store_prefix_pages: int = 0,
+) -> list[tuple[str, float]]:
+    """(replica id, score rounded to ``SCORE_DECIMALS``) pairs, best first.
+
+    Replicas without stats yet (None) are ranked with neutral terms, not left
+    out. Equal scores are ordered by the session's rendezvous weights, so the
+    order is the same in every process.
+    """
+    # Keys are cut once here, not once per replica: prompts run to thousands of pages.
+    page_keys = [page_hash_key(h) for h in page_hashes]
+    preferred = preferred_replica(session_id, stats_by_replica)
+    tie_key = session_id or ""
+    scored = [
+        (
+            replica_id,
+            round(
+                _score(
+                    page_keys,
+                    stats,
+                    prompt_tokens,
+                    1.0 if replica_id == preferred else 0.0,
+                    weights,
+                    store_prefix_pages,
+                ),
+                SCORE_DECIMALS,
+            ),
+        )
+        for replica_id, stats in stats_by_replica.items()
+    ]
+    scored.sort(key=lambda pair: (-pair[1], -rendezvous_weight(tie_key, pair[0]), pair[0]))
+    return scored
+
+
+def rank_replicas(
+    page_hashes: Sequence[str],
+    session_id: str | None,
+    prompt_tokens: int,
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    weights: ScoringWeights,
+    store_prefix_pages: int = 0,
+) -> list[str]:
+    """Replica ids best first (see ``scored_replicas``)."""
+    scored = scored_replicas(page_hashes, session_id, prompt_tokens, stats_by_replica, weights, store_prefix_pages)
+    return [replica_id for replica_id, _ in scored]

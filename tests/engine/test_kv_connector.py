@@ -1,0 +1,143 @@
+"""The engine with an external page store: loads at arrival, saves at finish, output prefixes.
+
+A dictionary stands in for the KV store here (the real store is exercised
+through the same connector in tests/cluster); what matters is that pages
+moved between two engines give exactly the tokens one engine computes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from rayturn.engine import LLMEngine, SamplingParams
+from rayturn.engine.kv_connector import StoreConnector
+
+PAGE = 16
+
+
+class DictStore:
+    """The slice of KVStoreClient a StoreConnector uses, in one dictionary."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, bytes] = {}
+        self.fail = False
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        if self.fail:
+            raise ConnectionError("store unreachable")
+        count = 0
+        for key in keys:
+            if key not in self.objects:
+                break
+            count += 1
+        return count
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[bool]:
+        landed = []
+        for key, buffer in zip(keys, buffers):
+            assert isinstance(buffer, torch.Tensor)
+            data = self.objects.get(key)
+            if data is not None:
+                buffer.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            landed.append(data is not None)
+        return landed
+
+    def put_batch(
+        self, keys: Sequence[bytes], values: Sequence[object], replicas: int = 1, pin_ttl_s: float | None = None
+    ) -> list[bool]:
+        for key, value in zip(keys, values):
+            assert isinstance(value, torch.Tensor)
+            self.objects.setdefault(key, value.contiguous().view(torch.uint8).numpy().tobytes())
+        return [True] * len(keys)
+
+
+def make_engine(store: DictStore | None) -> LLMEngine:
+    connector = StoreConnector(store) if store is not None else None
+    return LLMEngine.from_pretrained("tiny", backend="torch", dtype="float32", page_size=PAGE, kv_connector=connector)
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 200 + 3 for i in range(70)]  # 4 full pages + 6 tokens
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    return make_engine(None).generate([PROMPT], GREEDY)[0].token_ids
+
+
+def test_pages_saved_by_one_engine_serve_another(reference: list[int]) -> None:
+    store = DictStore()
+    first = make_engine(store).generate([PROMPT], GREEDY)[0]
+    assert first.token_ids == reference
+    # Prompt and output pages that were computed are published: 79 computed tokens -> 4 full pages.
+    assert len(store.objects) == (len(PROMPT) + len(reference) - 1) // PAGE
+    second = make_engine(store).generate([PROMPT], GREEDY)[0]
+    assert second.token_ids == reference
+    assert second.num_cached_prompt_tokens == 64
+    assert second.num_loaded_prompt_tokens == 64
+
+
+def test_disaggregated_prefill_then_decode_matches_one_engine(reference: list[int]) -> None:
+    store = DictStore()
+    prefill = make_engine(store)
+    first = prefill.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    assert first.token_ids == reference[:1]
+    assert len(store.objects) == 4  # the prompt's full pages
+
+    decode = make_engine(store)
+    decode.add_request(PROMPT, GREEDY, request_id="r", output_prefix=first.token_ids)
+    outputs = []
+    while decode.has_unfinished_requests():
+        outputs.extend(decode.step())
+    final = outputs[-1]
+    assert final.finished and final.token_ids == reference
+    assert final.num_loaded_prompt_tokens == 64
+    assert final.text == decode.tokenizer.decode(reference)
+
+
+def test_a_partial_or_failing_store_only_costs_compute(reference: list[int]) -> None:
+    store = DictStore()
+    make_engine(store).generate([PROMPT], GREEDY)
+    keys = list(store.objects)
+    for key in keys[2:]:  # keep the first two pages only
+        del store.objects[key]
+    partial = make_engine(store).generate([PROMPT], GREEDY)[0]
+    assert partial.token_ids == reference and partial.num_loaded_prompt_tokens == 32
+
+    store.fail = True
+    failing = make_engine(store).generate([PROMPT], GREEDY)[0]
+    assert failing.token_ids == reference and failing.num_loaded_prompt_tokens == 0
+
+
+def test_output_prefix_that_already_finishes_the_request() -> None:
+    engine = make_engine(None)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="done", output_prefix=[42])
+    (output,) = engine.step()
+    assert output.finished and output.token_ids == [42] and output.finish_reason == "length"
+    assert not engine.has_unfinished_requests()
+
+
+def test_output_prefix_bad_input() -> None:
+    engine = make_engine(None)
+    with pytest.raises(ValueError, match="output_prefix token ids out of vocabulary"):
+        engine.add_request(PROMPT, GREEDY, output_prefix=[10**6])
+    with pytest.raises(ValueError, match="n > 1"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=4, n=2), output_prefix=[5])
+    with pytest.raises(ValueError, match="output_prefix_logprobs"):
+        engine.add_request(PROMPT, GREEDY, output_prefix=[5], output_prefix_logprobs=[])
+
+
+def test_load_stats_and_cached_hashes() -> None:
+    engine = make_engine(None)
+    engine.add_request(PROMPT, GREEDY, request_id="a")
+    stats = engine.load_stats()
+    assert stats["queued_prompt_tokens"] == len(PROMPT) and stats["waiting_seqs"] == 1
+    assert stats["total_pages"] == engine.num_pages and stats["max_num_seqs"] == 64
+    while engine.has_unfinished_requests():
+        engine.step()
+    hashes = engine.cached_page_hashes(3)
+    assert len(hashes) == 3 and all(len(h) == 32 for h in hashes)
+    assert engine.load_stats()["running_seqs"] == 0

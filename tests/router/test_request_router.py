@@ -1,0 +1,166 @@
+"""KVAwareRequestRouter's own logic, without a cluster: hints, weights, ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from rayturn.router.request_router import KVAwareRequestRouter, RoutingHints
+from rayturn.router.scoring import ReplicaStats, ScoringWeights, page_hash_key, preferred_replica
+
+DEPLOYMENT = DeploymentID(name="decode", app_name="test")
+PAGES = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(4)]
+
+
+@dataclass
+class FakeReplica:
+    """The two attributes of a RunningReplica the router reads."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def replica(name: str, held: list[str] | None = None, running_seqs: int = 0) -> FakeReplica:
+    stats = ReplicaStats(
+        replica_id=name,
+        queued_prompt_tokens=0,
+        running_seqs=running_seqs,
+        max_num_seqs=8,
+        free_pages=1000,
+        total_pages=1000,
+        cached_page_hashes=frozenset(page_hash_key(h) for h in held or []),
+    )
+    return FakeReplica(ReplicaID(unique_id=name, deployment_id=DEPLOYMENT), stats.to_dict())
+
+
+def router(**kwargs: Any) -> KVAwareRequestRouter:
+    instance = KVAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    instance.initialize_state(**kwargs)
+    return instance
+
+
+def pending(*args: Any, session_id: str = "", **kwargs: Any) -> PendingRequest:
+    metadata = RequestMetadata(request_id="r", internal_request_id="ir", session_id=session_id)
+    return PendingRequest(args=list(args), kwargs=kwargs, metadata=metadata)
+
+
+def choose(instance: KVAwareRequestRouter, replicas: list[FakeReplica], *args: Any, **kwargs: Any) -> list[list[str]]:
+    async def run() -> list[list[str]]:
+        ranks = await instance.choose_replicas(replicas, pending(*args, **kwargs))  # type: ignore[arg-type]
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    return asyncio.run(run())
+
+
+# --- routing hints --------------------------------------------------------------------------
+
+
+def test_hints_come_from_the_first_positional_mapping() -> None:
+    request = {"session_id": "s", "page_hashes": PAGES, "prompt_tokens": 70, "messages": []}
+    assert RoutingHints.from_pending_request(pending(request)) == RoutingHints("s", tuple(PAGES), 70)
+
+
+def test_hints_come_from_the_request_keyword() -> None:
+    request = {"page_hashes": PAGES[:1], "prompt_tokens": 20, "store_prefix_pages": 1}
+    assert RoutingHints.from_pending_request(pending(request=request)) == RoutingHints(None, (PAGES[0],), 20, 1)
+
+
+def test_handle_session_id_fills_in_a_missing_one() -> None:
+    assert RoutingHints.from_pending_request(pending({"prompt_tokens": 1}, session_id="h")).session_id == "h"
+    assert RoutingHints.from_pending_request(pending({"session_id": "r"}, session_id="h")).session_id == "r"
+    assert RoutingHints.from_pending_request(pending("not a mapping", session_id="h")) == RoutingHints("h")
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {"page_hashes": "abc"},
+        {"page_hashes": [1, 2]},
+        {"prompt_tokens": -1},
+        {"prompt_tokens": True},
+        {"prompt_tokens": 1.5},
+        {"session_id": 7},
+        {"store_prefix_pages": "2"},
+    ],
+)
+def test_malformed_hints_are_dropped_not_raised(request_: dict[str, Any]) -> None:
+    assert RoutingHints.from_request(request_) == RoutingHints()
+
+
+# --- weights --------------------------------------------------------------------------------
+
+
+def test_weights_come_from_router_kwargs() -> None:
+    assert router().weights == ScoringWeights()
+    assert router(load=2, affinity=0.0).weights == ScoringWeights(kv_overlap=1.0, load=2.0, affinity=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"loads": 1.0}, "'loads'"), ({"load": -1.0}, "'load'"), ({"affinity": True}, "'affinity'")],
+)
+def test_bad_router_kwargs_name_the_key(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        router(**kwargs)
+
+
+# --- ranks ----------------------------------------------------------------------------------
+
+
+def test_holder_ranks_first_and_ties_share_a_rank() -> None:
+    replicas = [replica("a"), replica("holder", held=PAGES), replica("b")]
+    request = {"page_hashes": PAGES, "prompt_tokens": 64}
+    ranks = choose(router(), replicas, request)
+    assert ranks[0] == ["holder"]
+    assert sorted(ranks[1]) == ["a", "b"]
+    assert len(ranks) == 2
+
+
+def test_session_preference_gets_its_own_rank() -> None:
+    replicas = [replica("a"), replica("b"), replica("c")]
+    preferred = preferred_replica("s-1", ["a", "b", "c"])
+    ranks = choose(router(), replicas, {"session_id": "s-1", "prompt_tokens": 8})
+    assert ranks[0] == [preferred]
+    assert sorted(ranks[1]) == sorted({"a", "b", "c"} - {preferred})
+
+
+def test_busier_replicas_rank_later() -> None:
+    replicas = [replica("a", running_seqs=6), replica("b", running_seqs=2), replica("c", running_seqs=4)]
+    assert choose(router(), replicas, {"prompt_tokens": 8}) == [["b"], ["c"], ["a"]]
+
+
+def test_bad_stats_count_as_none(caplog: pytest.LogCaptureFixture) -> None:
+    broken = FakeReplica(ReplicaID(unique_id="broken", deployment_id=DEPLOYMENT), {"running_seqs": "many"})
+    silent = FakeReplica(ReplicaID(unique_id="silent", deployment_id=DEPLOYMENT))
+    with caplog.at_level(logging.WARNING, logger="rayturn.router.request_router"):
+        ranks = choose(router(), [broken, silent, replica("idle")], {"prompt_tokens": 8})
+    assert ranks[0] == ["idle"]
+    assert sorted(ranks[1]) == ["broken", "silent"]
+    assert "broken" in caplog.text
+
+
+def test_new_stats_replace_cached_ones() -> None:
+    instance = router()
+    a, b = replica("a"), replica("b", running_seqs=1)
+    assert choose(instance, [a, b], {"prompt_tokens": 8}) == [["a"], ["b"]]
+    a.routing_stats = replica("a", running_seqs=4).routing_stats
+    assert choose(instance, [a, b], {"prompt_tokens": 8}) == [["b"], ["a"]]
+
+
+def test_no_candidates_and_no_request() -> None:
+    instance = router()
+
+    async def run() -> tuple[Any, Any]:
+        replicas: Any = [replica("a"), replica("b")]
+        return await instance.choose_replicas([], None), await instance.choose_replicas(replicas, None)
+
+    empty, unranked = asyncio.run(run())
+    assert empty == []
+    assert [[r.replica_id.unique_id for r in rank] for rank in unranked] == [["a", "b"]]
