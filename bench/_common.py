@@ -7,6 +7,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,17 @@ class Progress:
         bar = "#" * filled + "." * (self.width - filled)
         sys.stderr.write(f"\r{self.label:<28} [{bar}] {self.done}/{self.total} {elapsed_s:6.1f}s")
         sys.stderr.flush()
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolated linearly between closest ranks (numpy's default)."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def peak_rss_mb() -> float:

@@ -17,10 +17,18 @@ so Serve keeps their count.
 ``build_app(config)`` returns the application; ``app_builder(args)`` is the
 import path for ``serve run`` / a KubeRay ``RayService``
 (``rayturn.cluster.app:app_builder`` with ``args: {config: /path.yaml}``).
+
+Redeploying is in place. ``serve.run(build_app(new_config), name="rayturn")``
+on a running cluster restarts only the deployments whose replicas are built
+differently (other constructor arguments or Ray resources); a pool whose
+replica count or autoscaling changed gains or drains replicas while the
+others, their KV caches and their store segments stay (see ``_bind``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from rayturn import __version__
 from rayturn.decode.server import DecodeServer
 from rayturn.engine.presets import PRESETS, preset_dir
 from rayturn.kvstore import StoreNodeReplica
@@ -106,6 +115,27 @@ def _router_config(config: ClusterConfig) -> dict[str, Any]:
     }
 
 
+def _bind(deployment: Any, *args: object) -> Application:
+    """``deployment.bind(*args)`` with a code version derived from what its replicas are built from.
+
+    ``serve.run`` gives a deployment without a version a fresh random one on
+    every call, and a new version restarts every replica: resizing one pool
+    would restart the ingress and both pools, dropping every KV cache and the
+    store pages held in the replicas' segments. The version here hashes the
+    deployment's name, its constructor arguments (JSON values; a bound
+    deployment enters only as being there) and rayturn's version, so it stays
+    the same across redeploys that change replica counts or autoscaling, and
+    Serve only adds or drains replicas; a changed argument still rolls them.
+    Changed rayturn code under the same version number does not: restart the
+    cluster to run it. Serve takes ``version`` only from its own builders, which pass
+    ``_internal=True`` as done here.
+    """
+    built_from = ["<deployment>" if isinstance(arg, Application) else arg for arg in args]
+    identity = json.dumps([__version__, deployment.name, *built_from], sort_keys=True)
+    version = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return deployment.options(version=version, _internal=True).bind(*args)
+
+
 def build_app(config: ClusterConfig) -> Application:
     model = model_path(config)
     engine_kwargs = config.model.engine_kwargs()
@@ -114,32 +144,38 @@ def build_app(config: ClusterConfig) -> Application:
 
     prefill = None
     if config.prefill.max_replicas > 0:
-        prefill = (
-            _deployment(PrefillServer)
-            .options(name="prefill", request_router_config=router, **config.prefill.serve_options())
-            .bind(model, engine_kwargs, kvstore)
+        prefill = _bind(
+            _deployment(PrefillServer).options(
+                name="prefill", request_router_config=router, **config.prefill.serve_options()
+            ),
+            model,
+            engine_kwargs,
+            kvstore,
         )
-    decode = (
-        _deployment(DecodeServer)
-        .options(
+    decode = _bind(
+        _deployment(DecodeServer).options(
             name="decode",
             request_router_config=router,
             max_queued_requests=MAX_QUEUED_REQUESTS,
             **config.decode.serve_options(),
-        )
-        .bind(model, engine_kwargs, kvstore, prefill, config.router.disaggregation_threshold_tokens)
+        ),
+        model,
+        engine_kwargs,
+        kvstore,
+        prefill,
+        config.router.disaggregation_threshold_tokens,
     )
     store_nodes = None
     kv = config.kvstore
     if kvstore is not None and kv.store_nodes > 0:
-        store_nodes = (
-            _deployment(StoreNodeReplica)
-            .options(
+        store_nodes = _bind(
+            _deployment(StoreNodeReplica).options(
                 name="kv-store",
                 num_replicas=kv.store_nodes,
                 ray_actor_options={"num_cpus": kv.store_node_num_cpus, "resources": dict(kv.store_node_resources)},
-            )
-            .bind(kvstore, kv.store_node_bytes)
+            ),
+            kvstore,
+            kv.store_node_bytes,
         )
     ingress_settings = {
         "model": model,
@@ -149,15 +185,17 @@ def build_app(config: ClusterConfig) -> Application:
         "api_keys": list(config.server.api_keys),
         "kvstore_master": {"name": kv.master_name, "namespace": KV_NAMESPACE},
     }
-    return (
-        _deployment(Ingress)
-        .options(
+    return _bind(
+        _deployment(Ingress).options(
             name="ingress",
             num_replicas=config.server.ingress_replicas,
             ray_actor_options={"num_cpus": config.server.ingress_num_cpus},
             max_ongoing_requests=1000,
-        )
-        .bind(decode, prefill, store_nodes, ingress_settings)
+        ),
+        decode,
+        prefill,
+        store_nodes,
+        ingress_settings,
     )
 
 

@@ -1,16 +1,25 @@
 """The ``rayturn`` command line.
 
 ``rayturn serve`` runs the cluster (embedded local Ray, or ``--address`` to
-join one); ``rayturn generate`` runs the offline engine on prompts.
+join one); ``rayturn generate`` runs the offline engine on prompts;
+``rayturn bench [args]`` runs the agent-sessions benchmark
+(``bench/agent_sessions.py`` of a source checkout) with those arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+# Benchmarks live next to the package sources, not in it: only a source checkout has them.
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "agent_sessions.py"
+BENCH_MODULE = "rayturn_bench_agent_sessions"
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +65,32 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.address)
 
 
+def load_bench(script: Path = BENCH_SCRIPT) -> ModuleType:
+    """The agent-sessions benchmark as a module; FileNotFoundError outside a source checkout."""
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"benchmark not found at {script}; `rayturn bench` runs from a source checkout "
+            "of rayturn installed in editable mode (pip install -e .)"
+        )
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))  # the benchmarks import their shared helpers as `_common`
+    spec = importlib.util.spec_from_file_location(BENCH_MODULE, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[BENCH_MODULE] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(argv: Sequence[str]) -> int:
+    try:
+        module = load_bench(BENCH_SCRIPT)
+    except FileNotFoundError as err:
+        print(f"rayturn: error: {err}", file=sys.stderr)
+        return 2
+    return int(module.main(list(argv), prog="rayturn bench"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayturn", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -71,12 +106,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--http-port", type=int, default=None)
     serve.add_argument("--grpc-port", type=int, default=None)
     serve.add_argument("--host", default=None, help="HTTP bind address (default from config: 127.0.0.1)")
-    args = parser.parse_args(argv)
+    # Every argument after `bench` is the benchmark's own (`rayturn bench --help` lists them).
+    sub.add_parser("bench", help="run bench/agent_sessions.py: agent sessions, rayturn vs a baseline", add_help=False)
+    args, bench_args = parser.parse_known_args(argv)
+    if bench_args and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(bench_args)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
         if args.command == "generate":
             return _generate(args, args.prompts, args.chat)
+        if args.command == "bench":
+            return _bench(bench_args)
         return _serve(args)
     except ValueError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)

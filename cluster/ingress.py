@@ -6,6 +6,10 @@ weighs against what each replica holds), finds the session id, and streams
 the decode pool's per-step deltas back as SSE or gRPC messages. Bad input is
 answered here with a 4xx in the OpenAI error shape (gRPC: INVALID_ARGUMENT)
 and never reaches a replica; a full decode queue answers 429.
+
+Every HTTP answer from the decode pool carries the header ``x-rayturn-replica``:
+the Serve id of the decode replica that served the call, so clients and tests
+can see where a session's calls land.
 """
 
 import json
@@ -42,6 +46,8 @@ app = FastAPI(title="rayturn", docs_url=None, redoc_url=None)
 
 # A routing hint carries the first 16 hex digits of each page hash.
 PAGE_HASH_HEX = 16
+# The response header naming the decode replica that served a call.
+REPLICA_HEADER = "x-rayturn-replica"
 
 
 @dataclass
@@ -61,6 +67,7 @@ class CallResult:
     cached_tokens: int = 0
     loaded_tokens: int = 0
     path: str = "local"
+    replica_id: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -132,8 +139,14 @@ def _error_response(err: oai.APIError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status_code)
 
 
-def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def _replica_headers(result: CallResult) -> dict[str, str]:
+    return {REPLICA_HEADER: result.replica_id} if result.replica_id else {}
+
+
+def _sse_response(events: AsyncIterator[str], result: CallResult) -> StreamingResponse:
+    # The first step has arrived before the response starts, so the replica is known.
+    headers = {"Cache-Control": "no-cache", **_replica_headers(result)}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 @serve.ingress(app)
@@ -191,6 +204,7 @@ class Ingress:
                 result.cached_tokens = step["cached_tokens"]
                 result.loaded_tokens = step["loaded_tokens"]
                 result.path = step["path"]
+                result.replica_id = step.get("replica_id")
                 for delta in step["deltas"]:
                     state = result.completions.setdefault(delta["index"], CompletionState())
                     state.token_ids.extend(delta["token_ids"])
@@ -374,20 +388,26 @@ class Ingress:
                 prompt_tokens=len(prompt_ids),
                 max_model_len=self.max_model_len,
             )
-            assert isinstance(body, dict)
-            serve_request = self._serve_request(prompt_ids, params, self._session(request, body))
-            result = CallResult(completions={})
-            steps = self._steps(serve_request, result)
-            first = await _first_step(steps)
+            result, steps, first = await self._start(request, body, prompt_ids, params)
         except oai.APIError as err:
             self.telemetry.requests.labels("chat", "invalid").inc()
             return _error_response(err)
         if chat.stream:
-            return _sse_response(self._chat_stream(chat, steps, first, result))
+            return _sse_response(self._chat_stream(chat, steps, first, result), result)
         async for _ in _chain(first, steps):
             pass
         self.telemetry.requests.labels("chat", "ok").inc()
-        return JSONResponse(self._chat_body(chat, result))
+        return JSONResponse(self._chat_body(chat, result), headers=_replica_headers(result))
+
+    async def _start(
+        self, request: Request, body: object, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[CallResult, AsyncIterator[list[dict[str, Any]]], Any]:
+        """Send a validated call to the decode pool; returns its result, its steps and the first step."""
+        assert isinstance(body, dict)  # the parsers accept only JSON objects
+        serve_request = self._serve_request(prompt_ids, params, self._session(request, body))
+        result = CallResult(completions={})
+        steps = self._steps(serve_request, result)
+        return result, steps, await _first_step(steps)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -489,16 +509,12 @@ class Ingress:
                 max_model_len=self.max_model_len,
                 prompt_param="prompt",
             )
-            assert isinstance(body, dict)
-            serve_request = self._serve_request(prompt_ids, params, self._session(request, body))
-            result = CallResult(completions={})
-            steps = self._steps(serve_request, result)
-            first = await _first_step(steps)
+            result, steps, first = await self._start(request, body, prompt_ids, params)
         except oai.APIError as err:
             self.telemetry.requests.labels("completions", "invalid").inc()
             return _error_response(err)
         if spec.stream:
-            return _sse_response(self._completion_stream(spec, steps, first, result))
+            return _sse_response(self._completion_stream(spec, steps, first, result), result)
         async for _ in _chain(first, steps):
             pass
         self.telemetry.requests.labels("completions", "ok").inc()
@@ -518,7 +534,8 @@ class Ingress:
                 created=int(time.time()),
                 choices=choices,
                 usage=oai.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
-            )
+            ),
+            headers=_replica_headers(result),
         )
 
     async def _completion_stream(

@@ -2,7 +2,11 @@
 
 Shutdown is complete: the Serve application, Serve itself, the KV store's
 detached master and, for an embedded Ray, Ray's own processes all go, so a
-Ctrl-C or SIGTERM leaves nothing running.
+Ctrl-C or SIGTERM leaves nothing running, whenever it comes:
+
+    starting --(cluster up)--> serving --(SIGINT/SIGTERM)--> stopping --> stopped (exit 0)
+       |                                                        ^
+       +-------(SIGINT/SIGTERM: start-up abandoned)-------------+
 """
 
 from __future__ import annotations
@@ -38,7 +42,19 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
     app = build_app(config)  # validates the model before anything starts
     started_ray = False
     if not ray.is_initialized():
-        ray.init(address=address, namespace=KV_NAMESPACE, log_to_driver=False, include_dashboard=False)
+        # ``ray.init`` installs a SIGTERM handler that exits on the spot (``sys.exit``);
+        # the caller's handler, if it set one, stays in charge.
+        sigterm_handler = signal.getsignal(signal.SIGTERM)
+        # "local": without an address Ray would join any Ray already running on this host
+        # (a ``ray start`` head, a test cluster), and the teardown would stop its Serve.
+        ray.init(
+            address=address or "local",
+            namespace=KV_NAMESPACE,
+            log_to_driver=False,
+            include_dashboard=False,
+        )
+        if sigterm_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm_handler)
         started_ray = address is None
     try:
         serve.start(**serve_start_options(config))
@@ -57,16 +73,27 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
             ray.shutdown()
 
 
+class _StopDuringStartup(Exception):
+    """A stop signal came before the cluster served: abandon the start-up and tear down what started."""
+
+
 def serve_forever(config: ClusterConfig, address: str | None = None) -> int:
     stop = threading.Event()
+    serving = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         logger.info("received %s, shutting down", signal.Signals(signum).name)
+        first = not stop.is_set()
         stop.set()
+        # Start-up may wait for a long time (resources, a slow model load); the first
+        # signal cuts it short. A later one must not interrupt the teardown.
+        if first and not serving.is_set():
+            raise _StopDuringStartup
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with running_cluster(config, address) as endpoints:
+        with contextlib.suppress(_StopDuringStartup), running_cluster(config, address) as endpoints:
+            serving.set()
             print(
                 f"rayturn is serving {config.model.model_name!r}\n"
                 f"  OpenAI HTTP: {endpoints.http}/v1  (health: {endpoints.http}/health)\n"

@@ -15,7 +15,10 @@ prompt's KV (conditional disaggregation):
 Requests are plain dicts (they cross Ray as such; see ``ServeRequest``):
 ``request_id``, ``prompt_token_ids``, ``params`` (engine ``SamplingParams``),
 ``cache_salt``, and the routing hints ``session_id``, ``page_hashes``,
-``prompt_tokens``. ``generate`` yields per-step deltas per completion.
+``prompt_tokens``. ``generate`` yields one dict per engine step: the
+completions' deltas, the prompt's cache counts, the prefill ``path`` taken and
+the ``replica_id`` that serves the call (Serve's id, the one the router ranks;
+None outside Serve), so callers can see where their session landed.
 """
 
 from __future__ import annotations
@@ -26,13 +29,23 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypedDict
 
+import ray
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
 from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.kvstore import join_store
+from rayturn.kvstore import KVStoreClient, join_store
 
 logger = logging.getLogger(__name__)
+
+
+# A prompt missing fewer tokens than this computes them instead of asking the
+# store: a store round trip (~1-2 ms) costs more than computing a few pages,
+# and the newest pages of a growing agent prompt are rarely stored anywhere.
+STORE_LOOKUP_MIN_TOKENS = 256
 
 
 class ServeRequest(TypedDict):
@@ -45,17 +58,42 @@ class ServeRequest(TypedDict):
     prompt_tokens: int
 
 
-def connect_engine(model: str, engine_kwargs: Mapping[str, Any], kvstore: Mapping[str, Any] | None) -> AsyncEngine:
-    """The replica's engine, joined to the KV store when ``kvstore`` settings are given.
+def connect_engine(
+    model: str, engine_kwargs: Mapping[str, Any], kvstore: Mapping[str, Any] | None
+) -> tuple[AsyncEngine, KVStoreClient | None]:
+    """The replica's engine and its KV store client: joined to the store when ``kvstore`` settings are given.
 
     ``kvstore``: ``rayturn.kvstore.join_store`` settings plus ``"replicas"`` (copies per page).
     """
-    connector = None
+    client = connector = None
     if kvstore is not None:
         client = join_store(kvstore)
         connector = StoreConnector(client, replicas=int(kvstore.get("replicas", 1)))
-    engine = LLMEngine.from_pretrained(model, kv_connector=connector, **dict(engine_kwargs))
-    return AsyncEngine(engine)
+    # Finished sequences publish their pages in the background: decoding never waits on the store.
+    engine = LLMEngine.from_pretrained(
+        model,
+        kv_connector=connector,
+        kv_save="async",
+        kv_load_min_tokens=STORE_LOOKUP_MIN_TOKENS,
+        **dict(engine_kwargs),
+    )
+    return AsyncEngine(engine), client
+
+
+def shut_down_replica(engine: AsyncEngine | None, kv_client: KVStoreClient | None) -> None:
+    """Stop the engine thread, then leave the KV store.
+
+    Serve calls a replica's ``__del__`` when it stops the replica (scale-down,
+    redeploy, shutdown) and kills the process right after, before ``atexit``
+    hooks run. Leaving the store here makes the master forget the segment at
+    once (instead of handing out its pages until the heartbeat times out) and
+    unlinks the segment's shared memory, which would otherwise stay in
+    /dev/shm until another replica on the node sweeps it.
+    """
+    if engine is not None:
+        engine.shutdown(timeout_s=1.0)
+    if kv_client is not None:
+        kv_client.close()
 
 
 def completion_deltas(output: RequestOutput, sent: dict[int, tuple[int, int, int, bool]]) -> list[dict[str, Any]]:
@@ -91,6 +129,14 @@ def completion_deltas(output: RequestOutput, sent: dict[int, tuple[int, int, int
     return deltas
 
 
+def serve_replica_id() -> str | None:
+    """This process's Serve replica id (what routers rank replicas by), or None outside a replica."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
+
+
 class DecodeServer:
     """Ray Serve deployment body for the decode pool (the cluster wraps it with pool options)."""
 
@@ -102,28 +148,36 @@ class DecodeServer:
         prefill: Any = None,
         disaggregation_threshold_tokens: int = 512,
     ) -> None:
-        self.engine = connect_engine(model, engine_kwargs, kvstore)
+        self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
         self.prefill = prefill  # a Serve handle to the prefill pool, or None
         self.threshold = disaggregation_threshold_tokens
+        self.replica_id = serve_replica_id()
         self.started_at = time.time()
         self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0}
         logger.info("decode replica ready: backend %s", self.engine.engine.backend.name)
 
-    async def _uncached_tokens(self, request: ServeRequest) -> tuple[int, int]:
-        """(tokens to compute, pages the store holds beyond the local ones)."""
+    async def _uncached_tokens(self, request: ServeRequest) -> int:
+        """Prompt tokens neither this replica nor the KV store holds (an estimate for the routing decision).
+
+        Runs beside the engine thread rather than on it (a call there would
+        wait for the current step): the prefix-cache lookups only read, and a
+        page evicted a moment later just means a few more tokens to compute.
+        """
         token_ids = request["prompt_token_ids"]
-        salt = request["cache_salt"]
-        hashes, local = await asyncio.wrap_future(
-            self.engine.call(lambda engine: engine.prefix_residency(token_ids, salt))
-        )
-        connector = self.engine.engine.kv_connector
-        in_store = 0
-        if connector is not None and local < len(hashes):
-            try:
-                in_store = await asyncio.to_thread(connector.longest_prefix, hashes[local:])
-            except Exception as err:
-                logger.warning("KV store lookup failed: %s", err)
-        return len(token_ids) - (local + in_store) * self.engine.engine.page_size, in_store
+        engine = self.engine.engine
+        if len(token_ids) < self.threshold:
+            return len(token_ids)
+        hashes, local = engine.prefix_residency(token_ids, request["cache_salt"])
+        uncached = len(token_ids) - local * engine.page_size
+        connector = engine.kv_connector
+        if uncached < self.threshold or connector is None or local == len(hashes):
+            return uncached  # short enough, whatever the store holds
+        try:
+            in_store = await asyncio.to_thread(connector.longest_prefix, hashes[local:])
+        except Exception as err:
+            logger.warning("KV store lookup failed: %s", err)
+            return uncached
+        return uncached - in_store * engine.page_size
 
     def _can_disaggregate(self, params: SamplingParams) -> bool:
         # n > 1 forks after the first token on one replica; seeded sampling
@@ -137,7 +191,7 @@ class DecodeServer:
         prefix_logprobs = None
         path = "local"
         if self._can_disaggregate(params):
-            uncached, _ = await self._uncached_tokens(request)
+            uncached = await self._uncached_tokens(request)
             if uncached >= self.threshold:
                 try:
                     first = await self.prefill.prefill.remote(request)
@@ -166,6 +220,7 @@ class DecodeServer:
                     "loaded_tokens": output.num_loaded_prompt_tokens,
                     "finished": output.finished,
                     "path": path,
+                    "replica_id": self.replica_id,
                 }
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -176,6 +231,8 @@ class DecodeServer:
         return {
             "status": "ok" if self.engine.healthy else "failed",
             "role": "decode",
+            "replica_id": self.replica_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "backend": engine.backend.name,
             "device": str(engine.device),
             "model_id": engine.model_id,
@@ -186,6 +243,4 @@ class DecodeServer:
         }
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown(timeout_s=1.0)
+        shut_down_replica(getattr(self, "engine", None), getattr(self, "kv_client", None))

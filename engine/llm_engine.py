@@ -12,7 +12,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import queue
+from collections import OrderedDict
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +77,8 @@ class LLMEngine:
         device: str | torch.device | None = None,
         model_id: str | None = None,
         kv_connector: KVConnector | None = None,
+        kv_save: str = "sync",
+        kv_load_min_tokens: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -95,6 +101,17 @@ class LLMEngine:
         # Pages missing locally are loaded from here at admission; finished
         # sequences publish their full pages here (prefix caching must be on).
         self.kv_connector = kv_connector if enable_prefix_caching else None
+        # Fewer missing prompt tokens than this are computed without asking the connector.
+        self.kv_load_min_tokens = kv_load_min_tokens
+        if kv_save not in ("sync", "async"):
+            raise ValueError(f"kv_save must be 'sync' or 'async', got {kv_save!r}")
+        self._saver = (
+            ThreadPoolExecutor(1, thread_name_prefix="rayturn-kv-save")
+            if self.kv_connector is not None and kv_save == "async"
+            else None
+        )
+        self._saved: queue.SimpleQueue[list[Page]] = queue.SimpleQueue()
+        self._stored: OrderedDict[PageHash, None] = OrderedDict()
         self._requests: dict[str, _Request] = {}
         self._finished_on_arrival: list[_Request] = []
         self._seq_ids = itertools.count()
@@ -233,11 +250,12 @@ class LLMEngine:
                 self._finished_on_arrival.append(request)
                 return request_id
         if self.kv_connector is not None:
-            self._load_prefix(seq)
+            # A request arriving with output already made (a remote prefill) finds its pages in the store.
+            self._load_prefix(seq, 0 if prefix else self.kv_load_min_tokens)
         self.scheduler.add(seq)
         return request_id
 
-    def _load_prefix(self, seq: Sequence) -> None:
+    def _load_prefix(self, seq: Sequence, min_tokens: int) -> None:
         """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache.
 
         They enter the prefix cache as free, cached pages at the tail of the
@@ -255,7 +273,7 @@ class LLMEngine:
                 break
             local.append(page)
         missing = hashes[len(local) :]
-        if not missing:
+        if not missing or len(missing) * self.page_size < min_tokens:
             return
         try:
             available = self.kv_connector.longest_prefix(missing)
@@ -273,22 +291,69 @@ class LLMEngine:
         num_loaded = next((i for i, ok in enumerate(landed) if not ok), len(landed))
         for page, page_hash in zip(pages[:num_loaded], missing):
             pool.cache(page, page_hash)
+        self._remember_stored(missing[:num_loaded])
         pool.free(reversed(pages))
         pool.free(reversed(local))
         seq.num_loaded_prompt_tokens = num_loaded * self.page_size
 
     def _save_pages(self, seq: Sequence) -> None:
-        """Publish the full pages ``seq`` has computed to the connector."""
+        """Publish the full pages ``seq`` has computed to the connector.
+
+        With ``kv_save="sync"`` this returns once the connector has them (a
+        prefill server answers only after its pages are in the store). With
+        ``"async"`` the pages are pinned (an extra reference keeps them from
+        being reallocated), written by a background thread, and released by a
+        later step, so a decode loop never waits on the store.
+        """
         assert self.kv_connector is not None
         num_full = seq.num_computed_tokens // self.page_size
         if num_full == 0:
             return
-        keys = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+        hashes = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+        # Pages this engine loaded from or gave to the store are not sent again:
+        # an agent's next call re-saves only the pages its turn added.
+        fresh = [i for i, page_hash in enumerate(hashes) if page_hash not in self._stored]
+        if not fresh:
+            return
+        self._remember_stored(hashes[i] for i in fresh)
+        keys = [hashes[i] for i in fresh]
+        pages = [seq.pages[i] for i in fresh]
         cache = self.runner.kv_cache
+        views = [cache[page.page_id] for page in pages]
+        if self._saver is None:
+            self._save(seq.request_id, keys, views)
+            return
+        self.kv_cache.pool.touch(pages)
+        future = self._saver.submit(self._save, seq.request_id, keys, views)
+        future.add_done_callback(lambda _: self._saved.put(pages))
+
+    def _remember_stored(self, hashes: Iterable[PageHash]) -> None:
+        for page_hash in hashes:
+            self._stored[page_hash] = None
+            self._stored.move_to_end(page_hash)
+        while len(self._stored) > 4 * self.num_pages:  # a bounded memory of what the store has
+            self._stored.popitem(last=False)
+
+    def _save(self, request_id: str, keys: list[PageHash], views: list[torch.Tensor]) -> None:
+        assert self.kv_connector is not None
         try:
-            self.kv_connector.save(keys, [cache[page.page_id] for page in seq.pages[:num_full]])
-        except Exception as err:
-            logger.warning("KV store save failed for request %s: %s", seq.request_id, err)
+            self.kv_connector.save(keys, views)
+        except Exception as err:  # the store is an optimisation: never fail a request over it
+            logger.warning("KV store save failed for request %s: %s", request_id, err)
+
+    def _release_saved(self) -> None:
+        while True:
+            try:
+                pages = self._saved.get_nowait()
+            except queue.Empty:
+                return
+            self.kv_cache.pool.free(reversed(pages))
+
+    def flush_saves(self) -> None:
+        """Wait for background page saves to finish and release their pages."""
+        if self._saver is not None:
+            self._saver.submit(lambda: None).result()
+        self._release_saved()
 
     def _new_sequence(
         self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: str, index: int
@@ -333,7 +398,11 @@ class LLMEngine:
         }
 
     def prefix_residency(self, token_ids: Seq[int], cache_salt: str = "") -> tuple[list[PageHash], int]:
-        """A prompt's page hashes (all but the always-computed last token) and how many lead pages are here."""
+        """A prompt's page hashes (all but the always-computed last token) and how many lead pages are here.
+
+        Only reads the prefix cache, so a server may call it beside the thread
+        that steps the engine; the count is then an estimate.
+        """
         usable = (len(token_ids) - 1) // self.page_size
         hashes = hash_pages(list(token_ids[: usable * self.page_size]), self.page_size, self.model_id, cache_salt)
         pool = self.kv_cache.pool
@@ -352,6 +421,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests it advanced (finished ones last seen here)."""
+        self._release_saved()
         arrived = [self._output(request) for request in self._finished_on_arrival]
         for output in arrived:
             del self._requests[output.request_id]

@@ -84,3 +84,10 @@ class StoreNodeReplica:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "segment_id": self.client.segment_id, "held_objects": len(self.client.held)}
+
+    def __del__(self) -> None:
+        # Serve calls this when it stops the replica: leave the store at once
+        # and unlink the segment's shared memory.
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()

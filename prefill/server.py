@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import ray
+
 from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
@@ -31,8 +33,8 @@ class PrefillServer:
     def __init__(self, model: str, engine_kwargs: Mapping[str, Any], kvstore: Mapping[str, Any] | None) -> None:
         if kvstore is None:
             raise ValueError("a prefill server needs the KV store: its pages are its only output")
-        client = join_store(kvstore)
-        connector = StoreConnector(client, replicas=int(kvstore.get("replicas", 1)))
+        self.kv_client = join_store(kvstore)
+        connector = StoreConnector(self.kv_client, replicas=int(kvstore.get("replicas", 1)))
         self.engine = AsyncEngine(LLMEngine.from_pretrained(model, kv_connector=connector, **dict(engine_kwargs)))
         self.started_at = time.time()
         self.counters = {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0}
@@ -51,7 +53,11 @@ class PrefillServer:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(final.prompt_token_ids)
         self.counters["computed_tokens"] += len(final.prompt_token_ids) - final.num_cached_prompt_tokens
+        engine = self.engine.engine
+        page_hashes, _ = engine.prefix_residency(request["prompt_token_ids"], request["cache_salt"])
         return {
+            # The store keys of the prompt's full pages (hex), all published before this returns.
+            "page_keys": [page_hash.hex() for page_hash in page_hashes],
             "token_ids": list(completion.token_ids),
             "logprobs": list(completion.logprobs) if completion.logprobs is not None else None,
             "cached_tokens": final.num_cached_prompt_tokens,
@@ -66,6 +72,7 @@ class PrefillServer:
         return {
             "status": "ok" if self.engine.healthy else "failed",
             "role": "prefill",
+            "node_id": ray.get_runtime_context().get_node_id(),
             "backend": engine.backend.name,
             "device": str(engine.device),
             "model_id": engine.model_id,
@@ -75,6 +82,10 @@ class PrefillServer:
         }
 
     def __del__(self) -> None:
+        # Stop the engine, then leave the KV store (see ``shut_down_replica`` in the decode server).
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout_s=1.0)
+        kv_client = getattr(self, "kv_client", None)
+        if kv_client is not None:
+            kv_client.close()

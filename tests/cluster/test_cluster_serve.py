@@ -4,7 +4,10 @@ Checked against the offline engine on the same model: greedy outputs are
 equal over HTTP (the official ``openai`` client, streaming and not) and over
 gRPC, on both the disaggregated path (a prefill replica computes the prompt,
 the decode replica pulls its pages from the store) and the local one (the
-decode replica prefills a short uncached suffix itself).
+decode replica prefills a short uncached suffix itself). The OpenAI surface
+beyond plain chat: tools offered with ``tool_choice="auto"``, seeded sampling
+of two choices with logprobs (the same seed gives the same answer), and stop
+strings (the answer ends before one, streamed or not, as offline).
 """
 
 from __future__ import annotations
@@ -169,3 +172,106 @@ def test_health_and_metrics(cluster: str, client: openai.OpenAI) -> None:
     metrics = requests.get(f"{cluster}/metrics").text
     assert "rayturn_time_to_first_token_seconds_bucket" in metrics
     assert "rayturn_prompt_tokens_total" in metrics
+
+
+READ_FILE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+}
+
+
+def test_chat_with_tools_goes_through_the_template_and_answers(client: openai.OpenAI, reference: LLMEngine) -> None:
+    messages = [{"role": "user", "content": "Open README.md"}]
+    prompt = reference.tokenizer.encode_chat(messages, tools=[READ_FILE_TOOL])
+    assert len(prompt) > len(reference.tokenizer.encode_chat(messages))  # the template showed the tool
+    expected = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[READ_FILE_TOOL],  # type: ignore[list-item]
+        tool_choice="auto",
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = response.choices[0]
+    # Random weights call no tool; the request still takes the whole tool-aware path, whose
+    # parser trims the prose around tool calls (``rayturn.engine.tool_calls``).
+    assert choice.finish_reason in ("length", "stop") and not choice.message.tool_calls
+    assert choice.message.content == expected.text.strip()
+    assert response.usage is not None and response.usage.prompt_tokens == len(prompt)
+
+
+def test_seeded_sampling_of_two_choices_with_logprobs_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> Any:
+        return client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "name a sorting algorithm"}],
+            n=2,
+            seed=7,
+            temperature=0.8,
+            logprobs=True,
+            top_logprobs=2,
+            max_tokens=6,
+        )
+
+    first, second = sample(), sample()
+    for response in (first, second):
+        assert [choice.index for choice in response.choices] == [0, 1]
+        total_tokens = 0
+        for choice in response.choices:
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            content = choice.logprobs.content
+            if choice.finish_reason == "length":
+                assert len(content) == 6
+            else:
+                assert 1 <= len(content) <= 6
+            for entry in content:
+                assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+            total_tokens += len(content)
+        assert response.usage is not None and response.usage.completion_tokens == total_tokens
+
+    def tokens(response: Any) -> list[list[str]]:
+        return [[entry.token for entry in choice.logprobs.content] for choice in response.choices]
+
+    def logprobs(response: Any) -> list[float]:
+        return [entry.logprob for choice in response.choices for entry in choice.logprobs.content]
+
+    assert tokens(first) == tokens(second)
+    assert logprobs(first) == pytest.approx(logprobs(second), abs=1e-4)
+
+
+def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI, reference: LLMEngine) -> None:
+    messages = [{"role": "user", "content": "explain"}]
+    prompt = reference.tokenizer.encode_chat(messages)
+    unstopped = reference.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert "x" in unstopped.text  # the model would write it
+    expected = reference.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=("x",)))[0]
+    assert expected.finish_reason == "stop" and "x" not in expected.text
+
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+        stop=["x"],
+    )
+    choice = response.choices[0]
+    assert choice.message.content == expected.text and choice.finish_reason == "stop"
+
+    text, finish_reason = "", None
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+        stop=["x"],
+        stream=True,
+    ):
+        for streamed in chunk.choices:
+            text += streamed.delta.content or ""
+            finish_reason = streamed.finish_reason or finish_reason
+    assert text == expected.text and finish_reason == "stop"

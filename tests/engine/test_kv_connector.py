@@ -54,9 +54,11 @@ class DictStore:
         return [True] * len(keys)
 
 
-def make_engine(store: DictStore | None) -> LLMEngine:
+def make_engine(store: DictStore | None, kv_save: str = "sync") -> LLMEngine:
     connector = StoreConnector(store) if store is not None else None
-    return LLMEngine.from_pretrained("tiny", backend="torch", dtype="float32", page_size=PAGE, kv_connector=connector)
+    return LLMEngine.from_pretrained(
+        "tiny", backend="torch", dtype="float32", page_size=PAGE, kv_connector=connector, kv_save=kv_save
+    )
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -141,3 +143,31 @@ def test_load_stats_and_cached_hashes() -> None:
     hashes = engine.cached_page_hashes(3)
     assert len(hashes) == 3 and all(len(h) == 32 for h in hashes)
     assert engine.load_stats()["running_seqs"] == 0
+
+
+def test_background_saves_publish_pages_and_release_them(reference: list[int]) -> None:
+    store = DictStore()
+    engine = make_engine(store, kv_save="async")
+    assert engine.generate([PROMPT], GREEDY)[0].token_ids == reference
+    engine.flush_saves()
+    assert len(store.objects) == (len(PROMPT) + len(reference) - 1) // PAGE
+    assert engine.kv_cache.num_free_pages == engine.num_pages  # the save's page references are gone
+    second = make_engine(store).generate([PROMPT], GREEDY)[0]
+    assert second.token_ids == reference and second.num_loaded_prompt_tokens == 64
+    with pytest.raises(ValueError, match="kv_save"):
+        make_engine(store, kv_save="later")
+
+
+def test_short_misses_are_computed_unless_a_remote_prefill_made_them(reference: list[int]) -> None:
+    store = DictStore()
+    make_engine(store).generate([PROMPT], GREEDY)
+    connector = StoreConnector(store)
+    engine = LLMEngine.from_pretrained("tiny", page_size=PAGE, kv_connector=connector, kv_load_min_tokens=128)
+    # 64 missing tokens < 128: computed here, the store is not asked.
+    assert engine.generate([PROMPT], GREEDY)[0].num_loaded_prompt_tokens == 0
+    fresh = LLMEngine.from_pretrained("tiny", page_size=PAGE, kv_connector=connector, kv_load_min_tokens=128)
+    fresh.add_request(PROMPT, GREEDY, request_id="p", output_prefix=reference[:1])
+    outputs = []
+    while fresh.has_unfinished_requests():
+        outputs.extend(fresh.step())
+    assert outputs[-1].num_loaded_prompt_tokens == 64 and outputs[-1].token_ids == reference

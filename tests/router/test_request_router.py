@@ -47,8 +47,16 @@ def router(**kwargs: Any) -> KVAwareRequestRouter:
 
 
 def pending(*args: Any, session_id: str = "", **kwargs: Any) -> PendingRequest:
+    """A pending request; build it inside an event loop (it makes a future on the current one)."""
     metadata = RequestMetadata(request_id="r", internal_request_id="ir", session_id=session_id)
     return PendingRequest(args=list(args), kwargs=kwargs, metadata=metadata)
+
+
+def hints_of(*args: Any, **kwargs: Any) -> RoutingHints:
+    async def build() -> RoutingHints:
+        return RoutingHints.from_pending_request(pending(*args, **kwargs))
+
+    return asyncio.run(build())
 
 
 def choose(instance: KVAwareRequestRouter, replicas: list[FakeReplica], *args: Any, **kwargs: Any) -> list[list[str]]:
@@ -64,18 +72,18 @@ def choose(instance: KVAwareRequestRouter, replicas: list[FakeReplica], *args: A
 
 def test_hints_come_from_the_first_positional_mapping() -> None:
     request = {"session_id": "s", "page_hashes": PAGES, "prompt_tokens": 70, "messages": []}
-    assert RoutingHints.from_pending_request(pending(request)) == RoutingHints("s", tuple(PAGES), 70)
+    assert hints_of(request) == RoutingHints("s", tuple(PAGES), 70)
 
 
 def test_hints_come_from_the_request_keyword() -> None:
     request = {"page_hashes": PAGES[:1], "prompt_tokens": 20, "store_prefix_pages": 1}
-    assert RoutingHints.from_pending_request(pending(request=request)) == RoutingHints(None, (PAGES[0],), 20, 1)
+    assert hints_of(request=request) == RoutingHints(None, (PAGES[0],), 20, 1)
 
 
 def test_handle_session_id_fills_in_a_missing_one() -> None:
-    assert RoutingHints.from_pending_request(pending({"prompt_tokens": 1}, session_id="h")).session_id == "h"
-    assert RoutingHints.from_pending_request(pending({"session_id": "r"}, session_id="h")).session_id == "r"
-    assert RoutingHints.from_pending_request(pending("not a mapping", session_id="h")) == RoutingHints("h")
+    assert hints_of({"prompt_tokens": 1}, session_id="h").session_id == "h"
+    assert hints_of({"session_id": "r"}, session_id="h").session_id == "r"
+    assert hints_of("not a mapping", session_id="h") == RoutingHints("h")
 
 
 @pytest.mark.parametrize(

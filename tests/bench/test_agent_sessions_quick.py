@@ -1,0 +1,200 @@
+"""The agent-sessions benchmark without a cluster: its workload generator, its report, and ``rayturn bench``.
+
+The workload must be a pure function of the seed (both systems get the same
+calls), grow each session's prompt by appending messages (what makes the KV
+reusable), share one system prefix across sessions, and scale its gaps by the
+time scale alone. The report's percentiles and ratios are checked on
+hand-made samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import pairwise
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from rayturn.cluster import cli
+from rayturn.cluster.cli import load_bench, main
+from rayturn.engine.presets import preset_dir
+from rayturn.engine.tokenizer import Tokenizer
+
+bench: ModuleType = load_bench()
+
+
+@pytest.fixture(scope="module")
+def quick_shape() -> Any:
+    return bench.make_shape(bench.parse_args(["--quick"]))
+
+
+def calls_of(shape: Any, seed: int = 0) -> list[list[Any]]:
+    return bench.make_workload(shape, seed)
+
+
+def test_quick_shape_is_small_and_scaled_to_the_tiny_context(quick_shape: Any) -> None:
+    assert quick_shape.num_sessions == 4
+    assert quick_shape.calls_per_turn == (2, 4)
+    assert quick_shape.context_tokens == 4096
+    assert quick_shape.token_scale == pytest.approx(0.8 * 4096 / 104_000)
+    sessions = calls_of(quick_shape)
+    for calls in sessions:
+        per_turn = [sum(1 for call in calls if call.turn == turn) for turn in range(quick_shape.turns_per_session)]
+        assert all(2 <= n <= 4 for n in per_turn)
+    assert max(call.prompt_tokens for calls in sessions for call in calls) <= quick_shape.prompt_budget_tokens
+
+
+def test_workload_is_a_function_of_the_seed(quick_shape: Any) -> None:
+    assert calls_of(quick_shape, seed=7) == calls_of(quick_shape, seed=7)
+    assert calls_of(quick_shape, seed=7) != calls_of(quick_shape, seed=8)
+    # A session does not depend on how many others run beside it.
+    more = dataclasses.replace(quick_shape, num_sessions=6)
+    assert calls_of(more, seed=7)[:4] == calls_of(quick_shape, seed=7)
+
+
+def test_prompts_grow_by_appended_messages(quick_shape: Any) -> None:
+    for calls in calls_of(quick_shape):
+        for before, after in pairwise(calls):
+            assert after.messages[: len(before.messages)] == before.messages
+            if after.turn == before.turn:  # the answer's tool call, then the tool's result
+                assert [m["role"] for m in after.messages[len(before.messages) :]] == ["assistant", "tool"]
+                assert after.messages[-2]["tool_calls"][0]["id"] == after.messages[-1]["tool_call_id"]
+            else:  # the final answer, then the next user message
+                assert [m["role"] for m in after.messages[len(before.messages) :]] == ["assistant", "user"]
+            assert after.prompt_tokens > before.prompt_tokens
+
+
+def test_rendered_prompts_extend_each_other_token_by_token(quick_shape: Any) -> None:
+    tokenizer = Tokenizer.from_dir(preset_dir("tiny"))
+    calls = calls_of(quick_shape)[0]
+    prompts = [tokenizer.encode_chat([dict(m) for m in call.messages]) for call in calls]
+    for call, prompt in zip(calls, prompts):
+        assert len(prompt) <= call.prompt_tokens  # the estimate is an upper bound: the budget holds
+    for before, after in pairwise(prompts):
+        assert after[: len(before)] == before
+
+
+def test_sessions_share_the_system_prefix_and_nothing_else(quick_shape: Any) -> None:
+    sessions = calls_of(quick_shape)
+    systems = {calls[0].messages[0]["content"] for calls in sessions}
+    assert len(systems) == 1
+    (system,) = systems
+    assert len(system) == round(15_000 * quick_shape.token_scale)
+    first_users = {calls[0].messages[1]["content"] for calls in sessions}
+    assert len(first_users) == len(sessions)
+    assert len({calls[0].session_id for calls in sessions}) == len(sessions)
+
+
+def test_gaps_scale_with_the_time_scale_alone(quick_shape: Any) -> None:
+    slow = dataclasses.replace(quick_shape, time_scale=quick_shape.time_scale * 4)
+    for fast_calls, slow_calls in zip(calls_of(quick_shape), calls_of(slow)):
+        assert [c.messages for c in fast_calls] == [c.messages for c in slow_calls]
+        for fast, slow_call in zip(fast_calls, slow_calls):
+            assert slow_call.gap_s == pytest.approx(4 * fast.gap_s)
+    scale = quick_shape.time_scale
+    for calls in calls_of(quick_shape):
+        assert 0 <= calls[0].gap_s <= 127 * scale  # sessions start spread over one median think gap
+        for before, after in pairwise(calls):
+            cap_s = 600 if after.turn != before.turn else 120  # think gap before a user message, else tool gap
+            assert 0 < after.gap_s <= cap_s * scale
+
+
+def test_a_full_context_is_compacted_to_the_prefix_and_a_summary(quick_shape: Any) -> None:
+    cramped = dataclasses.replace(quick_shape, context_tokens=2048, turns_per_session=4, calls_per_turn=(6, 6))
+    compactions = 0
+    for calls in calls_of(cramped):
+        system = calls[0].messages[0]
+        for before, after in pairwise(calls):
+            assert after.prompt_tokens <= cramped.prompt_budget_tokens
+            if len(after.messages) < len(before.messages):
+                compactions += 1
+                assert after.messages[0] == system
+                assert after.messages[1]["role"] == "user"
+                assert after.messages[-1]["role"] in ("tool", "user")
+    assert compactions > 0
+    too_small = dataclasses.replace(cramped, context_tokens=512)
+    with pytest.raises(ValueError, match="cannot hold the shared prefix"):
+        calls_of(too_small)
+
+
+def sample(session: str, ttft_s: float, **fields: Any) -> Any:
+    return bench.CallSample(session, ok=True, ttft_s=ttft_s, **fields)
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert bench.percentile(values, 50) == pytest.approx(50.5)
+    assert bench.percentile(values, 99) == pytest.approx(99.01)
+    assert bench.percentile(values, 0) == 1.0
+    assert bench.percentile(values, 100) == 100.0
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)  # unordered input
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_summary_of_synthetic_calls() -> None:
+    samples = [
+        sample("a", ttft_s=ms / 1000, itl_s=(0.01, 0.03), prompt_tokens=100, cached_tokens=75, completion_tokens=8,
+               replica="r1" if ms % 2 else "r2")
+        for ms in range(1, 101)
+    ]  # fmt: skip
+    samples.append(sample("b", ttft_s=0.5, prompt_tokens=100, cached_tokens=0, completion_tokens=8, replica="r1"))
+    samples.append(bench.CallSample("b", ok=False, error="APIConnectionError: refused"))
+    summary = bench.summarize(samples, wall_s=2.0)
+    assert summary["calls"] == 102
+    assert summary["failures"] == 1
+    ttfts = [ms / 1000 for ms in range(1, 101)] + [0.5]
+    assert summary["ttft_p50_s"] == pytest.approx(bench.percentile(ttfts, 50), abs=1e-5)
+    assert summary["ttft_p50_s"] == pytest.approx(0.051)
+    assert summary["ttft_p99_s"] == pytest.approx(0.1)  # rank 99 of 0..100: the 100th smallest
+    assert summary["itl_p50_s"] == pytest.approx(0.02)  # 100 gaps of 10 ms and 100 of 30 ms
+    assert summary["itl_p99_s"] == pytest.approx(0.03)
+    assert summary["output_tok_s"] == pytest.approx(101 * 8 / 2.0)
+    assert summary["prompt_tokens"] == 10_100
+    assert summary["cached_tokens"] == 7_500
+    assert summary["cached_token_fraction"] == pytest.approx(7_500 / 10_100, abs=1e-4)
+    assert summary["replicas_per_session"] == 1.5  # a: two replicas, b: one
+
+
+def test_summary_without_successful_calls_has_no_percentiles() -> None:
+    summary = bench.summarize([bench.CallSample("a", ok=False, error="x")], wall_s=1.0)
+    assert summary["failures"] == 1
+    assert summary["ttft_p99_s"] is None
+    assert summary["cached_token_fraction"] is None
+    assert summary["replicas_per_session"] is None
+
+
+def test_ratios_divide_rayturn_by_the_baseline() -> None:
+    ours = {"ttft_p50_s": 0.1, "ttft_p99_s": 0.3, "itl_p50_s": 0.02, "itl_p99_s": None, "output_tok_s": 120.0}
+    theirs = {"ttft_p50_s": 0.2, "ttft_p99_s": 0.6, "itl_p50_s": 0.0, "itl_p99_s": 0.1, "output_tok_s": 100.0}
+    assert bench.compare(ours, theirs) == {
+        "ttft_p50_ratio_vs_baseline": 0.5,
+        "ttft_p99_ratio_vs_baseline": 0.5,
+        "itl_p50_ratio_vs_baseline": None,  # nothing to divide by
+        "itl_p99_ratio_vs_baseline": None,
+        "output_tok_s_ratio_vs_baseline": 1.2,
+    }
+
+
+def test_rayturn_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rayturn bench")
+    assert "--quick" in out
+
+
+def test_rayturn_bench_outside_a_source_checkout_names_the_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "site-packages" / "bench" / "agent_sessions.py"
+    with pytest.raises(FileNotFoundError, match="source checkout"):
+        load_bench(missing)
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", missing)
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "source checkout" in err

@@ -1,0 +1,55 @@
+"""How the ingress turns failures before the first token into OpenAI errors (no cluster needed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+
+from ray.serve.exceptions import BackPressureError
+
+from rayturn.cluster import openai_api as oai
+from rayturn.cluster.ingress import _NO_STEP, _chain, _first_step
+
+
+async def failing(error: BaseException) -> AsyncIterator[list[dict[str, Any]]]:
+    raise error
+    yield []  # an async generator that fails on its first step
+
+
+async def steps(*items: list[dict[str, Any]]) -> AsyncIterator[list[dict[str, Any]]]:
+    for item in items:
+        yield item
+
+
+def test_a_full_decode_queue_is_429() -> None:
+    with pytest.raises(oai.APIError) as err:
+        asyncio.run(_first_step(failing(BackPressureError(num_queued_requests=256, max_queued_requests=256))))
+    assert err.value.status_code == 429 and err.value.to_dict()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_replica_refusing_the_request_is_400_with_its_reason() -> None:
+    with pytest.raises(oai.APIError) as err:
+        asyncio.run(_first_step(failing(ValueError("request needs up to 40 KV pages; the cache has 32"))))
+    assert err.value.status_code == 400 and "KV pages" in err.value.message
+
+
+def test_first_step_then_the_rest_in_order() -> None:
+    async def collect() -> list[list[dict[str, Any]]]:
+        iterator = steps([{"a": 1}], [{"b": 2}])
+        first = await _first_step(iterator)
+        return [step async for step in _chain(first, iterator)]
+
+    assert asyncio.run(collect()) == [[{"a": 1}], [{"b": 2}]]
+
+    async def empty() -> list[list[dict[str, Any]]]:
+        iterator = steps()
+        first = await _first_step(iterator)
+        assert first is _NO_STEP
+        return [step async for step in _chain(first, iterator)]
+
+    assert asyncio.run(empty()) == []

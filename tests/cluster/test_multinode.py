@@ -1,0 +1,142 @@
+"""The cluster spread over Ray nodes: prefill and decode pools pinned to their own node groups.
+
+Three Ray nodes on this host (``ray.cluster_utils.Cluster``): a head node that
+runs no pool, a "prefill" node and a "decode" node, told apart by custom
+resources the pools ask for. The KV store is forced onto UCX
+(``kvstore.transport="ucx"``): the nodes share /dev/shm here, and forcing UCX
+makes pages take the cross-node path from the prefill replica's segment to the
+decode replica. A long prompt's first call therefore finds every full page of
+the prompt cached, all of them loaded from the store, and the answer still
+equals the offline engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rayturn.cluster.app import serve_start_options  # noqa: E402
+from rayturn.cluster.config import load_config  # noqa: E402
+from rayturn.cluster.runner import running_cluster  # noqa: E402
+from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
+
+HTTP_PORT, GRPC_PORT = 18461, 19461
+PAGE_SIZE = 16
+THRESHOLD = 16  # every prompt with a page to compute goes to the prefill pool
+OVERRIDES: dict[str, Any] = {
+    "model.name": "tiny",
+    "model.num_pages": 512,
+    "prefill.num_cpus": 0.25,
+    "prefill.resources": {"rayturn-prefill": 1},
+    "decode.num_cpus": 0.25,
+    "decode.resources": {"rayturn-decode": 1},
+    "kvstore.segment_bytes": "32MiB",
+    "kvstore.transport": "ucx",
+    "router.disaggregation_threshold_tokens": THRESHOLD,
+    "router.stats_period_s": 0.5,
+    "server.http_port": HTTP_PORT,
+    "server.grpc_port": GRPC_PORT,
+    "server.ingress_num_cpus": 0.25,
+}
+
+
+@dataclass(frozen=True)
+class Nodes:
+    head: str
+    prefill: str
+    decode: str
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[tuple[Cluster, Nodes]]:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        # The head node advertises itself to bare ``ray.init()`` calls on this host; other
+        # Ray users here (another test session, ``rayturn serve``) must not join this cluster.
+        ray._common.utils.reset_ray_address()
+        prefill = cluster.add_node(num_cpus=1, resources={"rayturn-prefill": 4})
+        decode = cluster.add_node(num_cpus=1, resources={"rayturn-decode": 4})
+        cluster.wait_for_nodes()
+        yield cluster, Nodes(head=cluster.head_node.node_id, prefill=prefill.node_id, decode=decode.node_id)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_cluster: tuple[Cluster, Nodes]) -> Iterator[str]:
+    cluster, _ = ray_cluster
+    config = load_config(**OVERRIDES)
+    ray.init(address=cluster.address, namespace="rayturn", log_to_driver=False)
+    try:
+        # One proxy, on the head node: proxies on every node would all bind the same ports on this host.
+        serve.start(proxy_location="HeadOnly", **serve_start_options(config))
+        with running_cluster(config) as endpoints:
+            yield endpoints.http
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{endpoint}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", dtype="float32")
+
+
+PROMPTS = [
+    [{"role": "user", "content": "Explain this traceback:\n" + "  File 'app.py', line 12, in main\n" * 4}],
+    [{"role": "user", "content": "Write tests for:\n" + "def add(a, b):\n    return a + b\n" * 3}],
+]
+
+
+@pytest.mark.parametrize("messages", PROMPTS, ids=["traceback", "tests"])
+def test_pages_computed_on_the_prefill_node_decode_on_the_decode_node(
+    client: openai.OpenAI, reference: LLMEngine, messages: list[dict[str, str]]
+) -> None:
+    prompt = reference.tokenizer.encode_chat(messages)
+    expected = reference.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+    )
+    assert response.choices[0].message.content == expected.text
+    assert response.usage is not None and response.usage.prompt_tokens == len(prompt)
+    # Nothing was on the decode replica: every full page of the prompt came from the store.
+    assert response.usage.prompt_tokens_details is not None
+    assert response.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE > 0
+
+
+def test_pools_run_on_their_node_groups(
+    endpoint: str, ray_cluster: tuple[Cluster, Nodes], client: openai.OpenAI
+) -> None:
+    _, nodes = ray_cluster
+    client.chat.completions.create(model="tiny", messages=PROMPTS[0], max_tokens=2)  # type: ignore[arg-type]
+    health = requests.get(f"{endpoint}/health", timeout=30).json()
+    assert health["status"] == "ok"
+    details = health["details"]
+    assert details["prefill.node_id"] == nodes.prefill
+    assert details["decode.node_id"] == nodes.decode
+    assert details["decode.disaggregated"] >= 1 and details["prefill.requests"] >= 1
+    assert nodes.head not in (details["prefill.node_id"], details["decode.node_id"])
+
+    # The store is the two replicas' segments, one on each node; the prompts' pages sit in them.
+    master = ray.get_actor(load_config(**OVERRIDES).kvstore.master_name, namespace="rayturn")
+    store = ray.get(master.stats.remote())
+    segments = store["segments"].values()
+    assert sorted(segment["node_id"] for segment in segments) == sorted([nodes.prefill, nodes.decode])
+    assert sum(segment["used_bytes"] for segment in segments) > 0 and store["hits"] > 0

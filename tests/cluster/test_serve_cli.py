@@ -1,0 +1,207 @@
+"""``rayturn serve`` as a user runs it: a process that serves until SIGTERM, then leaves nothing behind.
+
+The command starts its own Ray; every process of that Ray descends from it,
+so the tests snapshot the command's process tree before stopping it and check
+that, once the command has exited, none of those processes (nor anything in
+its process group) is still alive, and that the KV store segments they
+created are gone from /dev/shm. That holds whether the signal comes while it
+serves or while it is still starting. Bad input exits with code 2 before
+Ray starts, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+
+HTTP_PORT, GRPC_PORT = 18451, 19451
+STARTUP_TIMEOUT_S = 180.0
+SHUTDOWN_TIMEOUT_S = 90.0
+# Small pools, as the other cluster tests use, so the command starts quickly on a laptop or CI runner.
+SMALL_CONFIG = """\
+model:
+  num_pages: 512
+prefill:
+  num_cpus: 0.25
+decode:
+  num_cpus: 0.25
+kvstore:
+  segment_bytes: 32MiB
+"""
+
+# A process as (pid, start time in clock ticks since boot): pids are reused, the pair is not.
+Process = tuple[int, int]
+
+
+def rayturn_command() -> list[str]:
+    script = Path(sys.executable).with_name("rayturn")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cluster.cli"]
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time) from /proc, or None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(root: int) -> set[Process]:
+    children: dict[int, list[Process]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            children.setdefault(stat[0], []).append((int(entry.name), stat[2]))
+    found: set[Process] = set()
+    pending = [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.add(child)
+            pending.append(child[0])
+    return found
+
+
+def alive(processes: set[Process]) -> set[Process]:
+    """The processes still running (a zombie has exited; only its exit status is left)."""
+    return {
+        (pid, started)
+        for pid, started in processes
+        if (stat := _stat(pid)) is not None and stat[2] == started and stat[1] != "Z"
+    }
+
+
+def kv_segments(processes: set[Process]) -> list[str]:
+    """KV store segments in /dev/shm created by these processes (named ``rayturn-kv-<pid>-<hex>``)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    pids = {str(pid) for pid, _ in processes}
+    return sorted(name for name in os.listdir(shm) if name.startswith("rayturn-kv-") and name.split("-")[2] in pids)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member exists but belongs to someone else
+        return True
+    return True
+
+
+@pytest.fixture
+def small_config(tmp_path: Path) -> Path:
+    path = tmp_path / "rayturn.yaml"
+    path.write_text(SMALL_CONFIG)
+    return path
+
+
+@pytest.fixture
+def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``rayturn serve`` in its own session (so its process group is its own); killed if a test fails."""
+    log = tmp_path / "serve.log"
+    command = [
+        *rayturn_command(),
+        "serve",
+        "--config",
+        str(small_config),
+        "--http-port",
+        str(HTTP_PORT),
+        "--grpc-port",
+        str(GRPC_PORT),
+    ]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield process, log
+    finally:
+        if process.poll() is None:
+            tree = descendants(process.pid)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            for pid, _ in alive(tree):
+                os.kill(pid, signal.SIGKILL)
+
+
+def healthy() -> bool:
+    try:
+        health = requests.get(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=10)
+    except requests.RequestException:
+        return False
+    return health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def wait_for(ready: Callable[[], bool], process: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not ready():
+        assert process.poll() is None, f"rayturn serve exited with {process.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"rayturn serve: no {what} in time:\n{log.read_text()}"
+        time.sleep(0.5)
+
+
+def stop_and_check_nothing_is_left(process: subprocess.Popen[bytes], log: Path) -> None:
+    started = descendants(process.pid)  # Ray's GCS, raylet and every worker (the replicas among them)
+    assert len(started) >= 2
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=SHUTDOWN_TIMEOUT_S) == 0, log.read_text()
+    assert "rayturn stopped" in log.read_text()
+
+    deadline = time.monotonic() + 30.0
+    while alive(started) or group_alive(process.pid):
+        assert time.monotonic() < deadline, f"left running: {sorted(alive(started))}"
+        time.sleep(0.5)
+    assert kv_segments(started) == []
+
+
+def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Popen[bytes], Path]) -> None:
+    process, log = server
+    wait_for(healthy, process, log, "healthy /health")
+    wait_for(lambda: "rayturn is serving" in log.read_text(), process, log, "serving banner")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert response.choices[0].finish_reason in ("length", "stop")
+    assert response.usage is not None and response.usage.completion_tokens > 0
+    stop_and_check_nothing_is_left(process, log)
+
+
+def test_sigterm_during_startup_abandons_it_and_stops_cleanly(server: tuple[subprocess.Popen[bytes], Path]) -> None:
+    process, log = server
+    # Serve is starting the deployments: Ray and its workers run, the application is not up yet.
+    wait_for(lambda: "Started Serve" in log.read_text(), process, log, "Serve start")
+    assert "rayturn is serving" not in log.read_text()
+    stop_and_check_nothing_is_left(process, log)
+    assert "rayturn is serving" not in log.read_text()
+
+
+def run_rayturn(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*rayturn_command(), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_serve_names_a_missing_model_and_exits_2() -> None:
+    result = run_rayturn("serve", "--model", "/nonexistent", "--http-port", str(HTTP_PORT))
+    assert result.returncode == 2, result.stderr
+    assert "/nonexistent" in result.stderr and "error" in result.stderr
+
+
+def test_serve_names_an_unknown_config_key_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode:\n  min_replica: 2\n")
+    result = run_rayturn("serve", "--config", str(bad))
+    assert result.returncode == 2, result.stderr
+    assert "decode.min_replica" in result.stderr
