@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
@@ -26,6 +25,7 @@ openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
+from small_cluster import small_cluster  # noqa: E402
 
 from rayturn.cluster.app import APP_NAME, build_app  # noqa: E402
 from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
@@ -36,18 +36,7 @@ from rayturn.router.scoring import preferred_replica  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18441, 19441
 THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes the prompt
-OVERRIDES: dict[str, Any] = {
-    "model.name": "tiny",
-    "model.num_pages": 512,
-    "prefill.num_cpus": 0.25,
-    "decode.num_cpus": 0.25,
-    "kvstore.segment_bytes": "32MiB",
-    "router.disaggregation_threshold_tokens": THRESHOLD,
-    "router.stats_period_s": 0.5,
-    "server.http_port": HTTP_PORT,
-    "server.grpc_port": GRPC_PORT,
-    "server.ingress_num_cpus": 0.25,
-}
+OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD)
 SETTLE_TIMEOUT_S = 90.0
 
 

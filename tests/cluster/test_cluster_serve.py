@@ -22,6 +22,8 @@ grpc = pytest.importorskip("grpc")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
+from small_cluster import small_cluster  # noqa: E402
+
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.cluster.runner import running_cluster  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
@@ -31,19 +33,7 @@ from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 HTTP_PORT, GRPC_PORT = 18431, 19431
 API_KEY = "test-key"
 THRESHOLD = 48  # uncached prompt tokens from which a prefill replica computes the prompt
-OVERRIDES: dict[str, Any] = {
-    "model.name": "tiny",
-    "model.num_pages": 512,
-    "prefill.num_cpus": 0.25,
-    "decode.num_cpus": 0.25,
-    "kvstore.segment_bytes": "32MiB",
-    "router.disaggregation_threshold_tokens": THRESHOLD,
-    "router.stats_period_s": 0.5,
-    "server.http_port": HTTP_PORT,
-    "server.grpc_port": GRPC_PORT,
-    "server.api_keys": [API_KEY],
-    "server.ingress_num_cpus": 0.25,
-}
+OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.api_keys": [API_KEY]})
 
 
 @pytest.fixture(scope="module")

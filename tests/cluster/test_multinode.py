@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
@@ -24,6 +23,7 @@ requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from small_cluster import small_cluster  # noqa: E402
 
 from rayturn.cluster.app import serve_start_options  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
@@ -33,21 +33,16 @@ from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 HTTP_PORT, GRPC_PORT = 18461, 19461
 PAGE_SIZE = 16
 THRESHOLD = 16  # every prompt with a page to compute goes to the prefill pool
-OVERRIDES: dict[str, Any] = {
-    "model.name": "tiny",
-    "model.num_pages": 512,
-    "prefill.num_cpus": 0.25,
-    "prefill.resources": {"rayturn-prefill": 1},
-    "decode.num_cpus": 0.25,
-    "decode.resources": {"rayturn-decode": 1},
-    "kvstore.segment_bytes": "32MiB",
-    "kvstore.transport": "ucx",
-    "router.disaggregation_threshold_tokens": THRESHOLD,
-    "router.stats_period_s": 0.5,
-    "server.http_port": HTTP_PORT,
-    "server.grpc_port": GRPC_PORT,
-    "server.ingress_num_cpus": 0.25,
-}
+OVERRIDES = small_cluster(
+    HTTP_PORT,
+    GRPC_PORT,
+    THRESHOLD,
+    **{
+        "prefill.resources": {"rayturn-prefill": 1},
+        "decode.resources": {"rayturn-decode": 1},
+        "kvstore.transport": "ucx",
+    },
+)
 
 
 @dataclass(frozen=True)
