@@ -59,13 +59,7 @@ class KVCacheManager:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
         self._hash_full_pages(seq, max_pages * self.page_size)
-        hits: list[Page] = []
-        for page_hash in seq.page_hashes[:max_pages]:
-            page = self.pool.lookup(page_hash)
-            if page is None:
-                break
-            hits.append(page)
-        return hits
+        return self.pool.cached_prefix(seq.page_hashes[:max_pages])
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Page] | None = None) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after ``cached`` hit pages.

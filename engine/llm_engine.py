@@ -266,12 +266,7 @@ class LLMEngine:
         pool = self.kv_cache.pool
         max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
         hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
-        local: list[Page] = []
-        for page_hash in hashes:
-            page = pool.lookup(page_hash)
-            if page is None:
-                break
-            local.append(page)
+        local = pool.cached_prefix(hashes)
         missing = hashes[len(local) :]
         if not missing or len(missing) * self.page_size < min_tokens:
             return
@@ -405,13 +400,7 @@ class LLMEngine:
         """
         usable = (len(token_ids) - 1) // self.page_size
         hashes = hash_pages(list(token_ids[: usable * self.page_size]), self.page_size, self.model_id, cache_salt)
-        pool = self.kv_cache.pool
-        local = 0
-        for page_hash in hashes:
-            if pool.lookup(page_hash) is None:
-                break
-            local += 1
-        return hashes, local
+        return hashes, len(self.kv_cache.pool.cached_prefix(hashes))
 
     def cached_page_hashes(self, limit: int) -> list[PageHash]:
         """Up to ``limit`` page hashes this engine holds, most recently cached last."""

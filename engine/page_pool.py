@@ -109,6 +109,16 @@ class PagePool:
     def lookup(self, page_hash: PageHash) -> Page | None:
         return self._cached.get(page_hash) if self.enable_caching else None
 
+    def cached_prefix(self, hashes: Iterable[PageHash]) -> list[Page]:
+        """The cached pages of the longest leading run of ``hashes`` (stops at the first miss)."""
+        hits: list[Page] = []
+        for page_hash in hashes:
+            page = self.lookup(page_hash)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
     def allocate(self, num_pages: int) -> list[Page]:
         """Take ``num_pages`` from the head of the free queue, evicting their cached contents."""
         if num_pages > self.free_queue.num_free:
