@@ -94,11 +94,6 @@ def client(cluster: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def reference() -> LLMEngine:
-    return LLMEngine.from_pretrained("tiny", dtype="float32")
-
-
 # -- session affinity ---------------------------------------------------------
 
 

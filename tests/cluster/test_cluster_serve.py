@@ -51,11 +51,6 @@ def client(cluster: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def reference() -> LLMEngine:
-    return LLMEngine.from_pretrained("tiny", dtype="float32")
-
-
 def offline_chat(engine: LLMEngine, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
     prompt = engine.tokenizer.encode_chat(messages)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

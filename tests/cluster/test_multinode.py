@@ -86,11 +86,6 @@ def client(endpoint: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{endpoint}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def reference() -> LLMEngine:
-    return LLMEngine.from_pretrained("tiny", dtype="float32")
-
-
 PROMPTS = [
     [{"role": "user", "content": "Explain this traceback:\n" + "  File 'app.py', line 12, in main\n" * 4}],
     [{"role": "user", "content": "Write tests for:\n" + "def add(a, b):\n    return a + b\n" * 3}],
