@@ -491,17 +491,11 @@ class Ingress:
             self._authorize(request)
             body = await self._json_body(request)
             spec = oai.parse_completion_request(body, self.served_model)
-            if isinstance(spec.prompt, str):
-                prompt_ids = self.tokenizer.encode(spec.prompt)
-            else:
-                prompt_ids = list(spec.prompt)
-                bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise oai.invalid_request(
-                        f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}", param="prompt"
-                    )
-            if not prompt_ids:
-                raise oai.invalid_request("prompt is empty", param="prompt")
+            prompt_ids = self.tokenizer.encode(spec.prompt) if isinstance(spec.prompt, str) else list(spec.prompt)
+            try:
+                self._check_prompt(prompt_ids)
+            except ValueError as err:
+                raise oai.invalid_request(str(err), param="prompt") from err
             params = oai.to_sampling_params(
                 spec.sampling,
                 default_max_tokens=16,
