@@ -4,7 +4,8 @@ One thread owns the engine: it admits requests, runs ``step()`` while there
 is work and hands each output to the coroutine waiting for it. Everything
 that touches the engine runs on that thread (``call`` runs a function there
 between steps), so the engine itself needs no locks. A caller that stops
-listening (client gone, task cancelled) aborts its request.
+listening (client gone, task cancelled) aborts its request. While no request
+runs, the thread still lets lapsed session holds go.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
-        self._stats: dict[str, Any] = {**engine.load_stats(), "page_size": engine.page_size, "cached_page_hashes": []}
+        self._stats: dict[str, Any] = {}
         self._stats_at = 0.0
+        self._refresh_stats(force=True)
         self._running = True
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="rayturn-engine", daemon=True)
@@ -64,6 +66,7 @@ class AsyncEngine:
                             self._listeners.pop(output.request_id, None)
                     self._refresh_stats(force=not engine.has_unfinished_requests())
                 else:
+                    engine.expire_holds()
                     self._refresh_stats()
             except Exception as err:  # a bug in a step: fail every listener, keep serving new requests
                 logger.exception("engine step failed")
@@ -94,8 +97,14 @@ class AsyncEngine:
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._stats_at >= _STATS_PERIOD_S:
-            hashes = [h.hex()[:16] for h in self.engine.cached_page_hashes(_CACHED_HASHES_REPORTED)]
-            self._stats = {**self.engine.load_stats(), "page_size": self.engine.page_size, "cached_page_hashes": hashes}
+            engine = self.engine
+            hashes = [h.hex()[:16] for h in engine.cached_page_hashes(_CACHED_HASHES_REPORTED)]
+            self._stats = {
+                **engine.load_stats(),
+                **engine.session_stats(),
+                "page_size": engine.page_size,
+                "cached_page_hashes": hashes,
+            }
             self._stats_at = now
 
     # -- callers (any thread, usually an asyncio loop) --------------------
@@ -121,6 +130,7 @@ class AsyncEngine:
         cache_salt: str = "",
         output_prefix: Sequence[int] = (),
         output_prefix_logprobs: Sequence[TokenLogprob] | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ``ValueError`` for bad input before the first one."""
         loop = asyncio.get_running_loop()
@@ -136,6 +146,7 @@ class AsyncEngine:
                     cache_salt=cache_salt,
                     output_prefix=output_prefix,
                     output_prefix_logprobs=output_prefix_logprobs,
+                    session_id=session_id,
                 )
             except BaseException:
                 self._listeners.pop(request_id, None)
@@ -166,7 +177,7 @@ class AsyncEngine:
         self._commands.put(command)
 
     def stats(self) -> dict[str, Any]:
-        """The latest load figures and recently cached page hashes (16 hex chars each)."""
+        """The latest load and session-hold figures and recently cached page hashes (16 hex chars each)."""
         return dict(self._stats)
 
     @property

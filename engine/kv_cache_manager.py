@@ -8,9 +8,15 @@ same step may already share them.
 Forks (parallel sampling) share every page. Full pages are immutable; the
 partial last page is copied on the first write by a sibling that does not
 own it alone (copy-on-write), and the copy is queued for the model runner.
+
+Pages held for idle sessions (``session_holds.py``) are not free. When an
+allocation falls short, the ``reclaim`` hook releases holds and the
+allocation is tried once more, before the scheduler resorts to preemption.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from .page_hash import PageHash, hash_pages
 from .page_pool import Page, PagePool
@@ -28,6 +34,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) page ids, drained by the runner
+        # Asked to free at least the given number of pages; returns how many it freed.
+        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -64,17 +72,21 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Page] | None = None) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after ``cached`` hit pages.
 
-        Returns False, changing nothing, when the pool cannot cover it.
+        Returns False, leaving ``seq`` unchanged, when the pool cannot cover
+        it even after the ``reclaim`` hook released held pages.
         """
         cached = cached or []
         num_computed = seq.num_computed_tokens + len(cached) * self.page_size
         needs_copy = self._shared_partial_tail(seq, num_computed)
         num_new_pages = pages_for(num_computed + num_new_tokens, self.page_size) - len(seq.pages) - len(cached)
         num_new_pages = max(num_new_pages, 0) + int(needs_copy)
-        # Cache hits that sit in the free queue are not free for this request.
-        num_hits_free = sum(1 for page in cached if page.ref_count == 0)
-        if num_new_pages > self.pool.num_free_pages - num_hits_free:
-            return False
+        num_short = self._num_pages_short(num_new_pages, cached)
+        if num_short > 0:
+            if self.reclaim is None:
+                return False
+            self.reclaim(num_short)
+            if self._num_pages_short(num_new_pages, cached) > 0:
+                return False
         self.pool.touch(cached)
         seq.pages.extend(cached)
         if needs_copy:
@@ -91,6 +103,11 @@ class KVCacheManager:
         for index in range(first_uncached, full):
             self.pool.cache(seq.pages[index], seq.page_hashes[index])
         return True
+
+    def _num_pages_short(self, num_new_pages: int, cached: list[Page]) -> int:
+        # Cache hits that sit in the free queue are not free for this request.
+        num_hits_free = sum(1 for page in cached if page.ref_count == 0)
+        return num_new_pages - (self.pool.num_free_pages - num_hits_free)
 
     def _shared_partial_tail(self, seq: Sequence, num_computed: int) -> bool:
         return num_computed % self.page_size != 0 and bool(seq.pages) and seq.pages[-1].ref_count > 1

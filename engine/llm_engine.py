@@ -37,6 +37,7 @@ from .sampler import compute_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus, TokenLogprob
+from .session_holds import SessionHolds, SessionMove
 from .stop import StopChecker
 from .tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    session_id: str | None = None
     stops: dict[int, StopChecker] = field(default_factory=dict)  # by seq_id
 
     @property
@@ -79,9 +81,12 @@ class LLMEngine:
         kv_connector: KVConnector | None = None,
         kv_save: str = "sync",
         kv_load_min_tokens: int = 0,
+        session_hold_s: float = 30.0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not session_hold_s >= 0:
+            raise ValueError(f"session_hold_s must be >= 0, got {session_hold_s}")
         self.device = torch.device(device) if device is not None else _default_device()
         self.backend = backend if isinstance(backend, KernelBackend) else select_backend(self.device, backend)
         self.config = ModelConfig.from_file(model_dir / "config.json")
@@ -95,6 +100,12 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv_cache)
         self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device)
+        # A finished request of a session holds its pages this long (see session_holds.py).
+        self.session_hold_s = session_hold_s
+        self.session_holds = SessionHolds(
+            self.kv_cache.pool, ModelRunner.bytes_per_page(self.model, page_size, self.dtype)
+        )
+        self.kv_cache.reclaim = self.session_holds.reclaim
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -193,12 +204,15 @@ class LLMEngine:
         cache_salt: str = "",
         output_prefix: Seq[int] = (),
         output_prefix_logprobs: Seq[TokenLogprob] | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
         ``output_prefix``: tokens already generated for this request elsewhere
         (a prefill server's first token): they count as output, go through
         the stop checks, and decoding continues after them.
+        ``session_id``: the agent session the request belongs to; when it
+        finishes, its pages are held for the session (``session_hold_s``).
         """
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
@@ -234,7 +248,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, list(token_ids), len(token_ids), params, cache_salt, 0)
-        request = _Request(request_id, list(token_ids), params, [seq])
+        request = _Request(request_id, list(token_ids), params, [seq], session_id)
         stops = StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids)
         request.stops[seq.seq_id] = stops
         self._requests[request_id] = request
@@ -256,26 +270,36 @@ class LLMEngine:
         return request_id
 
     def _load_prefix(self, seq: Sequence, min_tokens: int) -> None:
-        """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache.
+        """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache."""
+        max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
+        hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
+        # The request needs these pages now: idle sessions' holds give way, as for any allocation.
+        seq.num_loaded_prompt_tokens = self._load_missing(hashes, min_tokens, reclaim=True) * self.page_size
+
+    def _load_missing(self, hashes: list[PageHash], min_tokens: int, reclaim: bool = False) -> int:
+        """Load the pages of the prefix ``hashes`` missing here from the connector; returns how many landed.
 
         They enter the prefix cache as free, cached pages at the tail of the
         free queue (evicted last), so admission finds them like any other hit.
-        A failed or partial load only means more tokens to compute.
+        Only as many load as there are free pages (with ``reclaim``, after idle
+        sessions' holds gave way), and none when fewer than ``min_tokens``
+        tokens are missing. A failed or partial load only means more tokens to
+        compute.
         """
         assert self.kv_connector is not None
         pool = self.kv_cache.pool
-        max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
-        hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
         local = pool.cached_prefix(hashes)
         missing = hashes[len(local) :]
         if not missing or len(missing) * self.page_size < min_tokens:
-            return
+            return 0
         try:
             available = self.kv_connector.longest_prefix(missing)
         except Exception as err:  # the store is an optimisation: never fail a request over it
             logger.warning("KV store lookup failed, computing instead: %s", err)
-            return
+            return 0
         pool.touch(local)  # keep local hits from being evicted by the allocation below
+        if reclaim and available > pool.num_free_pages and self.kv_cache.reclaim is not None:
+            self.kv_cache.reclaim(available - pool.num_free_pages)
         pages = pool.allocate(min(available, pool.num_free_pages))
         try:
             cache = self.runner.kv_cache
@@ -289,7 +313,7 @@ class LLMEngine:
         self._remember_stored(missing[:num_loaded])
         pool.free(reversed(pages))
         pool.free(reversed(local))
-        seq.num_loaded_prompt_tokens = num_loaded * self.page_size
+        return num_loaded
 
     def _save_pages(self, seq: Sequence) -> None:
         """Publish the full pages ``seq`` has computed to the connector.
@@ -300,27 +324,40 @@ class LLMEngine:
         being reallocated), written by a background thread, and released by a
         later step, so a decode loop never waits on the store.
         """
-        assert self.kv_connector is not None
+        hashes = self._computed_hashes(seq)
+        self._publish(f"request {seq.request_id}", hashes, seq.pages[: len(hashes)], wait=self._saver is None)
+
+    def _computed_hashes(self, seq: Sequence) -> list[PageHash]:
+        """The hashes of the full pages among ``seq``'s computed tokens."""
         num_full = seq.num_computed_tokens // self.page_size
-        if num_full == 0:
-            return
-        hashes = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+        return self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+
+    def _store_now(self, hashes: list[PageHash], pages: list[Page]) -> int:
+        """Wait for background saves, then write the pages the store lacks; returns how many were written."""
+        self.flush_saves()
+        return self._publish("an offload", hashes, pages, wait=True)
+
+    def _publish(self, owner: str, hashes: list[PageHash], pages: list[Page], wait: bool) -> int:
+        """Send the pages the store lacks to the connector, now or in the background; returns how many."""
+        assert self.kv_connector is not None
         # Pages this engine loaded from or gave to the store are not sent again:
         # an agent's next call re-saves only the pages its turn added.
         fresh = [i for i, page_hash in enumerate(hashes) if page_hash not in self._stored]
         if not fresh:
-            return
-        self._remember_stored(hashes[i] for i in fresh)
+            return 0
         keys = [hashes[i] for i in fresh]
-        pages = [seq.pages[i] for i in fresh]
+        self._remember_stored(keys)
+        fresh_pages = [pages[i] for i in fresh]
         cache = self.runner.kv_cache
-        views = [cache[page.page_id] for page in pages]
-        if self._saver is None:
-            self._save(seq.request_id, keys, views)
-            return
-        self.kv_cache.pool.touch(pages)
-        future = self._saver.submit(self._save, seq.request_id, keys, views)
-        future.add_done_callback(lambda _: self._saved.put(pages))
+        views = [cache[page.page_id] for page in fresh_pages]
+        if wait:
+            self._save(owner, keys, views)
+            return len(keys)
+        assert self._saver is not None
+        self.kv_cache.pool.touch(fresh_pages)
+        future = self._saver.submit(self._save, owner, keys, views)
+        future.add_done_callback(lambda _: self._saved.put(fresh_pages))
+        return len(keys)
 
     def _remember_stored(self, hashes: Iterable[PageHash]) -> None:
         for page_hash in hashes:
@@ -329,12 +366,12 @@ class LLMEngine:
         while len(self._stored) > 4 * self.num_pages:  # a bounded memory of what the store has
             self._stored.popitem(last=False)
 
-    def _save(self, request_id: str, keys: list[PageHash], views: list[torch.Tensor]) -> None:
+    def _save(self, owner: str, keys: list[PageHash], views: list[torch.Tensor]) -> None:
         assert self.kv_connector is not None
         try:
             self.kv_connector.save(keys, views)
         except Exception as err:  # the store is an optimisation: never fail a request over it
-            logger.warning("KV store save failed for request %s: %s", request_id, err)
+            logger.warning("KV store save failed for %s: %s", owner, err)
 
     def _release_saved(self) -> None:
         while True:
@@ -406,11 +443,47 @@ class LLMEngine:
         """Up to ``limit`` page hashes this engine holds, most recently cached last."""
         return self.kv_cache.pool.recent_hashes(limit)
 
+    # -- session holds (the logic lives in session_holds.py) ---------------
+
+    def hold_session(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
+        """Hold the leading recorded pages of a session cached here for ``ttl_s``; returns how many."""
+        return self.session_holds.hold(session_id, ttl_s, kind)
+
+    def release_session(self, session_id: str) -> int:
+        """Drop a session's hold (its pages stay cached, evictable); returns the pages released."""
+        return self.session_holds.release(session_id)
+
+    def offload_session(self, session_id: str) -> SessionMove:
+        """Make sure the store has a session's cached pages, then evict those nobody else references."""
+        self._require_connector("offload_session")
+        return self.session_holds.offload(session_id, self._store_now)
+
+    def prewarm_session(self, session_id: str, ttl_s: float) -> SessionMove:
+        """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``."""
+        self._require_connector("prewarm_session")
+        return self.session_holds.prewarm(session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0))
+
+    def session_residency(self, session_id: str) -> tuple[int, int]:
+        """(leading recorded pages of a session cached here now, recorded pages)."""
+        return self.session_holds.residency(session_id)
+
+    def session_stats(self) -> dict[str, int]:
+        return self.session_holds.stats()
+
+    def expire_holds(self) -> int:
+        """Release the session holds whose TTL has passed; returns how many."""
+        return self.session_holds.expire()
+
+    def _require_connector(self, method: str) -> None:
+        if self.kv_connector is None:
+            raise ValueError(f"{method} needs a kv_connector (and prefix caching on)")
+
     # -- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests it advanced (finished ones last seen here)."""
         self._release_saved()
+        self.session_holds.expire()
         arrived = [self._output(request) for request in self._finished_on_arrival]
         for output in arrived:
             del self._requests[output.request_id]
@@ -450,6 +523,9 @@ class LLMEngine:
             if verdict is not None:
                 if self.kv_connector is not None:
                     self._save_pages(seq)
+                if request.session_id is not None and seq.completion_index == 0:
+                    # Held before the sequence frees its pages, so none is evictable in between.
+                    self.session_holds.record(request.session_id, self._computed_hashes(seq), self.session_hold_s)
                 self.scheduler.finish(seq, *verdict)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()]

@@ -4,20 +4,21 @@ Every page is in one of three states::
 
     in use (ref_count > 0) --free, last holder--> free & cached (hash kept)
           ^                                         |          |
-          |  touch (prefix-cache hit) <-------------+          | allocate (evicts:
-          |                                                    v  hash dropped)
+          |  touch (prefix-cache hit) <-------------+          | allocate (evicts: hash dropped),
+          |                                                    v  evict (hash dropped, to the head)
           +------------------- allocate <------------- free & uncached
 
 Free pages sit in one queue in eviction order (head = evicted first). The
 queue is a doubly linked list threaded through the pages themselves, so a
 cache hit takes a page out of the middle in O(1). Holders free their pages
 tail-first, which puts the end of a sequence ahead of its (more shareable)
-beginning in the eviction order.
+beginning in the eviction order. Pages evicted on purpose (their contents
+offloaded) go to the head, so they are reused before any cached page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from .page_hash import PageHash
 
@@ -63,6 +64,15 @@ class FreePageQueue:
         next_page.prev_free = prev_page
         page.prev_free = page.next_free = None
         self.num_free -= 1
+
+    def appendleft(self, page: Page) -> None:
+        first = self._head.next_free
+        assert first is not None
+        first.prev_free = page
+        page.next_free = first
+        page.prev_free = self._head
+        self._head.next_free = page
+        self.num_free += 1
 
     def append(self, page: Page) -> None:
         last = self._tail.prev_free
@@ -148,6 +158,18 @@ class PagePool:
             page.ref_count -= 1
             if page.ref_count == 0:
                 self.free_queue.append(page)
+
+    def evict(self, pages: Sequence[Page]) -> None:
+        """Drop free pages from the cache and move them to the head of the free queue, in the order given."""
+        held = [page for page in pages if page.ref_count > 0]
+        if held:
+            raise ValueError(f"cannot evict pages in use: {held}")
+        for page in reversed(pages):
+            if page.page_hash is not None:
+                del self._cached[page.page_hash]
+                page.page_hash = None
+            self.free_queue.remove(page)
+            self.free_queue.appendleft(page)
 
     def recent_hashes(self, limit: int) -> list[PageHash]:
         """Up to ``limit`` cached hashes, the most recently cached last."""

@@ -1,0 +1,215 @@
+"""Per-session page holds: an agent session's KV pages between its calls.
+
+Between two calls of a session (a tool run: seconds; a human: minutes) its
+pages can stay on the device, held (a reference on each, so they cannot be
+evicted) until a TTL lapses; or move to the KV store, freeing the device
+pages (offload), and come back before the session does (prewarm). A policy
+elsewhere decides when; this module is the mechanism. A session's pages::
+
+                        finish ("turn"), hold
+    cached, evictable  ------------------------------->  held: a reference on each
+          |            <-------------------------------  page until the TTL lapses
+          |             release, TTL lapsed, memory          |          ^
+          |             pressure, session forgotten (LRU)    | offload  | prewarm: load what
+          | offload                                          v          | is missing, hold
+          +--------------------------------------> in the store only ---+
+                                                   (evicted here, hashes kept)
+
+Offload first saves what the store lacks, then evicts every page of the
+session that nobody else references (running sequences, other sessions'
+holds); those stay.
+
+A request carrying a session id records, when it finishes, the hashes of the
+full pages it computed and holds them (kind "turn"), replacing the session's
+previous hold. A hold covers the longest cached prefix of those hashes.
+
+Holds only borrow memory nobody else needs: when an allocation falls short,
+``reclaim`` releases whole holds, "turn" and "prewarm" before "tool" (a tool
+result is back in seconds, a human takes minutes), oldest first within a
+kind. Recorded sessions are a bounded LRU; forgetting one releases its hold.
+Everything runs on the engine's thread, so nothing here locks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .page_hash import PageHash
+from .page_pool import Page, PagePool
+
+HOLD_KINDS = ("tool", "turn", "prewarm")
+# Memory pressure releases lower ranks first.
+_RELEASE_RANK = {"turn": 0, "prewarm": 0, "tool": 1}
+MAX_RECORDED_SESSIONS = 4096
+
+# Makes sure the store has these cached pages; returns how many it wrote.
+SavePages = Callable[[list[PageHash], list[Page]], int]
+# Loads from the store the pages of this prefix missing here; returns how many landed.
+LoadPages = Callable[[list[PageHash]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionMove:
+    """What one offload or prewarm did."""
+
+    pages: int  # offload: pages written to the store plus pages evicted here; prewarm: pages loaded
+    resident_pages: int  # leading recorded pages cached here afterwards
+    bytes_moved: int  # between the device and the store
+    seconds: float  # wall time of the move
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    kind: str
+    pages: tuple[Page, ...]
+    expires_at_s: float  # on the holds' clock
+
+
+class SessionHolds:
+    """Recorded page hashes per session, and the holds on their cached pages."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        bytes_per_page: int,
+        max_sessions: int = MAX_RECORDED_SESSIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.pool = pool
+        self.bytes_per_page = bytes_per_page
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # least recently used first
+        self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest hold first
+        self._next_expiry_s = math.inf  # no hold lapses before this
+        self.expired_holds = 0
+        self.pressure_releases = 0
+        self.offloaded_pages = 0
+        self.prewarmed_pages = 0
+
+    def record(self, session_id: str, hashes: Sequence[PageHash], ttl_s: float) -> int:
+        """A session's request finished with these full pages: remember them and hold them (kind "turn")."""
+        self._hashes[session_id] = list(hashes)
+        self._hashes.move_to_end(session_id)
+        while len(self._hashes) > self.max_sessions:
+            forgotten, _ = self._hashes.popitem(last=False)
+            self.release(forgotten)
+        return self.hold(session_id, ttl_s, "turn")
+
+    def hold(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
+        """(Re)hold the cached prefix of the session's pages for ``ttl_s`` from now; returns the pages held."""
+        _check_hold(ttl_s, kind)
+        hashes = self._recorded(session_id)
+        pages = self.pool.cached_prefix(hashes)
+        self.pool.touch(pages)  # before the old hold goes, so pages in both are never free in between
+        self.release(session_id)
+        if pages:
+            expires_at_s = self.clock() + ttl_s
+            self._holds[session_id] = _Hold(kind, tuple(pages), expires_at_s)
+            self._next_expiry_s = min(self._next_expiry_s, expires_at_s)
+        return len(pages)
+
+    def release(self, session_id: str) -> int:
+        """Drop the session's hold (its pages stay cached, evictable); returns the pages it held."""
+        hold = self._holds.pop(session_id, None)
+        if hold is None:
+            return 0
+        self.pool.free(reversed(hold.pages))
+        return len(hold.pages)
+
+    def expire(self) -> int:
+        """Release the holds whose TTL has passed; returns how many."""
+        now_s = self.clock()
+        if now_s < self._next_expiry_s:
+            return 0
+        lapsed = [session_id for session_id, hold in self._holds.items() if hold.expires_at_s <= now_s]
+        for session_id in lapsed:
+            self.release(session_id)
+        self._next_expiry_s = min((hold.expires_at_s for hold in self._holds.values()), default=math.inf)
+        self.expired_holds += len(lapsed)
+        return len(lapsed)
+
+    def reclaim(self, num_pages: int) -> int:
+        """Release whole holds until ``num_pages`` pages became free or none is left; returns the pages freed.
+
+        A released page becomes free only if no sequence or other hold still references it.
+        """
+        num_free_before = self.pool.num_free_pages
+        in_release_order = sorted(self._holds.items(), key=lambda item: _RELEASE_RANK[item[1].kind])  # stable sort
+        for session_id, _ in in_release_order:
+            if self.pool.num_free_pages - num_free_before >= num_pages:
+                break
+            self.release(session_id)
+            self.pressure_releases += 1
+        return self.pool.num_free_pages - num_free_before
+
+    def offload(self, session_id: str, save: SavePages) -> SessionMove:
+        """Have ``save`` put the session's cached pages in the store, then evict every one nobody references."""
+        started_s = time.perf_counter()
+        cached = {}
+        for page_hash in self._recorded(session_id):
+            page = self.pool.lookup(page_hash)
+            if page is not None:
+                cached[page_hash] = page
+        num_saved = save(list(cached), list(cached.values()))
+        self.release(session_id)
+        unreferenced = [page for page in cached.values() if page.ref_count == 0]
+        self.pool.evict(unreferenced)
+        self.offloaded_pages += len(unreferenced)
+        return SessionMove(
+            pages=num_saved + len(unreferenced),
+            resident_pages=self.residency(session_id)[0],
+            bytes_moved=num_saved * self.bytes_per_page,
+            seconds=time.perf_counter() - started_s,
+        )
+
+    def prewarm(self, session_id: str, ttl_s: float, load: LoadPages) -> SessionMove:
+        """Have ``load`` bring back the session's pages missing here, then hold the cached prefix (kind "prewarm")."""
+        _check_hold(ttl_s, "prewarm")
+        started_s = time.perf_counter()
+        hashes = self._recorded(session_id)
+        num_loaded = load(hashes) if hashes else 0
+        self.prewarmed_pages += num_loaded
+        num_held = self.hold(session_id, ttl_s, "prewarm")
+        return SessionMove(
+            pages=num_loaded,
+            resident_pages=num_held,
+            bytes_moved=num_loaded * self.bytes_per_page,
+            seconds=time.perf_counter() - started_s,
+        )
+
+    def residency(self, session_id: str) -> tuple[int, int]:
+        """(leading recorded pages cached here now, recorded pages); (0, 0) for an unknown session."""
+        hashes = self._hashes.get(session_id, [])
+        return len(self.pool.cached_prefix(hashes)), len(hashes)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "held_sessions": len(self._holds),
+            "held_pages": len({page.page_id for hold in self._holds.values() for page in hold.pages}),
+            "expired_holds": self.expired_holds,
+            "pressure_releases": self.pressure_releases,
+            "offloaded_pages": self.offloaded_pages,
+            "prewarmed_pages": self.prewarmed_pages,
+        }
+
+    def _recorded(self, session_id: str) -> list[PageHash]:
+        """The session's recorded hashes ([] if unknown), marking it recently used."""
+        hashes = self._hashes.get(session_id)
+        if hashes is None:
+            return []
+        self._hashes.move_to_end(session_id)
+        return hashes
+
+
+def _check_hold(ttl_s: float, kind: str) -> None:
+    if kind not in HOLD_KINDS:
+        raise ValueError(f"hold kind must be one of {', '.join(HOLD_KINDS)}; got {kind!r}")
+    if not ttl_s >= 0:
+        raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
