@@ -43,7 +43,7 @@ from rayturn.kvstore import StoreNodeReplica
 from rayturn.prefill.server import PrefillServer
 from rayturn.protos import SERVICER_FUNCTION
 
-from .config import ClusterConfig, load_config
+from .config import ClusterConfig, PoolSpec, load_config
 from .ingress import Ingress
 
 # ``serve.deployment`` is overloaded in ways type checkers do not follow for classes.
@@ -79,6 +79,7 @@ def kvstore_settings(config: ClusterConfig) -> dict[str, Any]:
             "name": kv.master_name,
             "namespace": KV_NAMESPACE,
             "snapshot_dir": kv.snapshot_dir,
+            "snapshot_interval_s": kv.snapshot_interval_s,
             "high_watermark": kv.high_watermark,
             "low_watermark": kv.low_watermark,
         },
@@ -136,9 +137,16 @@ def _bind(deployment: Any, *args: object) -> Application:
     return deployment.options(version=version, _internal=True).bind(*args)
 
 
+def pool_engine_kwargs(config: ClusterConfig, pool: PoolSpec) -> dict[str, Any]:
+    """The model's engine arguments with the pool's own KV cache size, when it sets one."""
+    engine_kwargs = config.model.engine_kwargs()
+    if pool.num_pages is not None:
+        engine_kwargs["num_pages"] = pool.num_pages
+    return engine_kwargs
+
+
 def build_app(config: ClusterConfig) -> Application:
     model = model_path(config)
-    engine_kwargs = config.model.engine_kwargs()
     kvstore = kvstore_settings(config) if config.kvstore.enabled else None
     router = _router_config(config)
 
@@ -149,7 +157,7 @@ def build_app(config: ClusterConfig) -> Application:
                 name="prefill", request_router_config=router, **config.prefill.serve_options()
             ),
             model,
-            engine_kwargs,
+            pool_engine_kwargs(config, config.prefill),
             kvstore,
         )
     decode = _bind(
@@ -160,10 +168,11 @@ def build_app(config: ClusterConfig) -> Application:
             **config.decode.serve_options(),
         ),
         model,
-        engine_kwargs,
+        pool_engine_kwargs(config, config.decode),
         kvstore,
         prefill,
         config.router.disaggregation_threshold_tokens,
+        config.lifecycle.settings(),
     )
     store_nodes = None
     kv = config.kvstore

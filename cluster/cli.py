@@ -3,7 +3,8 @@
 ``rayturn serve`` runs the cluster (embedded local Ray, or ``--address`` to
 join one); ``rayturn generate`` runs the offline engine on prompts;
 ``rayturn bench [args]`` runs the agent-sessions benchmark
-(``bench/agent_sessions.py`` of a source checkout) with those arguments.
+(``bench/agent_sessions.py`` of a source checkout) with those arguments;
+``rayturn replay [args]`` replays recorded agent traces (``bench/replay.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from types import ModuleType
 # Benchmarks live next to the package sources, not in it: only a source checkout has them.
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "agent_sessions.py"
 BENCH_MODULE = "rayturn_bench_agent_sessions"
+REPLAY_SCRIPT = BENCH_SCRIPT.with_name("replay.py")
+REPLAY_MODULE = "rayturn_bench_replay"
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -65,30 +68,30 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.address)
 
 
-def load_bench(script: Path = BENCH_SCRIPT) -> ModuleType:
-    """The agent-sessions benchmark as a module; FileNotFoundError outside a source checkout."""
+def load_bench(script: Path = BENCH_SCRIPT, module_name: str = BENCH_MODULE) -> ModuleType:
+    """A benchmark script (default: agent sessions) as a module; FileNotFoundError outside a source checkout."""
     if not script.is_file():
         raise FileNotFoundError(
-            f"benchmark not found at {script}; `rayturn bench` runs from a source checkout "
+            f"benchmark not found at {script}; `rayturn bench` and `rayturn replay` run from a source checkout "
             "of rayturn installed in editable mode (pip install -e .)"
         )
     if str(script.parent) not in sys.path:
         sys.path.insert(0, str(script.parent))  # the benchmarks import their shared helpers as `_common`
-    spec = importlib.util.spec_from_file_location(BENCH_MODULE, script)
+    spec = importlib.util.spec_from_file_location(module_name, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[BENCH_MODULE] = module  # dataclasses look their module up while the file runs
+    sys.modules[module_name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
 
-def _bench(argv: Sequence[str]) -> int:
+def _run_script(command: str, script: Path, module_name: str, argv: Sequence[str]) -> int:
     try:
-        module = load_bench(BENCH_SCRIPT)
+        module = load_bench(script, module_name)
     except FileNotFoundError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)
         return 2
-    return int(module.main(list(argv), prog="rayturn bench"))
+    return int(module.main(list(argv), prog=f"rayturn {command}"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,8 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--host", default=None, help="HTTP bind address (default from config: 127.0.0.1)")
     # Every argument after `bench` is the benchmark's own (`rayturn bench --help` lists them).
     sub.add_parser("bench", help="run bench/agent_sessions.py: agent sessions, rayturn vs a baseline", add_help=False)
+    # Likewise after `replay` (`rayturn replay --help`).
+    sub.add_parser("replay", help="run bench/replay.py: replay recorded agent traces against a cluster", add_help=False)
     args, bench_args = parser.parse_known_args(argv)
-    if bench_args and args.command != "bench":
+    if bench_args and args.command not in ("bench", "replay"):
         parser.error(f"unrecognized arguments: {' '.join(bench_args)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -117,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args, args.prompts, args.chat)
         if args.command == "bench":
-            return _bench(bench_args)
+            return _run_script("bench", BENCH_SCRIPT, BENCH_MODULE, bench_args)
+        if args.command == "replay":
+            return _run_script("replay", REPLAY_SCRIPT, REPLAY_MODULE, bench_args)
         return _serve(args)
     except ValueError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)

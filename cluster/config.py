@@ -36,6 +36,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv_aware", "round_robin")
+IDLE_PREDICTORS = ("session", "prior")  # rayturn.router.idle.PREDICTORS
 KV_TRANSPORTS = ("auto", "ucx")  # rayturn.kvstore.client.TRANSPORTS, without importing Ray to parse a file
 
 _SIZE_UNITS = {
@@ -129,9 +130,11 @@ class PoolSpec:
     resources: Mapping[str, float] = field(default_factory=dict, hash=False)
     max_ongoing_requests: int = 64
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    num_pages: int | None = None  # KV cache pages per replica of this pool; None: model.num_pages
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resources", _frozen_mapping(self.resources))
+        _check_at_least("num_pages", self.num_pages, 1)
         _check_at_least("min_replicas", self.min_replicas, 0)
         _check_at_least("max_replicas", self.max_replicas, 0)  # 0: no such pool (prefill only)
         _check(
@@ -208,6 +211,7 @@ class KVStoreSpec:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     snapshot_dir: str | None = None
+    snapshot_interval_s: float = 30.0
     transport: str = "auto"
     ucx: UCXSpec = field(default_factory=UCXSpec)
 
@@ -227,6 +231,7 @@ class KVStoreSpec:
             f"must lie in (0, high_watermark) = (0, {self.high_watermark}), got {self.low_watermark}",
         )
         _check_non_empty("snapshot_dir", self.snapshot_dir)
+        _check_above("snapshot_interval_s", self.snapshot_interval_s, 0)
         _check(
             self.transport in KV_TRANSPORTS,
             "transport",
@@ -256,6 +261,48 @@ class RouterSpec:
         _check_at_least("affinity_weight", self.affinity_weight, 0)
         _check_at_least("disaggregation_threshold_tokens", self.disaggregation_threshold_tokens, 0)
         _check_above("stats_period_s", self.stats_period_s, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleSpec:
+    """The decode replicas' session KV life cycle (``rayturn.decode.lifecycle``).
+
+    Durations are in the users' seconds; ``time_scale`` converts them (and
+    the idle predictor's answers) to wall seconds, for replays that compress
+    time.
+    """
+
+    enabled: bool = True
+    time_scale: float = 1.0
+    tool_hold_min_s: float = 5.0
+    tool_hold_max_s: float = 120.0
+    turn_hold_s: float = 30.0
+    break_even_margin_s: float = 5.0
+    prewarm_lead_s: float = 2.0
+    predictor: str = "session"
+    store_bandwidth_bytes_s: float = 1e9
+
+    def __post_init__(self) -> None:
+        _check_above("time_scale", self.time_scale, 0)
+        _check_above("tool_hold_min_s", self.tool_hold_min_s, 0)
+        _check(
+            self.tool_hold_max_s >= self.tool_hold_min_s,
+            "tool_hold_max_s",
+            f"must be >= tool_hold_min_s ({self.tool_hold_min_s}), got {self.tool_hold_max_s}",
+        )
+        _check_above("turn_hold_s", self.turn_hold_s, 0)
+        _check_at_least("break_even_margin_s", self.break_even_margin_s, 0)
+        _check_at_least("prewarm_lead_s", self.prewarm_lead_s, 0)
+        _check(
+            self.predictor in IDLE_PREDICTORS,
+            "predictor",
+            f"must be one of {', '.join(IDLE_PREDICTORS)}, got {self.predictor!r}",
+        )
+        _check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
+
+    def settings(self) -> dict[str, Any]:
+        """Plain settings for ``rayturn.decode.lifecycle.LifecycleSettings``."""
+        return {spec_field.name: getattr(self, spec_field.name) for spec_field in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +338,7 @@ class ClusterConfig:
     decode: PoolSpec = field(default_factory=PoolSpec)
     kvstore: KVStoreSpec = field(default_factory=KVStoreSpec)
     router: RouterSpec = field(default_factory=RouterSpec)
+    lifecycle: LifecycleSpec = field(default_factory=LifecycleSpec)
     server: ServerSpec = field(default_factory=ServerSpec)
     tenant: str = "default"
 

@@ -36,7 +36,13 @@ from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tokenizer import Tokenizer
 from rayturn.protos import rayturn_pb2 as pb
-from rayturn.router.session import session_id_from_grpc_metadata, session_id_from_headers
+from rayturn.router.session import (
+    LifecycleHints,
+    classify_call,
+    lifecycle_hints,
+    session_id_from_grpc_metadata,
+    session_id_from_headers,
+)
 
 from . import openai_api as oai
 
@@ -48,6 +54,9 @@ app = FastAPI(title="rayturn", docs_url=None, redoc_url=None)
 PAGE_HASH_HEX = 16
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
+# The response header with the session's KV state when the call arrived (JSON; calls that name a session).
+SESSION_STATE_HEADER = "x-rayturn-session"
+NO_HINTS = LifecycleHints()
 
 
 @dataclass
@@ -68,10 +77,14 @@ class CallResult:
     loaded_tokens: int = 0
     path: str = "local"
     replica_id: str | None = None
+    session: dict[str, Any] | None = None  # the decode replica's view of the session at arrival
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions.values())
+
+    def usage(self) -> dict[str, Any]:
+        return oai.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
 
 
 class IngressMetrics:
@@ -105,6 +118,25 @@ class IngressMetrics:
             "rayturn_prompt_tokens", "Prompt tokens by where their KV came from", ["source"], registry=self.registry
         )
         self.completion_tokens = Counter("rayturn_completion_tokens", "Generated tokens", registry=self.registry)
+        self.session_returns = Counter(
+            "rayturn_session_returns",
+            "Calls that start a new turn of a known session, by the session's KV state at arrival",
+            ["state"],
+            registry=self.registry,
+        )
+        self.session_idle = Counter(
+            "rayturn_session_idle_seconds",
+            "User idle time before returning turns, and the part the session's KV spent off the device",
+            ["kv"],
+            registry=self.registry,
+        )
+
+    def count_session(self, session: Mapping[str, Any] | None) -> None:
+        if session is None or session.get("idle_s") is None:
+            return
+        self.session_returns.labels(session["state"]).inc()
+        self.session_idle.labels("any").inc(session["idle_s"])
+        self.session_idle.labels("off_device").inc(session["off_device_s"])
 
 
 _NO_STEP = object()
@@ -140,7 +172,10 @@ def _error_response(err: oai.APIError) -> JSONResponse:
 
 
 def _replica_headers(result: CallResult) -> dict[str, str]:
-    return {REPLICA_HEADER: result.replica_id} if result.replica_id else {}
+    headers = {REPLICA_HEADER: result.replica_id} if result.replica_id else {}
+    if result.session is not None:
+        headers[SESSION_STATE_HEADER] = json.dumps(result.session, separators=(",", ":"))
+    return headers
 
 
 def _sse_response(events: AsyncIterator[str], result: CallResult) -> StreamingResponse:
@@ -171,10 +206,20 @@ class Ingress:
 
     # -- the pipeline shared by HTTP and gRPC -----------------------------
 
-    def _serve_request(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None) -> dict[str, Any]:
+    def _serve_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+        hints: LifecycleHints = NO_HINTS,
+        tools: bool = False,
+    ) -> dict[str, Any]:
         usable = (len(prompt_ids) - 1) // self.page_size
         hashes = hash_pages(prompt_ids[: usable * self.page_size], self.page_size, self.model_id)
         return {
+            "call": hints.call,
+            "after": hints.after,
+            "tools": tools,
             "request_id": uuid.uuid4().hex,
             "prompt_token_ids": prompt_ids,
             "params": params,
@@ -205,6 +250,9 @@ class Ingress:
                 result.loaded_tokens = step["loaded_tokens"]
                 result.path = step["path"]
                 result.replica_id = step.get("replica_id")
+                if "session" in step:
+                    result.session = step["session"]
+                    self.telemetry.count_session(result.session)
                 for delta in step["deltas"]:
                     state = result.completions.setdefault(delta["index"], CompletionState())
                     state.token_ids.extend(delta["token_ids"])
@@ -243,11 +291,18 @@ class Ingress:
             self.telemetry.requests.labels("grpc", "invalid").inc()
             _grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
             raise  # Serve answers with the status set above
-        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        metadata = list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+        try:
+            hints = lifecycle_hints(metadata)
+        except ValueError as err:
+            self.telemetry.requests.labels("grpc", "invalid").inc()
+            _grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise
         session_id = request.session_id or session_id_from_grpc_metadata(metadata)
+        serve_request = self._serve_request(prompt_ids, params, session_id, hints)
         result = CallResult(completions={})
         try:
-            async for deltas in self._steps(self._serve_request(prompt_ids, params, session_id), result):
+            async for deltas in self._steps(serve_request, result):
                 for delta in deltas:
                     response = pb.GenerateResponse(
                         index=delta["index"],
@@ -388,7 +443,7 @@ class Ingress:
                 prompt_tokens=len(prompt_ids),
                 max_model_len=self.max_model_len,
             )
-            result, steps, first = await self._start(request, body, prompt_ids, params)
+            result, steps, first = await self._start(request, body, prompt_ids, params, chat)
         except oai.APIError as err:
             self.telemetry.requests.labels("chat", "invalid").inc()
             return _error_response(err)
@@ -400,11 +455,25 @@ class Ingress:
         return JSONResponse(self._chat_body(chat, result), headers=_replica_headers(result))
 
     async def _start(
-        self, request: Request, body: object, prompt_ids: list[int], params: SamplingParams
+        self,
+        request: Request,
+        body: object,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        chat: oai.ChatRequest | None = None,
     ) -> tuple[CallResult, AsyncIterator[list[dict[str, Any]]], Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step."""
         assert isinstance(body, dict)  # the parsers accept only JSON objects
-        serve_request = self._serve_request(prompt_ids, params, self._session(request, body))
+        try:
+            hints = lifecycle_hints(dict(request.headers))
+        except ValueError as err:
+            raise oai.invalid_request(str(err), param=None) from err
+        tools = False
+        if chat is not None:
+            tools = chat.prompt_tools is not None
+            if hints.call is None:
+                hints = LifecycleHints(classify_call(chat.messages), hints.after)
+        serve_request = self._serve_request(prompt_ids, params, self._session(request, body), hints, tools)
         result = CallResult(completions={})
         steps = self._steps(serve_request, result)
         return result, steps, await _first_step(steps)
@@ -431,7 +500,7 @@ class Ingress:
             model=self.served_model,
             created=int(time.time()),
             choices=choices,
-            usage=oai.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
+            usage=result.usage(),
         )
 
     async def _chat_stream(
@@ -478,7 +547,7 @@ class Ingress:
             yield oai.SSE_DONE
             return
         if chat.include_usage:
-            usage = oai.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+            usage = result.usage()
             yield oai.sse(
                 oai.chat_usage_chunk(response_id=response_id, model=self.served_model, created=created, usage=usage)
             )
@@ -527,7 +596,7 @@ class Ingress:
                 model=self.served_model,
                 created=int(time.time()),
                 choices=choices,
-                usage=oai.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
+                usage=result.usage(),
             ),
             headers=_replica_headers(result),
         )
@@ -566,7 +635,7 @@ class Ingress:
             yield oai.SSE_DONE
             return
         if spec.include_usage:
-            usage = oai.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+            usage = result.usage()
             yield oai.sse(
                 oai.completion_usage_chunk(
                     response_id=response_id, model=self.served_model, created=created, usage=usage

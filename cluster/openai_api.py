@@ -679,12 +679,14 @@ def openai_finish_reason(engine_reason: str | None, *, has_tool_calls: bool = Fa
     return "length" if engine_reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JSON:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, kv_store_tokens: int = 0) -> JSON:
+    """OpenAI's usage object. ``prompt_tokens_details.kv_store_tokens`` (rayturn's own) counts the
+    cached tokens whose KV came from the KV store rather than the serving replica's device."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "kv_store_tokens": kv_store_tokens},
     }
 
 

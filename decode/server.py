@@ -14,11 +14,16 @@ prompt's KV (conditional disaggregation):
 
 Requests are plain dicts (they cross Ray as such; see ``ServeRequest``):
 ``request_id``, ``prompt_token_ids``, ``params`` (engine ``SamplingParams``),
-``cache_salt``, and the routing hints ``session_id``, ``page_hashes``,
-``prompt_tokens``. ``generate`` yields one dict per engine step: the
-completions' deltas, the prompt's cache counts, the prefill ``path`` taken and
-the ``replica_id`` that serves the call (Serve's id, the one the router ranks;
-None outside Serve), so callers can see where their session landed.
+``cache_salt``, the routing hints ``session_id``, ``page_hashes``,
+``prompt_tokens``, and the session life-cycle hints ``call`` / ``after``
+(``rayturn.router.session.LifecycleHints``) and ``tools`` (the call offered
+tools, so an answer holding tool calls means the agent will be back).
+``generate`` yields one dict per engine step: the completions' deltas, the
+prompt's cache counts, the prefill ``path`` taken and the ``replica_id`` that
+serves the call (Serve's id, the one the router ranks; None outside Serve),
+so callers can see where their session landed; the first step of a call of a
+session also carries ``session``, the KV-residency planner's view of it at
+arrival (``rayturn.decode.lifecycle``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,12 @@ from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.tool_calls import parse_tool_calls
 from rayturn.kvstore import KVStoreClient, join_store
+from rayturn.router.session import CallKind, NextStep
+
+from .idle_work import DeferredJob, IdleWork
+from .lifecycle import LifecycleSettings, SessionPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,11 @@ logger = logging.getLogger(__name__)
 # store: a store round trip (~1-2 ms) costs more than computing a few pages,
 # and the newest pages of a growing agent prompt are rarely stored anywhere.
 STORE_LOOKUP_MIN_TOKENS = 256
+
+# In idle windows a decode replica asks the KV master for a metadata snapshot this often (if it
+# keeps one); the master writes at most one per SNAPSHOT_MIN_INTERVAL_S, whoever asks.
+IDLE_SNAPSHOT_EVERY_S = 5.0
+SNAPSHOT_MIN_INTERVAL_S = 2.0
 
 
 class ServeRequest(TypedDict):
@@ -56,6 +71,9 @@ class ServeRequest(TypedDict):
     session_id: str | None
     page_hashes: list[str]
     prompt_tokens: int
+    call: CallKind | None
+    after: NextStep | None
+    tools: bool
 
 
 def connect_engine(
@@ -147,8 +165,30 @@ class DecodeServer:
         kvstore: Mapping[str, Any] | None = None,
         prefill: Any = None,
         disaggregation_threshold_tokens: int = 512,
+        lifecycle: Mapping[str, Any] | None = None,
     ) -> None:
+        settings = LifecycleSettings.from_mapping(lifecycle)
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
+        engine = self.engine.engine
+        self.planner = (
+            SessionPlanner(
+                self.engine,
+                settings,
+                bytes_per_page=engine.runner.kv_cache[0].nbytes,
+                has_store=engine.kv_connector is not None,
+            )
+            if settings.enabled
+            else None
+        )
+        self.idle_work: IdleWork | None = None
+        self._idle_work_task: asyncio.Task[None] | None = None
+        if self.planner is not None and self.kv_client is not None:
+            self.idle_work = IdleWork(self.planner.next_activity_s)
+            self.idle_work.add(
+                DeferredJob(
+                    "kv-snapshot", self._snapshot_store, IDLE_SNAPSHOT_EVERY_S, duration_s=0.1, max_delay_s=60.0
+                )
+            )
         self.prefill = prefill  # a Serve handle to the prefill pool, or None
         self.threshold = disaggregation_threshold_tokens
         self.replica_id = serve_replica_id()
@@ -184,44 +224,81 @@ class DecodeServer:
         # must draw every token from one generator to stay reproducible.
         return self.prefill is not None and params.n == 1 and (params.greedy or params.seed is None)
 
+    async def _snapshot_store(self) -> None:
+        assert self.kv_client is not None
+        await asyncio.to_thread(self.kv_client.master.call, "snapshot_now", SNAPSHOT_MIN_INTERVAL_S)
+
     async def generate(self, request: ServeRequest) -> AsyncIterator[dict[str, Any]]:
         self.counters["requests"] += 1
-        params = request["params"]
-        prefix: list[int] = []
-        prefix_logprobs = None
-        path = "local"
-        if self._can_disaggregate(params):
-            uncached = await self._uncached_tokens(request)
-            if uncached >= self.threshold:
-                try:
-                    first = await self.prefill.prefill.remote(request)
-                    prefix = first["token_ids"]
-                    prefix_logprobs = first["logprobs"]
-                    path = "disaggregated"
-                except Exception as err:  # the prefill pool failing must not fail the call
-                    self.counters["failed_prefill"] += 1
-                    logger.warning("remote prefill failed, prefilling locally: %s", err)
-        self.counters["disaggregated" if path == "disaggregated" else "local_prefill"] += 1
-        sent: dict[int, tuple[int, int, int, bool]] = {}
-        async for output in self.engine.generate(
-            request["prompt_token_ids"],
-            params,
-            request["request_id"],
-            cache_salt=request["cache_salt"],
-            output_prefix=prefix,
-            output_prefix_logprobs=prefix_logprobs,
-        ):
-            deltas = completion_deltas(output, sent)
-            if deltas:
-                yield {
-                    "deltas": deltas,
-                    "prompt_tokens": len(output.prompt_token_ids),
-                    "cached_tokens": output.num_cached_prompt_tokens,
-                    "loaded_tokens": output.num_loaded_prompt_tokens,
-                    "finished": output.finished,
-                    "path": path,
-                    "replica_id": self.replica_id,
-                }
+        if self.idle_work is not None and self._idle_work_task is None:
+            self._idle_work_task = asyncio.get_running_loop().create_task(self.idle_work.run_forever())
+        session_id = request.get("session_id") if self.planner is not None else None
+        report = self.planner.arrive(session_id, request.get("call")) if self.planner and session_id else None
+        last: RequestOutput | None = None
+        try:
+            prefix, prefix_logprobs, remote = await self._prefill(request)
+            path = "local" if remote is None else "disaggregated"
+            sent: dict[int, tuple[int, int, int, bool]] = {}
+            async for output in self.engine.generate(
+                request["prompt_token_ids"],
+                request["params"],
+                request["request_id"],
+                cache_salt=request["cache_salt"],
+                output_prefix=prefix,
+                output_prefix_logprobs=prefix_logprobs,
+                session_id=session_id,
+            ):
+                last = output
+                deltas = completion_deltas(output, sent)
+                if deltas:
+                    # A prefill replica computed what it did not find cached; this replica then
+                    # loaded all of it from the store: the cache served only what the prefill found.
+                    cached, loaded = remote or (output.num_cached_prompt_tokens, output.num_loaded_prompt_tokens)
+                    step = {
+                        "deltas": deltas,
+                        "prompt_tokens": len(output.prompt_token_ids),
+                        "cached_tokens": cached,
+                        "loaded_tokens": loaded,
+                        "finished": output.finished,
+                        "path": path,
+                        "replica_id": self.replica_id,
+                    }
+                    if report is not None:
+                        step["session"], report = report, None
+                    yield step
+        finally:
+            if self.planner is not None and session_id:
+                self._finish_session(session_id, request, last)
+
+    async def _prefill(self, request: ServeRequest) -> tuple[list[int], Any, tuple[int, int] | None]:
+        """Conditional disaggregation: the first tokens, their logprobs and the prefill replica's (cached,
+        loaded-from-store) prompt tokens when the prefill pool computed the prompt; else nothing."""
+        if self._can_disaggregate(request["params"]) and await self._uncached_tokens(request) >= self.threshold:
+            try:
+                first = await self.prefill.prefill.remote(request)
+                self.counters["disaggregated"] += 1
+                return first["token_ids"], first["logprobs"], (first["cached_tokens"], first["loaded_tokens"])
+            except Exception as err:  # the prefill pool failing must not fail the call
+                self.counters["failed_prefill"] += 1
+                logger.warning("remote prefill failed, prefilling locally: %s", err)
+        self.counters["local_prefill"] += 1
+        return [], None, None
+
+    def _finish_session(self, session_id: str, request: ServeRequest, last: RequestOutput | None) -> None:
+        assert self.planner is not None
+        finish_reason = output_tokens = None
+        if last is not None and last.completions:
+            first = last.completions[0]
+            finish_reason, output_tokens = first.finish_reason, len(first.token_ids)
+            if request.get("tools") and parse_tool_calls(first.text).tool_calls:
+                finish_reason = "tool_calls"
+        self.planner.finish(
+            session_id,
+            finish_reason,
+            request.get("after"),
+            prompt_tokens=len(request["prompt_token_ids"]),
+            output_tokens=output_tokens or 0,
+        )
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -237,6 +314,8 @@ class DecodeServer:
             "device": str(engine.device),
             "model_id": engine.model_id,
             "kv_store": engine.kv_connector is not None,
+            "lifecycle": self.planner.stats() if self.planner is not None else None,
+            "idle_work": self.idle_work.stats() if self.idle_work is not None else None,
             "uptime_s": round(time.time() - self.started_at, 1),
             **self.counters,
             **{k: v for k, v in self.engine.stats().items() if k != "cached_page_hashes"},

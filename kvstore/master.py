@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,17 +43,16 @@ class KVMaster:
             logger.info("kv master restored %d objects from %s", len(self.state.objects), self.snapshot_path)
         self._housekeeping: asyncio.Task[None] | None = None
         self._metrics = MasterMetrics()
+        self._last_snapshot_s = time.monotonic()
 
     async def _loop(self) -> None:
-        since_snapshot_s = 0.0
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
             self.state.tick()
             self._metrics.publish(self.state.stats())
-            since_snapshot_s += TICK_INTERVAL_S
-            if self.snapshot_path is not None and since_snapshot_s >= self.snapshot_interval_s:
+            # Workers ask for snapshots in their idle windows (``snapshot_now``); this is the fallback.
+            if self.snapshot_path is not None and time.monotonic() - self._last_snapshot_s >= self.snapshot_interval_s:
                 self._write_snapshot()
-                since_snapshot_s = 0.0
 
     def _write_snapshot(self) -> None:
         assert self.snapshot_path is not None
@@ -60,6 +60,7 @@ class KVMaster:
         staging = self.snapshot_path.with_suffix(".tmp")
         staging.write_bytes(msgpack.packb(self.state.snapshot(), use_bin_type=True))
         os.replace(staging, self.snapshot_path)
+        self._last_snapshot_s = time.monotonic()
 
     def _ensure_started(self) -> None:
         if self._housekeeping is None:
@@ -148,9 +149,12 @@ class KVMaster:
     async def stats(self) -> dict[str, Any]:
         return self.state.stats()
 
-    async def snapshot_now(self) -> None:
-        if self.snapshot_path is not None:
-            self._write_snapshot()
+    async def snapshot_now(self, min_interval_s: float = 0.0) -> bool:
+        """Write a snapshot unless one was written within ``min_interval_s``; returns whether it wrote."""
+        if self.snapshot_path is None or time.monotonic() - self._last_snapshot_s < min_interval_s:
+            return False
+        self._write_snapshot()
+        return True
 
 
 def start_master(

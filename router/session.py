@@ -5,14 +5,31 @@ stable session id for every call. Clients name it in different places: our own
 ``x-session-id`` header, the native session header of the coding agent that
 sent the call, or the OpenAI ``user`` field of the body. Each id is an opaque
 string; the router only hashes it.
+
+Clients may also say where a call sits in its session's life cycle, so the
+decode replica's KV-residency planner need not guess (the same keys work as
+gRPC metadata):
+
+- ``x-rayturn-call: user | tool``: this call carries a new user message (a
+  turn starts after the human's think time) or a tool's result (the agent is
+  back after running a tool). Without it, chat calls are classified from their
+  messages and other calls from how the session's previous call ended.
+- ``x-rayturn-after: tool | user``: what follows this call's answer: the agent
+  runs a tool and calls again within seconds (``tool``), or the turn is over
+  and the human reads and thinks (``user``). Without it, an answer that calls
+  tools means ``tool`` and any other answer ``user``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 CallKind = Literal["user", "tool_continuation"]
+NextStep = Literal["tool", "user"]
+
+_Hint = TypeVar("_Hint", bound=str)
 
 MAX_SESSION_ID_CHARS = 256
 
@@ -35,6 +52,11 @@ AGENT_SESSION_HEADERS: tuple[str, ...] = (
 )
 
 SESSION_HEADERS: tuple[str, ...] = (SESSION_HEADER, *AGENT_SESSION_HEADERS)
+
+CALL_HEADER = "x-rayturn-call"
+AFTER_HEADER = "x-rayturn-after"
+_CALL_HINTS: dict[str, CallKind] = {"user": "user", "tool": "tool_continuation"}
+_AFTER_HINTS: dict[str, NextStep] = {"tool": "tool", "user": "user"}
 
 # gRPC metadata keys are lower case; `session_id` is what rayturn's own clients send.
 GRPC_SESSION_KEYS: tuple[str, ...] = ("session_id", SESSION_HEADER)
@@ -71,6 +93,36 @@ def session_id_from_grpc_metadata(metadata: Iterable[tuple[str, str | bytes]]) -
         if session_id is not None:
             return session_id
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleHints:
+    """What a client said about a call's place in its session (None: not said)."""
+
+    call: CallKind | None = None
+    after: NextStep | None = None
+
+
+def lifecycle_hints(headers: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> LifecycleHints:
+    """The ``x-rayturn-call`` / ``x-rayturn-after`` hints of HTTP headers or gRPC metadata.
+
+    Names match case-insensitively; an unknown value raises ValueError naming the header.
+    """
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    by_name = {name.lower(): value for name, value in items if isinstance(value, str)}
+    return LifecycleHints(
+        call=_hint(by_name.get(CALL_HEADER), CALL_HEADER, _CALL_HINTS),
+        after=_hint(by_name.get(AFTER_HEADER), AFTER_HEADER, _AFTER_HINTS),
+    )
+
+
+def _hint(value: str | None, name: str, known: Mapping[str, _Hint]) -> _Hint | None:
+    if value is None or not value.strip():
+        return None
+    hint = known.get(value.strip().lower())
+    if hint is None:
+        raise ValueError(f"header {name!r} must be one of {', '.join(known)}, got {value.strip()[:40]!r}")
+    return hint
 
 
 def classify_call(messages: Sequence[Mapping[str, Any]]) -> CallKind:

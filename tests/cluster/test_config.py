@@ -428,3 +428,34 @@ def test_pools_and_store_switches() -> None:
     with pytest.raises(ValueError, match=r"router\.policy"):
         load_config(**{"router.policy": "random"})
     assert load_config(**{"router.policy": "round_robin"}).router.policy == "round_robin"
+
+
+def test_idle_predictors_match_the_router() -> None:
+    from rayturn.router.idle import PREDICTORS
+
+    assert set(config_module.IDLE_PREDICTORS) == set(PREDICTORS)
+
+
+def test_lifecycle_settings_reach_the_decode_planner() -> None:
+    from rayturn.decode.lifecycle import LifecycleSettings
+
+    config = load_config(**{"lifecycle.time_scale": 0.01, "lifecycle.enabled": False})
+    settings = LifecycleSettings.from_mapping(config.lifecycle.settings())
+    assert settings == LifecycleSettings(enabled=False, time_scale=0.01)
+    assert LifecycleSettings.from_mapping(load_config().lifecycle.settings()) == LifecycleSettings()
+    with pytest.raises(ValueError, match=r"lifecycle\.time_scale must be > 0"):
+        load_config(**{"lifecycle.time_scale": 0})
+    with pytest.raises(ValueError, match=r"lifecycle\.tool_hold_max_s must be >= tool_hold_min_s"):
+        load_config(**{"lifecycle.tool_hold_min_s": 10, "lifecycle.tool_hold_max_s": 5})
+    with pytest.raises(ValueError, match=r"lifecycle\.predictor must be one of session, prior"):
+        load_config(**{"lifecycle.predictor": "oracle"})
+
+
+def test_a_pool_may_size_its_own_kv_cache() -> None:
+    from rayturn.cluster.app import pool_engine_kwargs
+
+    config = load_config(**{"model.num_pages": 512, "decode.num_pages": 64})
+    assert pool_engine_kwargs(config, config.decode)["num_pages"] == 64
+    assert pool_engine_kwargs(config, config.prefill)["num_pages"] == 512
+    with pytest.raises(ValueError, match=r"decode\.num_pages must be >= 1"):
+        load_config(**{"decode.num_pages": 0})

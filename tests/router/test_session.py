@@ -103,3 +103,15 @@ def test_classify_anthropic_tool_result_part_as_continuation() -> None:
 
 def test_classify_empty_conversation_as_user() -> None:
     assert classify_call([]) == "user"
+
+
+def test_lifecycle_hints_from_headers_and_metadata() -> None:
+    from rayturn.router.session import LifecycleHints, lifecycle_hints
+
+    assert lifecycle_hints({"X-Rayturn-Call": "tool", "x-rayturn-after": " User "}) == LifecycleHints(
+        "tool_continuation", "user"
+    )
+    assert lifecycle_hints({}) == LifecycleHints()
+    assert lifecycle_hints([("x-rayturn-call", "user"), ("x-rayturn-after-bin", b"\x00")]) == LifecycleHints("user")
+    with pytest.raises(ValueError, match="'x-rayturn-after' must be one of tool, user, got 'later'"):
+        lifecycle_hints({"x-rayturn-after": "later"})

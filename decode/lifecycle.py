@@ -1,0 +1,476 @@
+"""The KV-residency planner: where a session's pages live between its calls.
+
+An agent's turn is a burst of calls separated by tool runs (seconds); turns
+are separated by the human reading and typing (minutes). The planner follows
+each session on this decode replica and moves its pages accordingly; the
+engine does the moving (``LLMEngine.hold_session`` / ``offload_session`` /
+``prewarm_session``) and keeps a finished call's pages held until told
+otherwise::
+
+                 call arrives (any phase) ──> ACTIVE
+                                                │ call ends
+              ┌──── answer calls a tool ────────┴──── turn over ────┐
+              v                                                     v
+     HELD (tool, TTL = tool latency quantile)                      LOOK: predict the idle left
+              │ TTL passes                        idle left > break-even and the prewarm is due
+              v                                   later than a reload takes?
+          RELEASED (cached, evictable)             ├─ no:  HELD (turn, turn_hold_s) ──> LOOK again
+                                                   └─ yes: OFFLOADED (in the store, device pages free)
+                                                              │ prewarm timer: predict again; later? move the timer
+                                                              v
+                                                          PREWARMING ──> PREWARMED (held) ──> LOOK again
+
+A user back while the pages are OFFLOADED or PREWARMING is an early return:
+the engine loads the missing pages on demand when the call arrives (commands
+run in order on the engine thread, so a prewarm already queued lands first).
+Without a KV store nothing can be offloaded: a turn end holds the pages for
+``turn_hold_s`` once, then lets them age out.
+
+The break-even time is the measured cost of moving the session out and back
+(its bytes over the store bandwidth seen in earlier moves, seeded from
+settings) plus a margin. Predictions come from an ``IdlePredictor``
+(``rayturn.router.idle``) in users' seconds; ``time_scale`` converts them to
+wall seconds (1 in production; a replay that compresses time sets its
+factor). Every decision and its outcome is counted (``stats()``), and each
+call's arrival reports the session's state (``arrive()``): how long it was
+idle, how much of that its pages spent off the device, how many are resident.
+Each decision also says when the session is next expected (a tool result
+within its hold, a prewarm, the earliest predicted return), so
+``next_activity_s`` tells deferred background work (``idle_work.py``) when
+the replica's next idle window closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any, TypeVar
+
+from rayturn.engine import LLMEngine, SessionMove
+from rayturn.engine.async_engine import AsyncEngine
+from rayturn.router.idle import PREDICTORS, IdlePredictor, IdlePrior, TurnEndFeatures
+from rayturn.router.session import CallKind, NextStep
+from rayturn.router.tool_latency import ToolLatencyModel
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# What a timer runs: a planner step given the session and the epoch the timer was set in.
+_Action = Callable[["_Session", int], Coroutine[Any, Any, None]]
+
+# Sessions this replica remembers (least recently seen dropped first).
+MAX_SESSIONS = 100_000
+# Bandwidth estimates move this far toward each new measurement.
+BANDWIDTH_RATE = 0.2
+# A held session's TTL outlasts the planner's next look by this factor, so the look comes first.
+HOLD_SLACK = 1.5
+# A moved prewarm timer must move at least this far (users' seconds), or it stays.
+REPLAN_MIN_STEP_S = 1.0
+# Most moves of a prewarm timer one look plans ahead.
+MAX_REPLANS = 50
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleSettings:
+    """``lifecycle`` section of the cluster config (``rayturn.cluster.config.LifecycleSpec``)."""
+
+    enabled: bool = True
+    time_scale: float = 1.0
+    tool_hold_min_s: float = 5.0
+    tool_hold_max_s: float = 120.0
+    turn_hold_s: float = 30.0
+    break_even_margin_s: float = 5.0
+    prewarm_lead_s: float = 2.0
+    predictor: str = "session"
+    store_bandwidth_bytes_s: float = 1e9
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any] | None) -> LifecycleSettings:
+        known = {spec_field.name for spec_field in fields(cls)}
+        unknown = sorted(set(settings or {}) - known)
+        if unknown:
+            raise ValueError(f"unknown lifecycle settings {unknown}; known: {sorted(known)}")
+        return cls(**dict(settings or {}))
+
+    def wall_s(self, user_s: float) -> float:
+        return user_s * self.time_scale
+
+
+class Phase(str, Enum):
+    NEW = "new"
+    ACTIVE = "active"
+    HELD = "held"
+    RELEASED = "released"
+    OFFLOADED = "offloaded"
+    PREWARMING = "prewarming"
+    PREWARMED = "prewarmed"
+
+
+@dataclass(slots=True)
+class _Session:
+    session_id: str
+    phase: Phase = Phase.NEW
+    in_flight: int = 0
+    after: NextStep = "user"
+    last_end_s: float | None = None  # wall clock (monotonic) when the last call ended
+    turn_start_s: float = 0.0
+    calls_in_turn: int = 0
+    turn_end: TurnEndFeatures | None = None
+    offloaded_at_s: float | None = None
+    off_device_s: float = 0.0  # this gap's time off the device, offload cycles before the current one
+    offloaded_this_gap: bool = False
+    num_pages: int = 0
+    # Bumped by every arrival and decision: a timer or move from an older epoch lost its turn.
+    epoch: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class LifecycleCounters:
+    returns: int = 0  # calls that start a new turn of a known session
+    idle_s: float = 0.0  # wall seconds between those turns
+    off_device_s: float = 0.0  # of which the pages were off the device
+    offloaded_returns: int = 0
+    prewarm_hits: int = 0  # offloaded, and back on the device before the call
+    early_returns: int = 0  # offloaded, and still (partly) off the device at the call
+    tool_returns: int = 0
+    tool_holds: int = 0
+    turn_holds: int = 0
+    looks: int = 0
+    offloads: int = 0
+    offloaded_pages: int = 0
+    prewarms: int = 0
+    prewarmed_pages: int = 0
+    replans: int = 0
+    failed_moves: int = 0
+
+
+@dataclass(slots=True)
+class _Bandwidth:
+    bytes_per_s: float
+    measured: int = 0
+
+    def update(self, move: SessionMove) -> None:
+        if move.bytes_moved > 0 and move.seconds > 0:
+            sample = move.bytes_moved / move.seconds
+            # The first measurement replaces the configured guess; later ones move the average.
+            rate = BANDWIDTH_RATE if self.measured else 1.0
+            self.bytes_per_s += rate * (sample - self.bytes_per_s)
+            self.measured += 1
+
+
+@dataclass(slots=True)
+class _Tasks:
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+
+class SessionPlanner:
+    """Follows sessions on one decode replica and moves their KV pages (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        settings: LifecycleSettings,
+        bytes_per_page: int,
+        has_store: bool,
+        predictor: IdlePredictor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.bytes_per_page = bytes_per_page
+        self.has_store = has_store
+        self.predictor = predictor or PREDICTORS[settings.predictor](IdlePrior())
+        self.tool_latency = ToolLatencyModel()
+        self.clock = clock
+        self.counters = LifecycleCounters()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._out = _Bandwidth(settings.store_bandwidth_bytes_s)
+        self._in = _Bandwidth(settings.store_bandwidth_bytes_s)
+        self._tasks = _Tasks()
+        self._in_flight = 0
+        self._expected_s: dict[str, float] = {}  # session -> wall time it is next expected to need the device
+
+    # -- calls ------------------------------------------------------------
+
+    def arrive(self, session_id: str, call: CallKind | None) -> dict[str, Any]:
+        """A call of ``session_id`` arrives: account for the gap before it; returns the session's state report.
+
+        ``call``: the client's hint; without one a session whose last answer
+        called tools continues its turn and any other call starts one.
+        """
+        session = self._session(session_id)
+        self._cancel_timer(session)
+        now = self.clock()
+        kind: CallKind = call or ("tool_continuation" if session.after == "tool" else "user")
+        resident, recorded = self.engine.engine.session_residency(session_id)
+        report: dict[str, Any] = {
+            "call": "user" if kind == "user" else "tool",
+            "state": session.phase.value,
+            "idle_s": None,
+            "off_device_s": None,
+            "resident_pages": resident,
+            "session_pages": recorded,
+        }
+        if session.last_end_s is not None and session.in_flight == 0:
+            gap_s = now - session.last_end_s
+            if kind == "user":
+                off_s = session.off_device_s
+                if session.offloaded_at_s is not None:  # still off (or on its way back): off until now
+                    off_s += now - session.offloaded_at_s
+                report.update(idle_s=round(gap_s, 6), off_device_s=round(off_s, 6))
+                self._count_return(session, gap_s, off_s)
+                if session.turn_end is not None:
+                    self.predictor.observe_gap(session_id, session.turn_end, gap_s / self.settings.time_scale)
+            else:
+                self.counters.tool_returns += 1
+                self.tool_latency.observe(session_id, gap_s / self.settings.time_scale)
+        if kind == "user" or session.calls_in_turn == 0:
+            session.turn_start_s = now
+            session.calls_in_turn = 0
+        session.calls_in_turn += 1
+        session.in_flight += 1
+        self._in_flight += 1
+        self._expected_s.pop(session_id, None)
+        session.phase = Phase.ACTIVE
+        session.offloaded_at_s = None
+        session.off_device_s = 0.0
+        session.offloaded_this_gap = False
+        return report
+
+    def _count_return(self, session: _Session, gap_s: float, off_s: float) -> None:
+        counters = self.counters
+        counters.returns += 1
+        counters.idle_s += gap_s
+        counters.off_device_s += off_s
+        if session.offloaded_this_gap:
+            counters.offloaded_returns += 1
+            if session.phase is Phase.PREWARMED:
+                counters.prewarm_hits += 1
+            else:
+                counters.early_returns += 1
+
+    def finish(
+        self,
+        session_id: str,
+        finish_reason: str | None,
+        after: NextStep | None,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> None:
+        """A call of ``session_id`` ended (or failed): decide where its pages stay until the next one."""
+        session = self._session(session_id)
+        if session.in_flight:
+            session.in_flight -= 1
+            self._in_flight -= 1
+        now = self.clock()
+        session.last_end_s = now
+        if session.in_flight:
+            return  # the session's last call decides
+        session.epoch += 1
+        session.after = after or ("tool" if finish_reason == "tool_calls" else "user")
+        session.num_pages = (prompt_tokens + output_tokens) // self.engine.engine.page_size
+        if session.after == "tool":
+            expected_s = self.tool_latency.quantile_s(session_id)
+            ttl_s = min(max(expected_s, self.settings.tool_hold_min_s), self.settings.tool_hold_max_s)
+            self.counters.tool_holds += 1
+            self._hold(session, self.settings.wall_s(ttl_s), "tool", then=self._released)
+            self._expected_s[session_id] = now + self.settings.wall_s(ttl_s)
+            return
+        session.turn_end = TurnEndFeatures(
+            turn_duration_s=(now - session.turn_start_s) / self.settings.time_scale,
+            calls_in_turn=session.calls_in_turn,
+            last_output_tokens=output_tokens,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            time_of_day_s=time.time() % 86_400.0,
+        )
+        self._tasks.spawn(self._look(session, session.epoch))
+
+    # -- decisions --------------------------------------------------------
+
+    def _costs_s(self, session: _Session) -> tuple[float, float]:
+        """(break-even, reload) wall seconds for moving this session's pages out and back."""
+        num_bytes = session.num_pages * self.bytes_per_page
+        reload_s = num_bytes / self._in.bytes_per_s
+        offload_s = num_bytes / self._out.bytes_per_s
+        return offload_s + reload_s + self.settings.wall_s(self.settings.break_even_margin_s), reload_s
+
+    def _predict(self, session: _Session, now: float) -> tuple[float, float]:
+        """Predicted (point, lower quantile) of the whole gap, wall seconds from its start."""
+        assert session.turn_end is not None and session.last_end_s is not None
+        idle_s = now - session.last_end_s
+        features = replace(session.turn_end, idle_so_far_s=idle_s / self.settings.time_scale)
+        prediction = self.predictor.predict(session.session_id, features)
+        return self.settings.wall_s(prediction.point_s), self.settings.wall_s(prediction.lower_s)
+
+    def _prewarm_at(self, session: _Session, lower_s: float, reload_s: float) -> float:
+        assert session.last_end_s is not None
+        return session.last_end_s + lower_s - reload_s - self.settings.wall_s(self.settings.prewarm_lead_s)
+
+    def _planned_prewarm(self, session: _Session, now: float, lower_s: float, reload_s: float) -> float:
+        """When the prewarm starts if the user stays away: ``_prewarm_at`` the lower quantile, moved later
+        while a prediction from the idle time at that moment says so (as the timer does when it fires),
+        looking only as far as needed to tell whether it lies more than a reload time from now."""
+        start_s = max(now, self._prewarm_at(session, lower_s, reload_s))
+        min_step_s = self.settings.wall_s(REPLAN_MIN_STEP_S)
+        for _ in range(MAX_REPLANS):
+            if start_s - now > reload_s:
+                break
+            _, later_lower_s = self._predict(session, start_s)
+            later_s = self._prewarm_at(session, later_lower_s, reload_s)
+            if later_s < start_s + min_step_s:
+                break
+            start_s = later_s
+        return start_s
+
+    async def _look(self, session: _Session, epoch: int) -> None:
+        if epoch != session.epoch:
+            return
+        self.counters.looks += 1
+        if self.has_store:
+            now = self.clock()
+            assert session.last_end_s is not None
+            point_s, lower_s = self._predict(session, now)
+            break_even_s, reload_s = self._costs_s(session)
+            prewarm_at_s = self._planned_prewarm(session, now, lower_s, reload_s)
+            if point_s - (now - session.last_end_s) > break_even_s and prewarm_at_s - now > reload_s:
+                self._expected_s[session.session_id] = prewarm_at_s
+                await self._offload(session, epoch, prewarm_at_s)
+                return
+            self._expected_s[session.session_id] = session.last_end_s + lower_s
+        self.counters.turn_holds += 1
+        hold_s = self.settings.wall_s(self.settings.turn_hold_s)
+        then = self._look if self.has_store else self._released
+        self._hold(session, hold_s, "turn", then=then)
+
+    async def _offload(self, session: _Session, epoch: int, prewarm_at_s: float) -> None:
+        session.phase = Phase.OFFLOADED
+        session.offloaded_at_s = self.clock()
+        session.offloaded_this_gap = True
+        move = await self._engine(lambda engine: engine.offload_session(session.session_id))
+        if move is None:  # failed: the pages stay where they are, held no more
+            session.phase, session.offloaded_at_s = Phase.RELEASED, None
+            return
+        self._out.update(move)
+        self.counters.offloads += 1
+        self.counters.offloaded_pages += move.pages
+        if epoch == session.epoch:
+            self._at(session, prewarm_at_s, self._prewarm_due)
+
+    async def _prewarm_due(self, session: _Session, epoch: int) -> None:
+        if epoch != session.epoch:
+            return
+        now = self.clock()
+        _, lower_s = self._predict(session, now)
+        _, reload_s = self._costs_s(session)
+        later_s = self._prewarm_at(session, lower_s, reload_s)
+        if later_s > now + max(reload_s, self.settings.wall_s(REPLAN_MIN_STEP_S)):
+            self.counters.replans += 1
+            self._expected_s[session.session_id] = later_s
+            self._at(session, later_s, self._prewarm_due)
+            return
+        session.phase = Phase.PREWARMING
+        hold_s = self.settings.wall_s(self.settings.turn_hold_s)
+        move = await self._engine(lambda engine: engine.prewarm_session(session.session_id, hold_s * HOLD_SLACK))
+        if epoch != session.epoch:
+            return  # the user came back meanwhile; the call has taken over
+        if session.offloaded_at_s is not None:
+            session.off_device_s += self.clock() - session.offloaded_at_s
+            session.offloaded_at_s = None
+        if move is None:
+            session.phase = Phase.RELEASED
+            return
+        self._in.update(move)
+        self.counters.prewarms += 1
+        self.counters.prewarmed_pages += move.pages
+        session.phase = Phase.PREWARMED
+        self._expected_s[session.session_id] = self.clock() + hold_s
+        self._at(session, self.clock() + hold_s, self._look)
+
+    async def _released(self, session: _Session, epoch: int) -> None:
+        if epoch == session.epoch:
+            session.phase = Phase.RELEASED
+            self._expected_s.pop(session.session_id, None)
+
+    def next_activity_s(self) -> float:
+        """Wall time of the next expected call or move of any session: ``-inf`` while a call is in flight."""
+        if self._in_flight:
+            return -math.inf
+        return min(self._expected_s.values(), default=math.inf)
+
+    def _hold(
+        self,
+        session: _Session,
+        hold_s: float,
+        kind: str,
+        then: _Action,
+    ) -> None:
+        """Hold the session's pages a little longer than ``hold_s``, then run ``then``."""
+        if session.phase is not Phase.PREWARMED:
+            session.phase = Phase.HELD
+        session_id = session.session_id
+        self._tasks.spawn(self._call_quietly(lambda engine: engine.hold_session(session_id, hold_s * HOLD_SLACK, kind)))
+        self._at(session, self.clock() + hold_s, then)
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _at(self, session: _Session, when_s: float, action: _Action) -> None:
+        self._cancel_timer(session)
+        epoch = session.epoch
+        delay_s = max(when_s - self.clock(), 0.0)
+        session.timer = asyncio.get_running_loop().call_later(
+            delay_s, lambda: self._tasks.spawn(action(session, epoch))
+        )
+
+    @staticmethod
+    def _cancel_timer(session: _Session) -> None:
+        if session.timer is not None:
+            session.timer.cancel()
+            session.timer = None
+
+    async def _engine(self, fn: Callable[[LLMEngine], T]) -> T | None:
+        """Run ``fn`` on the engine thread; None (logged, counted) if it fails: a move is never worth an error."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(fn))
+        except Exception as err:
+            self.counters.failed_moves += 1
+            logger.warning("session KV move failed: %s", err)
+            return None
+
+    async def _call_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
+        await self._engine(fn)
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.pop(session_id, None) or _Session(session_id)
+        self._sessions[session_id] = session  # most recently seen last
+        while len(self._sessions) > MAX_SESSIONS:
+            dropped_id, dropped = self._sessions.popitem(last=False)
+            self._cancel_timer(dropped)
+            self._expected_s.pop(dropped_id, None)
+            self._in_flight -= dropped.in_flight
+        return session
+
+    def stats(self) -> dict[str, Any]:
+        counters = {spec_field.name: getattr(self.counters, spec_field.name) for spec_field in fields(self.counters)}
+        phases: dict[str, int] = {}
+        for session in self._sessions.values():
+            phases[session.phase.value] = phases.get(session.phase.value, 0) + 1
+        return {
+            **counters,
+            "sessions": len(self._sessions),
+            "phases": phases,
+            "store_in_bytes_per_s": self._in.bytes_per_s,
+            "store_out_bytes_per_s": self._out.bytes_per_s,
+        }

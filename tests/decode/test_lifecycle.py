@@ -1,0 +1,258 @@
+"""The KV-residency planner's decisions, against a recording engine double (unit tests).
+
+Time is compressed (``time_scale``) so the planner's real timers fire within
+a fraction of a second; the predictor is a fixed stub, so every decision is
+known in advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from rayturn.decode.lifecycle import HOLD_SLACK, LifecycleSettings, Phase, SessionPlanner
+from rayturn.engine import SessionMove
+from rayturn.router.idle import IdlePrediction, TurnEndFeatures
+from rayturn.router.tool_latency import ToolLatencyModel
+
+PAGE_SIZE = 16
+BYTES_PER_PAGE = 4096
+
+
+class RecordingEngine:
+    """The ``LLMEngine`` session methods the planner calls; records each call."""
+
+    page_size = PAGE_SIZE
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.resident = (0, 0)
+
+    def session_residency(self, session_id: str) -> tuple[int, int]:
+        return self.resident
+
+    def hold_session(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
+        self.calls.append(("hold", session_id, round(ttl_s, 6), kind))
+        return 3
+
+    def offload_session(self, session_id: str) -> SessionMove:
+        self.calls.append(("offload", session_id))
+        return SessionMove(pages=3, resident_pages=0, bytes_moved=0, seconds=0.0)
+
+    def prewarm_session(self, session_id: str, ttl_s: float) -> SessionMove:
+        self.calls.append(("prewarm", session_id, round(ttl_s, 6)))
+        return SessionMove(pages=3, resident_pages=3, bytes_moved=3 * BYTES_PER_PAGE, seconds=0.001)
+
+    def kinds(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+
+class InlineAsyncEngine:
+    """``AsyncEngine.call`` run inline, with the recording engine behind it."""
+
+    def __init__(self) -> None:
+        self.engine = RecordingEngine()
+
+    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(self.engine))
+        return future
+
+
+class FixedPredictor:
+    def __init__(self, point_s: float, lower_s: float) -> None:
+        self.prediction = IdlePrediction(point_s, lower_s)
+        self.observed: list[float] = []
+        self.asked: list[TurnEndFeatures] = []
+
+    def observe_gap(self, session_id: str, features: TurnEndFeatures, gap_s: float) -> None:
+        self.observed.append(gap_s)
+
+    def predict(self, session_id: str, features: TurnEndFeatures) -> IdlePrediction:
+        self.asked.append(features)
+        return IdlePrediction(
+            max(self.prediction.point_s, features.idle_so_far_s), max(self.prediction.lower_s, features.idle_so_far_s)
+        )
+
+
+def planner(
+    predictor: FixedPredictor, has_store: bool = True, **settings: Any
+) -> tuple[SessionPlanner, RecordingEngine]:
+    engine = InlineAsyncEngine()
+    defaults: dict[str, Any] = {"time_scale": 0.001, "break_even_margin_s": 5.0, "prewarm_lead_s": 2.0}
+    lifecycle = LifecycleSettings(**{**defaults, **settings})
+    return (
+        SessionPlanner(engine, lifecycle, BYTES_PER_PAGE, has_store=has_store, predictor=predictor),  # type: ignore[arg-type]
+        engine.engine,
+    )
+
+
+async def settle(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def test_tool_call_holds_for_the_tool_latency_quantile_then_releases() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(100.0, 50.0))
+        report = plan.arrive("s", "user")
+        assert report == {
+            "call": "user",
+            "state": "new",
+            "idle_s": None,
+            "off_device_s": None,
+            "resident_pages": 0,
+            "session_pages": 0,
+        }
+        plan.finish("s", "tool_calls", None, prompt_tokens=64, output_tokens=8)
+        await settle(0.01)
+        expected_s = min(max(ToolLatencyModel().quantile_s("s"), 5.0), 120.0) * 0.001
+        assert engine.calls == [("hold", "s", round(expected_s * HOLD_SLACK, 6), "tool")]
+        assert plan._sessions["s"].phase is Phase.HELD
+        await settle(expected_s + 0.15)
+        assert plan._sessions["s"].phase is Phase.RELEASED
+        report = plan.arrive("s", None)  # no hint: the answer called tools, so the turn goes on
+        assert report["call"] == "tool" and report["idle_s"] is None
+        assert plan.counters.tool_returns == 1 and plan.counters.tool_holds == 1
+
+    asyncio.run(run())
+
+
+def test_long_predicted_idle_offloads_then_prewarms_before_the_return() -> None:
+    async def run() -> None:
+        predictor = FixedPredictor(point_s=500.0, lower_s=300.0)  # wall: 0.5 s and 0.3 s
+        plan, engine = planner(predictor, turn_hold_s=1000.0)  # no second look within the test
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.01)
+        assert engine.kinds() == ["offload"]
+        assert plan._sessions["s"].phase is Phase.OFFLOADED
+        # Prewarm due at 300 s - 2 s lead - reload (11 pages at 1 GB/s: nothing) -> ~0.298 s wall.
+        await settle(0.1)
+        assert engine.kinds() == ["offload"]
+        await settle(0.3)
+        assert engine.kinds() == ["offload", "prewarm"]
+        assert plan._sessions["s"].phase is Phase.PREWARMED
+        engine.resident = (11, 11)
+        report = plan.arrive("s", "user")
+        assert report["state"] == "prewarmed"
+        assert report["resident_pages"] == 11
+        assert 0.4 <= report["idle_s"] < 1.0
+        # Off the device from the offload (~0.0 s) to the prewarm (~0.298 s): most, not all, of the gap.
+        assert 0.25 <= report["off_device_s"] < report["idle_s"] - 0.05
+        counters = plan.counters
+        assert (counters.returns, counters.offloaded_returns, counters.prewarm_hits, counters.early_returns) == (
+            1,
+            1,
+            1,
+            0,
+        )
+        assert counters.prewarmed_pages == 3 and counters.offloads == 1
+        # The predictor learns the gap in users' seconds.
+        assert len(predictor.observed) == 1 and 400.0 <= predictor.observed[0] < 1000.0
+
+    asyncio.run(run())
+
+
+def test_an_early_return_finds_the_pages_offloaded() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=500.0))
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.02)
+        report = plan.arrive("s", "user")
+        assert report["state"] == "offloaded"
+        assert report["off_device_s"] == pytest.approx(report["idle_s"], abs=0.01)
+        assert plan.counters.early_returns == 1 and plan.counters.prewarm_hits == 0
+        await settle(0.6)  # the cancelled prewarm timer must not fire
+        assert engine.kinds() == ["offload"]
+
+    asyncio.run(run())
+
+
+def test_short_predicted_idle_holds_and_looks_again() -> None:
+    async def run() -> None:
+        # Point 3 s < break-even (5 s margin): hold for turn_hold_s (10 s -> 0.01 s wall), then look again.
+        predictor = FixedPredictor(point_s=3.0, lower_s=1.0)
+        plan, engine = planner(predictor, turn_hold_s=10.0)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=32, output_tokens=4)
+        await settle(0.005)
+        assert engine.calls == [("hold", "s", round(0.01 * HOLD_SLACK, 6), "turn")]
+        await settle(0.03)
+        assert plan.counters.looks >= 2
+        # Once the idle so far passes the point estimate, each look conditions on it.
+        assert any(features.idle_so_far_s > 0 for features in predictor.asked)
+
+    asyncio.run(run())
+
+
+def test_without_a_store_a_turn_end_holds_once_then_releases() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=500.0), has_store=False, turn_hold_s=10.0)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=32, output_tokens=4)
+        await settle(0.05)
+        assert engine.kinds() == ["hold"]
+        assert plan._sessions["s"].phase is Phase.RELEASED
+
+    asyncio.run(run())
+
+
+def test_the_last_of_concurrent_calls_decides() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=500.0))
+        plan.arrive("s", "user")
+        plan.arrive("s", "tool")
+        plan.finish("s", "stop", None, prompt_tokens=32, output_tokens=4)
+        await settle(0.01)
+        assert engine.calls == []
+        plan.finish("s", "stop", "user", prompt_tokens=32, output_tokens=4)
+        await settle(0.01)
+        assert engine.kinds() == ["offload"]
+
+    asyncio.run(run())
+
+
+def test_settings_reject_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="unknown lifecycle settings"):
+        LifecycleSettings.from_mapping({"time_scael": 1.0})
+    assert LifecycleSettings.from_mapping(None) == LifecycleSettings()
+
+
+def test_tool_latency_model_moves_toward_a_sessions_history() -> None:
+    model = ToolLatencyModel()
+    prior_s = model.quantile_s("s")
+    assert prior_s == pytest.approx(72.0, rel=1e-6)  # the prior's 90th percentile
+    for _ in range(20):
+        model.observe("s", 2.0)
+    fast_s = model.quantile_s("s")
+    assert fast_s < prior_s / 3
+    assert model.quantile_s("other") == pytest.approx(prior_s)
+    assert math.isfinite(fast_s)
+    with pytest.raises(ValueError, match="quantile"):
+        ToolLatencyModel(quantile=1.0)
+
+
+def test_next_activity_follows_the_sessions() -> None:
+    async def run() -> None:
+        plan, _ = planner(FixedPredictor(point_s=500.0, lower_s=300.0), turn_hold_s=1000.0)
+        assert plan.next_activity_s() == math.inf  # nobody here
+        plan.arrive("s", "user")
+        assert plan.next_activity_s() == -math.inf  # a call in flight
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.01)
+        # Offloaded: the next activity is the prewarm, ~0.298 s after the turn ended.
+        ended_s = plan._sessions["s"].last_end_s
+        assert ended_s is not None
+        assert plan.next_activity_s() == pytest.approx(ended_s + 0.298, abs=0.01)
+        plan.arrive("t", "user")
+        plan.finish("t", "tool_calls", None, prompt_tokens=32, output_tokens=4)
+        tool_s = min(max(ToolLatencyModel().quantile_s("t"), 5.0), 120.0) * 0.001
+        assert plan.next_activity_s() == pytest.approx(plan._sessions["t"].last_end_s + tool_s, abs=0.001)
+
+    asyncio.run(run())
