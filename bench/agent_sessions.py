@@ -44,8 +44,8 @@ running cluster instead, with no baseline.
 
 Per system: TTFT (first content chunk) and inter-token latency p50/p99, output
 tokens/s, ``cached_token_fraction`` (``usage.prompt_tokens_details.
-cached_tokens`` over prompt tokens; it counts pages loaded from the store,
-including those a prefill replica computed for the same call, so
+cached_tokens`` over prompt tokens: what a replica's cache or the store served;
+for a call the prefill pool computed, what the prefill replica found cached;
 ``prefill_paths`` says how many calls took that path). Results and TTFT samples
 go to ``bench/results/agent_sessions.json`` (a TTFT CDF PNG next to it when
 matplotlib is installed). The last line of stdout is one JSON object;

@@ -1,0 +1,511 @@
+"""Replay recorded agent traces against a rayturn cluster, closed loop: KV reuse, idle capture, prewarm hits, latency.
+
+Reads weka (Claude Code), Mooncake and TraceLab traces (files or folders;
+default ``../shared/traces/weka`` next to the repository, skipped with a
+message when absent), turns each call into exact prompt token ids at a token
+scale and each gap into scaled seconds (``replay_workload``), and sends every
+call to ``/v1/completions`` as token ids, streaming, greedy, with
+``ignore_eos`` so it streams exactly its scaled output length. Each
+conversation's agents run closed loop: a call goes out once the previous one
+finished plus the scaled gap the trace shows; sub-agents run as their own
+sessions beside their parent. ``--concurrency`` conversations run at once.
+
+Headers per call: ``x-session-id`` (the conversation, ``<id>/<sub-agent>``
+for a sub-agent), ``x-rayturn-call`` (``user`` when the call opens a turn or a
+sub-agent, else ``tool``), ``x-rayturn-after`` (``tool`` when the trace's
+answer called tools, else ``user``). The answer's ``x-rayturn-session`` header
+(the decode replica's view of the session) feeds idle capture and prewarm hits.
+
+Scales: ``--token-scale auto`` is the largest 1/n at which the longest call
+(prompt + output) fits 90% of the model's context (``tiny`` and the weka set:
+1/64, one token per 64-token block; conversations still too long are cut
+before their first call that does not fit). ``--time-scale`` (default 1/60)
+compresses every gap; the cluster's lifecycle planner is told the same scale.
+``--device-kv-pages auto`` sizes each decode replica so the replayed sessions'
+KV demand is 2.5 times the decode pool's, yet a replica's share of the busiest
+moment's running calls fits.
+
+Systems: without ``--url`` an embedded cluster per system (``--config``,
+default: all defaults with 2 decode replicas). ``--compare`` runs, one after
+the other, ``rayturn``, ``no_lifecycle`` and ``round_robin`` and reports each
+baseline's figures over rayturn's.
+
+    python bench/replay.py [TRACES ...] [--quick] [--compare] [--url http://127.0.0.1:8000]
+    rayturn replay [args]
+
+Results: ``--out`` (default ``bench/results/replay``) gets ``replay.json``
+(summaries and every call), ``replay.md`` and ``replay_*.png``; the last line
+of stdout is one JSON object with the first system's headline figures
+(definitions in ``replay_report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from _common import Progress, emit, machine
+from agent_sessions import prefill_paths
+from replay_report import (
+    SESSION_RESPONSE_HEADER,
+    CallRecord,
+    compare,
+    markdown,
+    parse_session_header,
+    record_dict,
+    summarize,
+    write_plots,
+)
+from replay_workload import (
+    AgentPlan,
+    CallKind,
+    ConversationPlan,
+    PlannedCall,
+    Scale,
+    TokenSynthesizer,
+    auto_device_pages,
+    auto_token_scale,
+    busiest_pages,
+    fit_to_context,
+    kv_demand_pages,
+    model_vocabulary,
+    pick_conversations,
+    plan_conversation,
+    read_traces,
+)
+
+from rayturn.router.session import AFTER_HEADER, CALL_HEADER, SESSION_HEADER
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "traces" / "weka"
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "replay"
+
+DEFAULT_TIME_SCALE = 1 / 60
+QUICK_CONVERSATIONS = 4
+QUICK_DURATION_S = 20.0
+WARMUP_PROMPT_TOKENS = (640, 64)  # one past the default disaggregation threshold (512): the prefill pool warms too
+
+# Without --config: two decode replicas (so routing matters) sharing a small machine.
+EMBEDDED_DEFAULTS: dict[str, Any] = {
+    "decode.min_replicas": 2,
+    "decode.max_replicas": 2,
+    "decode.num_cpus": 0.25,
+    "prefill.num_cpus": 0.25,
+    "server.ingress_num_cpus": 0.25,
+    "kvstore.segment_bytes": "64MiB",
+}
+
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "rayturn": {},
+    "no_lifecycle": {"lifecycle.enabled": False},
+    "round_robin": {"router.policy": "round_robin", "kvstore.enabled": False, "prefill.min_replicas": 0,
+                    "prefill.max_replicas": 0, "lifecycle.enabled": False},
+}  # fmt: skip
+
+Sent = tuple[CallKind, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class SystemRun:
+    records: list[CallRecord]
+    sent: list[Sent]
+    wall_s: float
+    prefill_paths: dict[str, int] | None = None  # calls by prefill path (local | disaggregated), when reported
+    cluster_start_s: float | None = None
+
+
+# -- driving one cluster ------------------------------------------------------
+
+
+async def timed_call(client: Any, model: str, call: PlannedCall) -> CallRecord:
+    """Send one call, streaming; a failure is recorded, not raised (an agent would go on)."""
+    headers = {SESSION_HEADER: call.session_id, CALL_HEADER: call.call_header, AFTER_HEADER: call.after_header}
+    start = time.perf_counter()
+    try:
+        raw = await client.completions.with_raw_response.create(
+            model=model,
+            prompt=list(call.token_ids),
+            max_tokens=call.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            extra_headers=headers,
+        )
+        session_header = raw.headers.get(SESSION_RESPONSE_HEADER)
+        token_times: list[float] = []
+        usage = None
+        async for chunk in raw.parse():
+            if chunk.choices:
+                token_times.append(time.perf_counter())
+            usage = chunk.usage or usage
+    except Exception as err:
+        return CallRecord(call.conversation_id, call.index, call.kind, ok=False, error=f"{type(err).__name__}: {err}")
+    if usage is None or not token_times:
+        return CallRecord(call.conversation_id, call.index, call.kind, ok=False, error="no tokens or no usage")
+    details = usage.prompt_tokens_details
+    try:
+        session, header_error = parse_session_header(session_header), ""
+    except ValueError as err:
+        session, header_error = None, str(err)
+    return CallRecord(
+        call.conversation_id,
+        call.index,
+        call.kind,
+        ok=True,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=(details.cached_tokens or 0) if details else 0,
+        store_tokens=(getattr(details, "kv_store_tokens", None) or 0) if details else 0,
+        ttft_s=token_times[0] - start,
+        itl_s=tuple(b - a for a, b in itertools.pairwise(token_times)),
+        session=session,
+        error=header_error,
+    )
+
+
+async def pause(gap_s: float, deadline: float) -> bool:
+    """Sleep out a gap, or until the deadline; whether a call may still go out."""
+    await asyncio.sleep(max(0.0, min(gap_s, deadline - time.perf_counter())))
+    return time.perf_counter() < deadline
+
+
+Send = Callable[[PlannedCall], Any]
+
+
+async def run_agent(calls: Sequence[PlannedCall], send: Send, deadline: float) -> None:
+    for call in calls:
+        if not await pause(call.gap_s, deadline):
+            return
+        await send(call)
+
+
+async def run_conversation(plan: ConversationPlan, send: Send, deadline: float) -> None:
+    """The main agent closed loop; each sub-agent starts after its parent call, and the calls after it wait for it."""
+    main_done = [asyncio.Event() for _ in plan.main.calls]
+    sub_done = [asyncio.Event() for _ in plan.subagents]
+
+    async def subagent(index: int, agent: AgentPlan) -> None:
+        try:
+            if agent.parent_call is not None:
+                await main_done[agent.parent_call].wait()
+            await run_agent(agent.calls, send, deadline)
+        finally:
+            sub_done[index].set()
+
+    tasks = [asyncio.create_task(subagent(i, agent)) for i, agent in enumerate(plan.subagents)]
+    try:
+        for n, call in enumerate(plan.main.calls):
+            for index in call.waits_for_subagents:
+                await sub_done[index].wait()
+            if not await pause(call.gap_s, deadline):
+                break
+            await send(call)
+            main_done[n].set()
+    finally:
+        for event in main_done:  # a stopped main agent releases the sub-agents waiting on it
+            event.set()
+        await asyncio.gather(*tasks)
+
+
+@dataclass(frozen=True, slots=True)
+class Drive:
+    """How to send a workload: conversations at once, the time limit, the vocabulary and seed of warm-up prompts."""
+
+    concurrency: int
+    max_duration_s: float | None
+    vocabulary: Sequence[int]
+    seed: int
+
+
+async def replay(url: str, plans: Sequence[ConversationPlan], drive: Drive, label: str) -> SystemRun:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="rayturn", max_retries=0, timeout=300) as client:
+        model = (await client.models.list()).data[0].id
+        await warm_up(client, model, plans, drive)
+        records: list[CallRecord] = []
+        sent: list[Sent] = []
+        paths_before = prefill_paths(url)
+        progress = Progress(label, sum(plan.num_calls for plan in plans))
+
+        async def send(call: PlannedCall) -> None:
+            sent.append((call.kind, call.token_ids))
+            records.append(await timed_call(client, model, call))
+            progress.advance()
+
+        start = time.perf_counter()
+        deadline = math.inf if drive.max_duration_s is None else start + drive.max_duration_s
+        pending = iter(plans)
+
+        async def worker() -> None:
+            for plan in pending:  # one shared iterator: the next conversation starts when one ends
+                if time.perf_counter() >= deadline:
+                    return
+                await run_conversation(plan, send, deadline)
+
+        await asyncio.gather(*(worker() for _ in range(drive.concurrency)))
+        wall_s = time.perf_counter() - start
+        if progress.done < progress.total:
+            sys.stderr.write("\n")
+        paths_after = prefill_paths(url)
+        paths = None
+        if paths_before is not None and paths_after is not None:
+            paths = {path: int(n - paths_before.get(path, 0)) for path, n in paths_after.items()}
+        return SystemRun(records, sent, wall_s, paths)
+
+
+async def warm_up(client: Any, model: str, plans: Sequence[ConversationPlan], drive: Drive) -> None:
+    """Unrelated prompts first, all at once, so the first replayed calls do not pay for warm-up."""
+    longest = max((len(c.token_ids) for plan in plans for agent in plan.agents for c in agent.calls), default=64)
+    synthesizer = TokenSynthesizer(drive.vocabulary, seed=drive.seed + 1)
+    calls = [
+        PlannedCall("warmup", i, f"replay-warmup-{i}", "first", "user", "user",
+                    synthesizer.fresh("warmup", i, min(tokens, longest)), 4, 0.0)
+        for i, tokens in enumerate(WARMUP_PROMPT_TOKENS)
+    ]  # fmt: skip
+    await asyncio.gather(*(timed_call(client, model, call) for call in calls))
+
+
+def health_capacity_pages(url: str) -> int | None:
+    """Decode pages of a running cluster, when ``/health`` reports them per pool; else None."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+            details = json.loads(response.read()).get("details", {})
+    except Exception as err:
+        print(f"no decode pool size from {url}/health: {err}", file=sys.stderr)
+        return None
+    pages = details.get("decode.total_pages")
+    replicas = details.get("decode.num_replicas", details.get("decode.replicas"))
+    return pages * replicas if isinstance(pages, int) and isinstance(replicas, int) else None
+
+
+# -- arguments ----------------------------------------------------------------
+
+
+def fraction(text: str) -> float:
+    """A positive number, or a fraction such as ``1/64``."""
+    try:
+        value = float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected a number or a fraction like 1/64, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def auto_or(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        return None if text == "auto" else kind(text)
+
+    return parse
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("paths", nargs="*", type=Path, help="trace files or folders (default: ../shared/traces/weka)")
+    parser.add_argument("--traces", action="append", type=Path, default=[], help="a trace file or folder (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="4 turn-heavy conversations for 20 s: about a minute")
+    parser.add_argument("--url", default=None, help="drive this running cluster (one system, no --compare)")
+    parser.add_argument("--config", default=None, help="cluster YAML for the embedded clusters (default: defaults)")
+    parser.add_argument("--model", default=None, help="preset or model directory (default: the config's, tiny)")
+    parser.add_argument("--compare", action="store_true", help="also run no_lifecycle and round_robin")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="conversations at once")
+    parser.add_argument("--max-conversations", type=positive_int, default=None, help="default all (quick 4)")
+    parser.add_argument("--max-duration-s", type=fraction, default=None, help="stop sending after (quick 20)")
+    parser.add_argument("--token-scale", type=auto_or(fraction), default=None, help="x trace tokens, or auto")
+    parser.add_argument("--time-scale", type=fraction, default=DEFAULT_TIME_SCALE, help="x trace seconds (1/60)")
+    parser.add_argument("--device-kv-pages", type=auto_or(positive_int), default=None, help="per decode replica")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--http-port", type=int, default=18080)
+    parser.add_argument("--grpc-port", type=int, default=19080)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    args = parser.parse_args(argv)
+    if args.url and args.compare:
+        parser.error("--compare starts its own clusters: drop --url")
+    if args.quick:
+        args.max_conversations = args.max_conversations or QUICK_CONVERSATIONS
+        args.max_duration_s = args.max_duration_s or QUICK_DURATION_S
+    return args
+
+
+# -- running ------------------------------------------------------------------
+
+
+def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = {} if args.config else dict(EMBEDDED_DEFAULTS)
+    if args.model:
+        overrides["model.name"] = args.model
+    return overrides
+
+
+def system_overrides(system: str, args: argparse.Namespace, device_kv_pages: int) -> dict[str, Any]:
+    return {
+        **base_overrides(args),
+        "decode.num_pages": device_kv_pages,
+        "lifecycle.time_scale": args.time_scale,
+        "server.http_port": args.http_port,
+        "server.grpc_port": args.grpc_port,
+        **SYSTEMS[system],
+    }
+
+
+def run_clusters(
+    args: argparse.Namespace, plans: Sequence[ConversationPlan], drive: Drive, device_kv_pages: int
+) -> dict[str, SystemRun]:
+    import ray
+
+    from rayturn.cluster.app import KV_NAMESPACE
+    from rayturn.cluster.config import load_config
+    from rayturn.cluster.runner import running_cluster
+
+    names = list(SYSTEMS) if args.compare else ["rayturn"]
+    configs = {name: load_config(args.config, **system_overrides(name, args, device_kv_pages)) for name in names}
+    runs: dict[str, SystemRun] = {}
+    # "local": a Ray of its own, never one already running on this host (its Serve would be torn down).
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace=KV_NAMESPACE)
+    try:
+        for name, config in configs.items():
+            start = time.perf_counter()
+            with running_cluster(config) as endpoints:
+                start_s = time.perf_counter() - start
+                run = asyncio.run(replay(endpoints.http, plans, drive, name))
+                runs[name] = dataclasses.replace(run, cluster_start_s=round(start_s, 1))
+    finally:
+        ray.shutdown()
+    return runs
+
+
+def trace_paths(args: argparse.Namespace) -> list[Path] | None:
+    """The traces to read; None when none were named and the default folder is absent."""
+    paths = [*args.paths, *args.traces]
+    if paths:
+        return paths
+    return [DEFAULT_TRACES] if DEFAULT_TRACES.is_dir() else None
+
+
+HEADLINE = (
+    "hit_within_turn", "hit_cross_turn", "bound_within_turn", "bound_cross_turn", "idle_capture", "prewarm_hit",
+    "warm_return_rate", "ttft_p50_s", "ttft_p99_s", "ttft_cross_over_within_p99", "itl_p50_s", "itl_p99_s",
+    "calls", "failures",
+)  # fmt: skip
+
+
+REPORTED_SETUP = (
+    "token_scale", "time_scale", "device_kv_pages", "kv_demand_over_device_capacity", "conversations", "wall_s",
+)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    from rayturn.cluster.config import load_config
+
+    args = parse_args(argv, prog)
+    started = time.perf_counter()
+    paths = trace_paths(args)
+    if paths is None:
+        reason = f"no traces: {DEFAULT_TRACES} is absent; pass trace files or folders"
+        print(f"skipping the replay: {reason}", file=sys.stderr)
+        emit({"bench": "replay", "skipped": reason})
+        return 0
+    base = load_config(args.config, **base_overrides(args))
+    model, page_size = base.model.name, base.model.page_size
+    vocabulary = model_vocabulary(model, base.model.max_model_len)
+    window_s = args.max_duration_s / args.time_scale if args.quick and args.max_duration_s else None
+    picked = pick_conversations(read_traces(paths), args.max_conversations, busiest_within_s=window_s)
+    if not picked:
+        raise ValueError(f"no conversations in {', '.join(map(str, paths))}")
+    token_scale = args.token_scale or auto_token_scale(picked, vocabulary.context_tokens)
+    fitted = fit_to_context(picked, token_scale, vocabulary.context_tokens)
+    if not fitted.kept:
+        raise ValueError(f"no conversation's first call fits the {vocabulary.context_tokens}-token context")
+    synthesizer = TokenSynthesizer(vocabulary.token_ids, seed=args.seed)
+    plans = [plan_conversation(item, synthesizer, Scale(token_scale, args.time_scale)) for item in fitted.kept]
+    demand = kv_demand_pages(plans, page_size)
+    busiest = busiest_pages(plans, page_size, args.concurrency)
+    decode_replicas = base.decode.max_replicas
+    drive = Drive(args.concurrency, args.max_duration_s, vocabulary.token_ids, args.seed)
+    if args.url:
+        url = args.url.rstrip("/")
+        runs = {"cluster": asyncio.run(replay(url, plans, drive, "cluster"))}
+        capacity = health_capacity_pages(url)
+        device_kv_pages = None
+    else:
+        device_kv_pages = args.device_kv_pages or auto_device_pages(demand, busiest, decode_replicas)
+        runs = run_clusters(args, plans, drive, device_kv_pages)
+        capacity = decode_replicas * device_kv_pages
+    summaries = {name: summarize(run.records, run.sent, page_size, run.wall_s) for name, run in runs.items()}
+    for name, run in runs.items():
+        summaries[name]["prefill_paths"] = run.prefill_paths
+        if run.cluster_start_s is not None:
+            summaries[name]["cluster_start_s"] = run.cluster_start_s
+    result: dict[str, Any] = {
+        "bench": "replay",
+        "quick": args.quick,
+        "model": model,
+        "seed": args.seed,
+        "traces": [str(path) for path in paths],
+        "conversations": len(plans),
+        "truncated_conversations": fitted.cut,
+        "dropped_conversations": fitted.dropped,
+        "planned_calls": sum(plan.num_calls for plan in plans),
+        "concurrency": args.concurrency,
+        "max_duration_s": args.max_duration_s,
+        "token_scale": token_scale,
+        "time_scale": args.time_scale,
+        "page_size": page_size,
+        "decode_replicas": None if args.url else decode_replicas,
+        "device_kv_pages": device_kv_pages,
+        "kv_demand_pages": demand,
+        "busiest_pages": busiest,
+        "kv_demand_over_device_capacity": round(demand / capacity, 3) if capacity else None,
+        "systems": summaries,
+    }
+    if len(summaries) > 1:
+        result["ratios"] = compare(summaries, reference="rayturn")
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["machine"] = machine()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_file = args.out / "replay.json"
+    calls = {name: [record_dict(r) for r in run.records] for name, run in runs.items()}
+    results_file.write_text(json.dumps({**result, "calls": calls}, indent=1, sort_keys=True))
+    (args.out / "replay.md").write_text(markdown(result))
+    plots = write_plots({name: run.records for name, run in runs.items()}, summaries, args.out)
+    first = next(iter(summaries.values()))
+    headline: dict[str, Any] = {key: first[key] for key in HEADLINE}
+    headline["targets_met"] = {name: target["met"] for name, target in first["targets"].items()}
+    for baseline, ratios in result.get("ratios", {}).items():
+        headline.update({f"{metric}_{baseline}_over_rayturn": ratio for metric, ratio in ratios.items()})
+    emit({
+        "bench": "replay",
+        "system": next(iter(summaries)),
+        **headline,
+        **{key: result[key] for key in REPORTED_SETUP},
+        "results_file": str(results_file),
+        "markdown_file": str(args.out / "replay.md"),
+        "plot_files": [str(path) for path in plots],
+    })  # fmt: skip
+    return 0 if all(summary["failures"] == 0 for summary in summaries.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
