@@ -276,9 +276,9 @@ class LifecycleSpec:
     time_scale: float = 1.0
     tool_hold_min_s: float = 5.0
     tool_hold_max_s: float = 120.0
-    turn_hold_s: float = 30.0
+    turn_hold_s: float = 10.0
     break_even_margin_s: float = 5.0
-    prewarm_lead_s: float = 2.0
+    prewarm_lead_s: float = 0.5
     predictor: str = "session"
     store_bandwidth_bytes_s: float = 1e9
 

@@ -13,8 +13,8 @@ otherwise::
               v                                                     v
      HELD (tool, TTL = tool latency quantile)                      LOOK: predict the idle left
               │ TTL passes                        idle left > break-even and the prewarm is due
-              v                                   later than a reload takes?
-          RELEASED (cached, evictable)             ├─ no:  HELD (turn, turn_hold_s) ──> LOOK again
+              └──> LOOK (no store: RELEASED,      later than a reload takes?
+                   cached and evictable)           ├─ no:  HELD (turn, turn_hold_s) ──> LOOK again
                                                    └─ yes: OFFLOADED (in the store, device pages free)
                                                               │ prewarm timer: predict again; later? move the timer
                                                               v
@@ -74,6 +74,8 @@ HOLD_SLACK = 1.5
 REPLAN_MIN_STEP_S = 1.0
 # Most moves of a prewarm timer one look plans ahead.
 MAX_REPLANS = 50
+# A session away this long (users' seconds) is not planned for any more: its pages stay in the store.
+MAX_IDLE_S = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +86,9 @@ class LifecycleSettings:
     time_scale: float = 1.0
     tool_hold_min_s: float = 5.0
     tool_hold_max_s: float = 120.0
-    turn_hold_s: float = 30.0
+    turn_hold_s: float = 10.0
     break_even_margin_s: float = 5.0
-    prewarm_lead_s: float = 2.0
+    prewarm_lead_s: float = 0.5
     predictor: str = "session"
     store_bandwidth_bytes_s: float = 1e9
 
@@ -126,6 +128,7 @@ class _Session:
     off_device_s: float = 0.0  # this gap's time off the device, offload cycles before the current one
     offloaded_this_gap: bool = False
     num_pages: int = 0
+    retry: bool = False  # the last call was abandoned: the next one retries it
     # Bumped by every arrival and decision: a timer or move from an older epoch lost its turn.
     epoch: int = 0
     timer: asyncio.TimerHandle | None = None
@@ -214,6 +217,8 @@ class SessionPlanner:
         self._cancel_timer(session)
         now = self.clock()
         kind: CallKind = call or ("tool_continuation" if session.after == "tool" else "user")
+        if session.retry and call is None:
+            kind = "tool_continuation"  # a retry of an abandoned call goes on with its turn
         resident, recorded = self.engine.engine.session_residency(session_id)
         report: dict[str, Any] = {
             "call": "user" if kind == "user" else "tool",
@@ -223,7 +228,7 @@ class SessionPlanner:
             "resident_pages": resident,
             "session_pages": recorded,
         }
-        if session.last_end_s is not None and session.in_flight == 0:
+        if session.last_end_s is not None and session.in_flight == 0 and not session.retry:
             gap_s = now - session.last_end_s
             if kind == "user":
                 off_s = session.off_device_s
@@ -243,6 +248,8 @@ class SessionPlanner:
         session.in_flight += 1
         self._in_flight += 1
         self._expected_s.pop(session_id, None)
+        session.retry = False
+        session.epoch += 1  # timers and moves of the gap that just ended lose their turn
         session.phase = Phase.ACTIVE
         session.offloaded_at_s = None
         session.off_device_s = 0.0
@@ -281,13 +288,6 @@ class SessionPlanner:
         session.epoch += 1
         session.after = after or ("tool" if finish_reason == "tool_calls" else "user")
         session.num_pages = (prompt_tokens + output_tokens) // self.engine.engine.page_size
-        if session.after == "tool":
-            expected_s = self.tool_latency.quantile_s(session_id)
-            ttl_s = min(max(expected_s, self.settings.tool_hold_min_s), self.settings.tool_hold_max_s)
-            self.counters.tool_holds += 1
-            self._hold(session, self.settings.wall_s(ttl_s), "tool", then=self._released)
-            self._expected_s[session_id] = now + self.settings.wall_s(ttl_s)
-            return
         session.turn_end = TurnEndFeatures(
             turn_duration_s=(now - session.turn_start_s) / self.settings.time_scale,
             calls_in_turn=session.calls_in_turn,
@@ -296,7 +296,39 @@ class SessionPlanner:
             prompt_tokens=prompt_tokens,
             time_of_day_s=time.time() % 86_400.0,
         )
+        if session.after == "tool":
+            # Back within the hold, usually; a tool (or a user answering it) that takes longer gets a look.
+            hold_s = self._tool_hold_s(session_id)
+            self.counters.tool_holds += 1
+            self._hold(session, hold_s, "tool", then=self._look if self.has_store else self._released)
+            self._expected_s[session_id] = now + hold_s
+            return
         self._tasks.spawn(self._look(session, session.epoch))
+
+    def _tool_hold_s(self, session_id: str) -> float:
+        """Wall seconds to hold a session waiting on a tool: its tool-latency quantile, within the bounds."""
+        expected_s = self.tool_latency.quantile_s(session_id)
+        return self.settings.wall_s(min(max(expected_s, self.settings.tool_hold_min_s), self.settings.tool_hold_max_s))
+
+    def abandon(self, session_id: str) -> None:
+        """A call of ``session_id`` failed or was cancelled before its answer: no turn ended.
+
+        A retry is likely within seconds, so the pages are held as for a tool
+        wait, and the next arrival is neither a return nor a gap to learn from.
+        """
+        session = self._session(session_id)
+        if session.in_flight:
+            session.in_flight -= 1
+            self._in_flight -= 1
+        now = self.clock()
+        session.last_end_s = now
+        session.retry = True
+        if session.in_flight:
+            return
+        session.epoch += 1
+        hold_s = self._tool_hold_s(session_id)
+        self._hold(session, hold_s, "tool", then=self._released)
+        self._expected_s[session_id] = now + hold_s
 
     # -- decisions --------------------------------------------------------
 
@@ -319,6 +351,11 @@ class SessionPlanner:
         assert session.last_end_s is not None
         return session.last_end_s + lower_s - reload_s - self.settings.wall_s(self.settings.prewarm_lead_s)
 
+    def _gone(self, session: _Session, now: float) -> bool:
+        """Away past ``MAX_IDLE_S``: no more holds, looks or prewarms for this session."""
+        assert session.last_end_s is not None
+        return now - session.last_end_s > self.settings.wall_s(MAX_IDLE_S)
+
     def _planned_prewarm(self, session: _Session, now: float, lower_s: float, reload_s: float) -> float:
         """When the prewarm starts if the user stays away: ``_prewarm_at`` the lower quantile, moved later
         while a prediction from the idle time at that moment says so (as the timer does when it fires),
@@ -339,6 +376,13 @@ class SessionPlanner:
         if epoch != session.epoch:
             return
         self.counters.looks += 1
+        if self._gone(session, self.clock()):
+            self._expected_s.pop(session.session_id, None)
+            if self.has_store:
+                await self._offload(session, epoch, math.inf)  # no prewarm: a return loads on demand
+            else:
+                session.phase = Phase.RELEASED
+            return
         if self.has_store:
             now = self.clock()
             assert session.last_end_s is not None
@@ -360,19 +404,26 @@ class SessionPlanner:
         session.offloaded_at_s = self.clock()
         session.offloaded_this_gap = True
         move = await self._engine(lambda engine: engine.offload_session(session.session_id))
+        if move is not None:
+            self._out.update(move)
+            self.counters.offloads += 1
+            self.counters.offloaded_pages += move.pages
+        if epoch != session.epoch:
+            return  # the user came back meanwhile; the call has taken over
         if move is None:  # failed: the pages stay where they are, held no more
             session.phase, session.offloaded_at_s = Phase.RELEASED, None
+            self._expected_s.pop(session.session_id, None)
             return
-        self._out.update(move)
-        self.counters.offloads += 1
-        self.counters.offloaded_pages += move.pages
-        if epoch == session.epoch:
+        if math.isfinite(prewarm_at_s):
             self._at(session, prewarm_at_s, self._prewarm_due)
 
     async def _prewarm_due(self, session: _Session, epoch: int) -> None:
         if epoch != session.epoch:
             return
         now = self.clock()
+        if self._gone(session, now):
+            self._expected_s.pop(session.session_id, None)
+            return  # the pages stay in the store; a return loads them on demand
         _, lower_s = self._predict(session, now)
         _, reload_s = self._costs_s(session)
         later_s = self._prewarm_at(session, lower_s, reload_s)
@@ -384,6 +435,10 @@ class SessionPlanner:
         session.phase = Phase.PREWARMING
         hold_s = self.settings.wall_s(self.settings.turn_hold_s)
         move = await self._engine(lambda engine: engine.prewarm_session(session.session_id, hold_s * HOLD_SLACK))
+        if move is not None:
+            self._in.update(move)
+            self.counters.prewarms += 1
+            self.counters.prewarmed_pages += move.pages
         if epoch != session.epoch:
             return  # the user came back meanwhile; the call has taken over
         if session.offloaded_at_s is not None:
@@ -391,10 +446,8 @@ class SessionPlanner:
             session.offloaded_at_s = None
         if move is None:
             session.phase = Phase.RELEASED
+            self._expected_s.pop(session.session_id, None)
             return
-        self._in.update(move)
-        self.counters.prewarms += 1
-        self.counters.prewarmed_pages += move.pages
         session.phase = Phase.PREWARMED
         self._expected_s[session.session_id] = self.clock() + hold_s
         self._at(session, self.clock() + hold_s, self._look)
@@ -406,7 +459,7 @@ class SessionPlanner:
 
     def next_activity_s(self) -> float:
         """Wall time of the next expected call or move of any session: ``-inf`` while a call is in flight."""
-        if self._in_flight:
+        if self._in_flight or self.engine.engine.has_unfinished_requests():
             return -math.inf
         return min(self._expected_s.values(), default=math.inf)
 

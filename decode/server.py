@@ -286,8 +286,11 @@ class DecodeServer:
 
     def _finish_session(self, session_id: str, request: ServeRequest, last: RequestOutput | None) -> None:
         assert self.planner is not None
+        if last is None or not last.finished:  # failed or cancelled: no answer, so no turn ended
+            self.planner.abandon(session_id)
+            return
         finish_reason = output_tokens = None
-        if last is not None and last.completions:
+        if last.completions:
             first = last.completions[0]
             finish_reason, output_tokens = first.finish_reason, len(first.token_ids)
             if request.get("tools") and parse_tool_calls(first.text).tool_calls:

@@ -114,6 +114,8 @@ class AsyncEngine:
         future: Future[T] = Future()
 
         def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the caller gave up before its turn came: nothing to run
             try:
                 future.set_result(fn(self.engine))
             except Exception as err:
@@ -136,25 +138,27 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
 
-        def admit(engine: LLMEngine) -> None:
-            self._listeners[request_id] = (loop, outputs)
-            try:
-                engine.add_request(
-                    list(prompt_token_ids),
-                    params,
-                    request_id=request_id,
-                    cache_salt=cache_salt,
-                    output_prefix=output_prefix,
-                    output_prefix_logprobs=output_prefix_logprobs,
-                    session_id=session_id,
-                )
-            except BaseException:
-                self._listeners.pop(request_id, None)
-                raise
+        admitted = False
 
-        await asyncio.wrap_future(self.call(admit))
+        def admit(engine: LLMEngine) -> None:
+            nonlocal admitted
+            engine.add_request(
+                list(prompt_token_ids),
+                params,
+                request_id=request_id,
+                cache_salt=cache_salt,
+                output_prefix=output_prefix,
+                output_prefix_logprobs=output_prefix_logprobs,
+                session_id=session_id,
+            )
+            # Both on the engine thread, so no step runs in between and no output is missed.
+            self._listeners[request_id] = (loop, outputs)
+            admitted = True
+
         finished = False
         try:
+            # Inside the try: a caller cancelled once the request is admitted still aborts it.
+            await asyncio.wrap_future(self.call(admit))
             while True:
                 item = await outputs.get()
                 if isinstance(item, _Finished):
@@ -167,14 +171,15 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                # Queued behind the admission (commands run in order), so ``admitted`` is settled by then.
+                self._commands.put(lambda: self._abort_now(request_id) if admitted else None)
 
     def abort(self, request_id: str) -> None:
-        def command() -> None:
-            self._listeners.pop(request_id, None)
-            self.engine.abort(request_id)
+        self._commands.put(lambda: self._abort_now(request_id))
 
-        self._commands.put(command)
+    def _abort_now(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+        self.engine.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
         """The latest load and session-hold figures and recently cached page hashes (16 hex chars each)."""

@@ -84,7 +84,10 @@ class KVCacheManager:
         if num_short > 0:
             if self.reclaim is None:
                 return False
+            # Referenced meanwhile, this request's own hits cannot pass for pages the release freed.
+            self.pool.touch(cached)
             self.reclaim(num_short)
+            self.pool.free(reversed(cached))
             if self._num_pages_short(num_new_pages, cached) > 0:
                 return False
         self.pool.touch(cached)

@@ -332,17 +332,37 @@ class LLMEngine:
         num_full = seq.num_computed_tokens // self.page_size
         return self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
 
-    def _store_now(self, hashes: list[PageHash], pages: list[Page]) -> int:
-        """Wait for background saves, then write the pages the store lacks; returns how many were written."""
-        self.flush_saves()
-        return self._publish("an offload", hashes, pages, wait=True)
+    def _store_now(self, hashes: list[PageHash], pages: list[Page]) -> tuple[int, int]:
+        """Make sure the store holds these pages: (how many leading ones it holds afterwards, how many were written).
 
-    def _publish(self, owner: str, hashes: list[PageHash], pages: list[Page], wait: bool) -> int:
-        """Send the pages the store lacks to the connector, now or in the background; returns how many."""
+        Asks the store rather than trusting what this engine remembers giving
+        it: the store evicts on its own, and a page it lacks must not leave the device.
+        """
+        assert self.kv_connector is not None
+        self.flush_saves()
+        try:
+            held = self.kv_connector.longest_prefix(hashes)
+        except Exception as err:  # the store is an optimisation: keep the pages instead
+            logger.warning("KV store lookup failed, keeping the pages: %s", err)
+            return 0, 0
+        if held == len(hashes):
+            return held, 0
+        written = self._publish("an offload", hashes[held:], pages[held:], wait=True, resend=True)
+        try:
+            return self.kv_connector.longest_prefix(hashes), written
+        except Exception as err:
+            logger.warning("KV store lookup failed, keeping the pages: %s", err)
+            return held, written
+
+    def _publish(self, owner: str, hashes: list[PageHash], pages: list[Page], wait: bool, resend: bool = False) -> int:
+        """Send the pages the store lacks to the connector, now or in the background; returns how many.
+
+        ``resend``: also those this engine remembers giving the store already.
+        """
         assert self.kv_connector is not None
         # Pages this engine loaded from or gave to the store are not sent again:
         # an agent's next call re-saves only the pages its turn added.
-        fresh = [i for i, page_hash in enumerate(hashes) if page_hash not in self._stored]
+        fresh = [i for i, page_hash in enumerate(hashes) if resend or page_hash not in self._stored]
         if not fresh:
             return 0
         keys = [hashes[i] for i in fresh]
@@ -367,11 +387,17 @@ class LLMEngine:
             self._stored.popitem(last=False)
 
     def _save(self, owner: str, keys: list[PageHash], views: list[torch.Tensor]) -> None:
+        """Write pages (on the saver thread, or inline); keys that did not make it are forgotten as stored."""
         assert self.kv_connector is not None
         try:
-            self.kv_connector.save(keys, views)
+            landed = self.kv_connector.save(keys, views)
         except Exception as err:  # the store is an optimisation: never fail a request over it
             logger.warning("KV store save failed for %s: %s", owner, err)
+            landed = [False] * len(keys)
+        for key, ok in zip(keys, landed):
+            if not ok:
+                # dict.pop is atomic under the GIL, so the saver thread may do this beside the engine thread.
+                self._stored.pop(key, None)
 
     def _release_saved(self) -> None:
         while True:

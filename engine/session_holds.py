@@ -16,8 +16,9 @@ elsewhere decides when; this module is the mechanism. A session's pages::
                                                    (evicted here, hashes kept)
 
 Offload first saves what the store lacks, then evicts every page of the
-session that nobody else references (running sequences, other sessions'
-holds); those stay.
+session that the store confirms it holds and that nothing else needs: pages
+referenced by running sequences or other sessions' holds, and pages other
+recorded sessions share (a common system prompt), stay.
 
 A request carrying a session id records, when it finishes, the hashes of the
 full pages it computed and holds them (kind "turn"), replacing the session's
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,8 +47,8 @@ HOLD_KINDS = ("tool", "turn", "prewarm")
 _RELEASE_RANK = {"turn": 0, "prewarm": 0, "tool": 1}
 MAX_RECORDED_SESSIONS = 4096
 
-# Makes sure the store has these cached pages; returns how many it wrote.
-SavePages = Callable[[list[PageHash], list[Page]], int]
+# Makes sure the store has these cached pages: (how many leading ones it holds afterwards, how many were written).
+SavePages = Callable[[list[PageHash], list[Page]], tuple[int, int]]
 # Loads from the store the pages of this prefix missing here; returns how many landed.
 LoadPages = Callable[[list[PageHash]], int]
 
@@ -56,9 +57,9 @@ LoadPages = Callable[[list[PageHash]], int]
 class SessionMove:
     """What one offload or prewarm did."""
 
-    pages: int  # offload: pages written to the store plus pages evicted here; prewarm: pages loaded
+    pages: int  # offload: pages evicted here; prewarm: pages loaded
     resident_pages: int  # leading recorded pages cached here afterwards
-    bytes_moved: int  # between the device and the store
+    bytes_moved: int  # between the device and the store (offload: what it had to write)
     seconds: float  # wall time of the move
 
 
@@ -86,6 +87,7 @@ class SessionHolds:
         self.max_sessions = max_sessions
         self.clock = clock
         self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # least recently used first
+        self._sharers: Counter[PageHash] = Counter()  # recorded sessions per page hash
         self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest hold first
         self._next_expiry_s = math.inf  # no hold lapses before this
         self.expired_holds = 0
@@ -95,12 +97,21 @@ class SessionHolds:
 
     def record(self, session_id: str, hashes: Sequence[PageHash], ttl_s: float) -> int:
         """A session's request finished with these full pages: remember them and hold them (kind "turn")."""
+        self._forget_hashes(self._hashes.get(session_id, ()))
         self._hashes[session_id] = list(hashes)
+        self._sharers.update(set(hashes))
         self._hashes.move_to_end(session_id)
         while len(self._hashes) > self.max_sessions:
-            forgotten, _ = self._hashes.popitem(last=False)
+            forgotten, forgotten_hashes = self._hashes.popitem(last=False)
+            self._forget_hashes(forgotten_hashes)
             self.release(forgotten)
         return self.hold(session_id, ttl_s, "turn")
+
+    def _forget_hashes(self, hashes: Sequence[PageHash]) -> None:
+        for page_hash in set(hashes):
+            self._sharers[page_hash] -= 1
+            if self._sharers[page_hash] <= 0:
+                del self._sharers[page_hash]
 
     def hold(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
         """(Re)hold the cached prefix of the session's pages for ``ttl_s`` from now; returns the pages held."""
@@ -157,13 +168,14 @@ class SessionHolds:
             page = self.pool.lookup(page_hash)
             if page is not None:
                 cached[page_hash] = page
-        num_saved = save(list(cached), list(cached.values()))
+        num_stored, num_saved = save(list(cached), list(cached.values()))
         self.release(session_id)
-        unreferenced = [page for page in cached.values() if page.ref_count == 0]
+        stored = list(cached.items())[:num_stored]
+        unreferenced = [page for page_hash, page in stored if page.ref_count == 0 and self._sharers[page_hash] <= 1]
         self.pool.evict(unreferenced)
         self.offloaded_pages += len(unreferenced)
         return SessionMove(
-            pages=num_saved + len(unreferenced),
+            pages=len(unreferenced),
             resident_pages=self.residency(session_id)[0],
             bytes_moved=num_saved * self.bytes_per_page,
             seconds=time.perf_counter() - started_s,

@@ -22,6 +22,7 @@ from rayturn.cluster.cli import REPLAY_MODULE, REPLAY_SCRIPT, load_bench, main
 replay: ModuleType = load_bench(REPLAY_SCRIPT, REPLAY_MODULE)
 workload: ModuleType = importlib.import_module("replay_workload")
 report: ModuleType = importlib.import_module("replay_report")
+driver: ModuleType = importlib.import_module("replay_driver")
 
 VOCAB = tuple(range(50))
 PAGE = 4
@@ -419,7 +420,7 @@ def test_a_call_sends_token_ids_and_headers_and_records_the_answer(tmp_path: Pat
     conv_a, _ = two_conversations(tmp_path)
     call = plan(conv_a).main.calls[1]
     client = FakeClient(session_json("tool", "held", None, None, 3, 3))
-    result = asyncio.run(replay.timed_call(client, "tiny", call))
+    result = asyncio.run(driver.timed_call(client, "tiny", call))
     (sent,) = client.sent
     assert sent["prompt"] == list(call.token_ids)
     assert sent["max_tokens"] == call.max_tokens and sent["temperature"] == 0.0 and sent["stream"] is True
@@ -439,7 +440,7 @@ def test_a_failed_call_is_recorded() -> None:
 
     client = Refusing()
     call = workload.PlannedCall("c", 0, "c", "first", "user", "user", (1, 2), 1, 0.0)
-    result = asyncio.run(replay.timed_call(client, "tiny", call))
+    result = asyncio.run(driver.timed_call(client, "tiny", call))
     assert not result.ok and result.error == "ConnectionError: refused"
 
 
@@ -452,11 +453,11 @@ def test_conversation_order_and_the_deadline(tmp_path: Path) -> None:
         order.append(call.session_id + f"#{call.index}")
         await asyncio.sleep(0.01)
 
-    asyncio.run(replay.run_conversation(conversation_plan, send, deadline=float("inf")))
+    asyncio.run(driver.run_conversation(conversation_plan, send, deadline=float("inf")))
     assert order == ["conv#0", "conv#1", "conv/agent_1#2", "conv/agent_1#3", "conv#4"]
     order.clear()
     # #0 goes out at once, #1 after 80 ms, the sub-agent's first call 80 ms after #1 ends: past the deadline.
-    asyncio.run(replay.run_conversation(conversation_plan, send, deadline=time.perf_counter() + 0.14))
+    asyncio.run(driver.run_conversation(conversation_plan, send, deadline=time.perf_counter() + 0.14))
     assert order == ["conv#0", "conv#1"]
 
 

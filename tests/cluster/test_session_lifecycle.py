@@ -1,9 +1,10 @@
 """A session's KV through tool gaps and think time, on a real cluster over HTTP (official openai client).
 
 One decode replica with a small KV cache (so other traffic evicts whatever is
-not pinned), the KV store, no prefill pool; time runs at a tenth of the
-users' (``lifecycle.time_scale``), so the default predictor's first prewarm
-of a new session falls a fraction of a second after its turn ends. Calls send
+not pinned), the KV store, no prefill pool, time at the users' pace. The
+default predictor offloads a new session's pages as soon as its turn ends and
+prewarms them about two seconds later (its lower quantile, 4.4 s, less a 2 s
+lead and the reload). Calls send
 token-id prompts to ``/v1/completions`` with the life-cycle hint headers; the
 ``x-rayturn-session`` response header and ``usage`` say where the prompt's KV
 came from. Every answer must equal the offline engine's.
@@ -45,6 +46,8 @@ OVERRIDES = small_cluster(
         "prefill.max_replicas": 0,
         "decode.num_pages": NUM_PAGES,
         "lifecycle.time_scale": 1.0,
+        # With a 2 s lead the default prior's prewarm timer stops moving after about 2.4 s of idle.
+        "lifecycle.prewarm_lead_s": 2.0,
         # No second look within a test: prewarmed pages stay put.
         "lifecycle.turn_hold_s": 1000.0,
         # The master's own snapshot period never comes: only idle windows trigger one.

@@ -36,6 +36,9 @@ class RecordingEngine:
     def session_residency(self, session_id: str) -> tuple[int, int]:
         return self.resident
 
+    def has_unfinished_requests(self) -> bool:
+        return False
+
     def hold_session(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
         self.calls.append(("hold", session_id, round(ttl_s, 6), kind))
         return 3
@@ -96,9 +99,9 @@ async def settle(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-def test_tool_call_holds_for_the_tool_latency_quantile_then_releases() -> None:
+def test_tool_call_holds_for_the_tool_latency_quantile_then_looks() -> None:
     async def run() -> None:
-        plan, engine = planner(FixedPredictor(100.0, 50.0))
+        plan, engine = planner(FixedPredictor(1000.0, 500.0))
         report = plan.arrive("s", "user")
         assert report == {
             "call": "user",
@@ -114,7 +117,9 @@ def test_tool_call_holds_for_the_tool_latency_quantile_then_releases() -> None:
         assert engine.calls == [("hold", "s", round(expected_s * HOLD_SLACK, 6), "tool")]
         assert plan._sessions["s"].phase is Phase.HELD
         await settle(expected_s + 0.15)
-        assert plan._sessions["s"].phase is Phase.RELEASED
+        # The agent is not back within the hold: the planner looks, and the predictor says offload.
+        assert engine.kinds() == ["hold", "offload"]
+        assert plan._sessions["s"].phase is Phase.OFFLOADED
         report = plan.arrive("s", None)  # no hint: the answer called tools, so the turn goes on
         assert report["call"] == "tool" and report["idle_s"] is None
         assert plan.counters.tool_returns == 1 and plan.counters.tool_holds == 1
@@ -254,5 +259,38 @@ def test_next_activity_follows_the_sessions() -> None:
         plan.finish("t", "tool_calls", None, prompt_tokens=32, output_tokens=4)
         tool_s = min(max(ToolLatencyModel().quantile_s("t"), 5.0), 120.0) * 0.001
         assert plan.next_activity_s() == pytest.approx(plan._sessions["t"].last_end_s + tool_s, abs=0.001)
+
+    asyncio.run(run())
+
+
+def test_an_abandoned_call_holds_for_a_retry_that_is_no_return() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=500.0))
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.01)
+        plan.arrive("s", "user")  # the next turn...
+        assert plan.counters.returns == 1
+        plan.abandon("s")  # ...fails before its answer
+        await settle(0.01)
+        tool_s = min(max(ToolLatencyModel().quantile_s("s"), 5.0), 120.0) * 0.001
+        assert engine.calls[-1] == ("hold", "s", round(tool_s * HOLD_SLACK, 6), "tool")
+        report = plan.arrive("s", None)  # the client retries at once
+        assert report["call"] == "tool" and report["idle_s"] is None
+        assert plan.counters.returns == 1  # the retry is not a return, and no gap was learnt
+        assert plan.next_activity_s() == -math.inf
+
+    asyncio.run(run())
+
+
+def test_a_session_away_past_the_horizon_is_not_prewarmed() -> None:
+    async def run() -> None:
+        # time_scale 1e-6: the 24 h horizon is 0.0864 s of wall time.
+        plan, engine = planner(FixedPredictor(point_s=1e6, lower_s=2e5), time_scale=1e-6)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.4)  # the prewarm (due at ~0.2 s) finds the session gone
+        assert engine.kinds() == ["offload"]
+        assert plan.next_activity_s() == math.inf
 
     asyncio.run(run())

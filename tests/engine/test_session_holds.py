@@ -248,12 +248,13 @@ def test_offload_saves_what_the_store_lacks_and_keeps_pages_another_session_hold
     run(engine, prompt_a[:8] + tokens(90, 4), ONE_OUT, session_id="b")  # shares pages 0 1, adds page 3
     hashes_a = [engine.kv_cache.pool.pages[i].page_hash for i in range(3)]
     assert connector.saved == [*hashes_a, engine.kv_cache.pool.pages[3].page_hash]  # saved as each finished
-    engine._stored.clear()  # as if the engine's bounded memory of the store had forgotten them
+    connector.pages.clear()  # the store evicted them: the engine still remembers giving them
     connector.saved.clear()
 
     move = engine.offload_session("a")
     bytes_per_page = engine.session_holds.bytes_per_page
-    assert move == SessionMove(pages=3 + 1, resident_pages=2, bytes_moved=3 * bytes_per_page, seconds=move.seconds)
+    # All three written again, and only page 2 evicted: pages 0 and 1 are "b"'s too.
+    assert move == SessionMove(pages=1, resident_pages=2, bytes_moved=3 * bytes_per_page, seconds=move.seconds)
     assert connector.saved == hashes_a
     assert engine.kv_cache.pool.free_queue.page_ids()[:2] == [2, 4]  # evicted to the head, reused first
     assert engine.session_residency("a") == (2, 3) and engine.session_residency("b") == (3, 3)
@@ -263,6 +264,32 @@ def test_offload_saves_what_the_store_lacks_and_keeps_pages_another_session_hold
     assert move == SessionMove(pages=1, resident_pages=3, bytes_moved=bytes_per_page, seconds=move.seconds)
     assert engine.kv_cache.pool.pages[2].page_hash == hashes_a[2]  # landed in the page at the head
     assert engine.session_stats()["prewarmed_pages"] == 1 and engine.session_stats()["held_sessions"] == 2
+
+
+def test_offload_keeps_what_the_store_cannot_take_and_pages_other_sessions_share() -> None:
+    connector = DictConnector()
+    engine = make_engine(num_pages=16, connector=connector)
+    prompt = tokens(0, 10)
+    run(engine, prompt, THREE_OUT, session_id="a")  # pages 0 1 2
+    run(engine, prompt[:8] + tokens(90, 4), ONE_OUT, session_id="b")  # records pages 0 1 3
+    engine.release_session("b")  # "b" holds nothing now, but still shares pages 0 and 1 with "a"
+    refused: list[bytes] = []
+
+    def refuse(keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+        refused.extend(keys)
+        return [False] * len(keys)
+
+    connector.pages.clear()
+    connector.save = refuse  # type: ignore[method-assign]
+    move = engine.offload_session("a")
+    # The store took nothing: every page stays on the device, and the engine forgets it ever stored them.
+    assert (move.pages, move.resident_pages) == (0, 3)
+    assert len(refused) == 3 and not any(key in engine._stored for key in refused)
+
+    del connector.save  # the store works again
+    move = engine.offload_session("a")
+    assert (move.pages, move.resident_pages) == (1, 2)  # page 2 went; 0 and 1 stay for "b"
+    assert engine.session_residency("b") == (3, 3)
 
 
 def test_prewarmed_session_finds_its_pages_cached_not_loaded() -> None:
