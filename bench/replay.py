@@ -75,6 +75,7 @@ from replay_workload import (
     pick_conversations,
     plan_conversation,
     read_traces,
+    with_context,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -154,6 +155,9 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--url", default=None, help="drive this running cluster (one system, no --compare)")
     parser.add_argument("--config", default=None, help="cluster YAML for the embedded clusters (default: defaults)")
     parser.add_argument("--model", default=None, help="preset or model directory (default: the config's, tiny)")
+    parser.add_argument(
+        "--context", type=positive_int, default=None, help="serve a copy of the preset with this longer context"
+    )
     parser.add_argument("--compare", action="store_true", help="also run no_lifecycle and round_robin")
     parser.add_argument("--concurrency", type=positive_int, default=4, help="conversations at once")
     parser.add_argument("--max-conversations", type=positive_int, default=None, help="default all (quick 4)")
@@ -181,6 +185,11 @@ def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {} if args.config else dict(EMBEDDED_DEFAULTS)
     if args.model:
         overrides["model.name"] = args.model
+    if args.context:
+        from rayturn.cluster.config import load_config
+
+        model = args.model or load_config(args.config, **overrides).model.name
+        overrides["model.name"] = with_context(model, args.context, RESULTS_DIR.parent / "models")
     return overrides
 
 

@@ -276,16 +276,11 @@ class SessionPlanner:
         prompt_tokens: int,
         output_tokens: int,
     ) -> None:
-        """A call of ``session_id`` ended (or failed): decide where its pages stay until the next one."""
-        session = self._session(session_id)
-        if session.in_flight:
-            session.in_flight -= 1
-            self._in_flight -= 1
+        """A call of ``session_id`` ended: decide where its pages stay until the next one."""
+        session = self._call_ended(session_id)
+        if session is None:
+            return
         now = self.clock()
-        session.last_end_s = now
-        if session.in_flight:
-            return  # the session's last call decides
-        session.epoch += 1
         session.after = after or ("tool" if finish_reason == "tool_calls" else "user")
         session.num_pages = (prompt_tokens + output_tokens) // self.engine.engine.page_size
         session.turn_end = TurnEndFeatures(
@@ -305,6 +300,18 @@ class SessionPlanner:
             return
         self._tasks.spawn(self._look(session, session.epoch))
 
+    def _call_ended(self, session_id: str) -> _Session | None:
+        """Count a call of the session as ended; the session when it was its last one in flight (which decides)."""
+        session = self._session(session_id)
+        if session.in_flight:
+            session.in_flight -= 1
+            self._in_flight -= 1
+        session.last_end_s = self.clock()
+        if session.in_flight:
+            return None
+        session.epoch += 1
+        return session
+
     def _tool_hold_s(self, session_id: str) -> float:
         """Wall seconds to hold a session waiting on a tool: its tool-latency quantile, within the bounds."""
         expected_s = self.tool_latency.quantile_s(session_id)
@@ -316,16 +323,11 @@ class SessionPlanner:
         A retry is likely within seconds, so the pages are held as for a tool
         wait, and the next arrival is neither a return nor a gap to learn from.
         """
-        session = self._session(session_id)
-        if session.in_flight:
-            session.in_flight -= 1
-            self._in_flight -= 1
-        now = self.clock()
-        session.last_end_s = now
-        session.retry = True
-        if session.in_flight:
+        session = self._call_ended(session_id)
+        if session is None:
             return
-        session.epoch += 1
+        session.retry = True
+        now = self.clock()
         hold_s = self._tool_hold_s(session_id)
         self._hold(session, hold_s, "tool", then=self._released)
         self._expected_s[session_id] = now + hold_s

@@ -47,6 +47,8 @@ Prompt = str | list[int]
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on CPU hosts
 GPU_KV_CACHE_FRACTION = 0.85  # of the memory free after loading weights
+# A prewarm never takes the last free pages: this share of the pool stays free (or evictable) for arrivals.
+PREWARM_FREE_FRACTION = 0.25
 
 
 @dataclass(eq=False)
@@ -276,15 +278,15 @@ class LLMEngine:
         # The request needs these pages now: idle sessions' holds give way, as for any allocation.
         seq.num_loaded_prompt_tokens = self._load_missing(hashes, min_tokens, reclaim=True) * self.page_size
 
-    def _load_missing(self, hashes: list[PageHash], min_tokens: int, reclaim: bool = False) -> int:
+    def _load_missing(self, hashes: list[PageHash], min_tokens: int, reclaim: bool = False, keep_free: int = 0) -> int:
         """Load the pages of the prefix ``hashes`` missing here from the connector; returns how many landed.
 
         They enter the prefix cache as free, cached pages at the tail of the
         free queue (evicted last), so admission finds them like any other hit.
         Only as many load as there are free pages (with ``reclaim``, after idle
-        sessions' holds gave way), and none when fewer than ``min_tokens``
-        tokens are missing. A failed or partial load only means more tokens to
-        compute.
+        sessions' holds gave way; less ``keep_free``), and none when fewer than
+        ``min_tokens`` tokens are missing. A failed or partial load only means
+        more tokens to compute.
         """
         assert self.kv_connector is not None
         pool = self.kv_cache.pool
@@ -300,7 +302,7 @@ class LLMEngine:
         pool.touch(local)  # keep local hits from being evicted by the allocation below
         if reclaim and available > pool.num_free_pages and self.kv_cache.reclaim is not None:
             self.kv_cache.reclaim(available - pool.num_free_pages)
-        pages = pool.allocate(min(available, pool.num_free_pages))
+        pages = pool.allocate(max(0, min(available, pool.num_free_pages - keep_free)))
         try:
             cache = self.runner.kv_cache
             landed = self.kv_connector.load(missing[: len(pages)], [cache[page.page_id] for page in pages])
@@ -487,7 +489,11 @@ class LLMEngine:
     def prewarm_session(self, session_id: str, ttl_s: float) -> SessionMove:
         """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``."""
         self._require_connector("prewarm_session")
-        return self.session_holds.prewarm(session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0))
+        # A prewarm is a guess: it leaves a share of the pool free for calls that have arrived.
+        keep_free = int(self.num_pages * PREWARM_FREE_FRACTION)
+        return self.session_holds.prewarm(
+            session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0, keep_free=keep_free)
+        )
 
     def session_residency(self, session_id: str) -> tuple[int, int]:
         """(leading recorded pages of a session cached here now, recorded pages)."""

@@ -523,3 +523,13 @@ def test_rayturn_replay_passes_its_arguments_to_the_replayer(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert out.startswith("usage: rayturn replay")
     assert "--token-scale" in out and "--compare" in out
+
+
+def test_with_context_stretches_a_preset_copy(tmp_path: Path) -> None:
+    stretched = Path(workload.with_context("tiny", 16384, tmp_path))
+    assert json.loads((stretched / "config.json").read_text())["max_position_embeddings"] == 16384
+    assert workload.model_vocabulary(str(stretched)).context_tokens == 16384
+    assert workload.model_vocabulary(str(stretched)).token_ids == workload.model_vocabulary("tiny").token_ids
+    assert workload.with_context("tiny", 1024, tmp_path) == "tiny"  # long enough already
+    with pytest.raises(ValueError, match="stretches a preset"):
+        workload.with_context(str(tmp_path), 16384, tmp_path)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rayturn.cluster.config import ClusterConfig
 
 
 def small_cluster(http_port: int, grpc_port: int, threshold: int, **extra: Any) -> dict[str, Any]:
@@ -23,3 +28,18 @@ def small_cluster(http_port: int, grpc_port: int, threshold: int, **extra: Any) 
         "server.ingress_num_cpus": 0.25,
         **extra,
     }
+
+
+@contextmanager
+def serving(config: ClusterConfig) -> Iterator[str]:
+    """A Ray session of its own with ``config`` deployed, for one test module; yields the HTTP base URL."""
+    import ray
+
+    from rayturn.cluster.runner import running_cluster
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn")
+    try:
+        with running_cluster(config) as endpoints:
+            yield endpoints.http
+    finally:
+        ray.shutdown()

@@ -25,12 +25,11 @@ openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
-from small_cluster import small_cluster  # noqa: E402
+from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.app import APP_NAME, build_app  # noqa: E402
 from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
 from rayturn.cluster.ingress import REPLICA_HEADER  # noqa: E402
-from rayturn.cluster.runner import running_cluster  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.router.scoring import preferred_replica  # noqa: E402
 
@@ -81,12 +80,8 @@ def redeploy(decode_replicas: int, prefill_replicas: int) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn")
-    try:
-        with running_cluster(pool_config(decode_replicas=2, prefill_replicas=1)) as endpoints:
-            yield endpoints.http
-    finally:
-        ray.shutdown()
+    with serving(pool_config(decode_replicas=2, prefill_replicas=1)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

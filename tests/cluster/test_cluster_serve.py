@@ -22,10 +22,9 @@ grpc = pytest.importorskip("grpc")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-from small_cluster import small_cluster  # noqa: E402
+from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
-from rayturn.cluster.runner import running_cluster  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
@@ -38,12 +37,8 @@ OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.api_keys":
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn")
-    try:
-        with running_cluster(load_config(**OVERRIDES)) as endpoints:
-            yield endpoints.http
-    finally:
-        ray.shutdown()
+    with serving(load_config(**OVERRIDES)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

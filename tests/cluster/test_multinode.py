@@ -106,9 +106,16 @@ def test_pages_computed_on_the_prefill_node_decode_on_the_decode_node(
     )
     assert response.choices[0].message.content == expected.text
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt)
-    # Nothing was on the decode replica: every full page of the prompt came from the store.
+    # A fresh prompt: the prefill replica computed every page (nothing was cached anywhere) and
+    # the decode replica loaded them from the store to decode on.
     assert response.usage.prompt_tokens_details is not None
-    assert response.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE > 0
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    # They landed in the decode replica's cache: the same call again finds every full page there.
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == expected.text
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE > 0
+    assert getattr(again.usage.prompt_tokens_details, "kv_store_tokens", None) == 0
 
 
 def test_pools_run_on_their_node_groups(

@@ -25,11 +25,10 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-from small_cluster import small_cluster  # noqa: E402
+from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.cluster.ingress import SESSION_STATE_HEADER  # noqa: E402
-from rayturn.cluster.runner import running_cluster  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18461, 19461
@@ -59,12 +58,8 @@ OVERRIDES = small_cluster(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn-lifecycle")
-    try:
-        with running_cluster(load_config(**OVERRIDES)) as endpoints:
-            yield endpoints.http
-    finally:
-        ray.shutdown()
+    with serving(load_config(**OVERRIDES)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

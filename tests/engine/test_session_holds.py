@@ -311,6 +311,22 @@ def test_prewarmed_session_finds_its_pages_cached_not_loaded() -> None:
     assert again.token_ids == reference.token_ids
 
 
+def test_a_prewarm_leaves_a_quarter_of_the_pool_for_arrivals() -> None:
+    connector = DictConnector()
+    engine = make_engine(num_pages=8, connector=connector)
+    run(engine, tokens(0, 10), THREE_OUT, session_id="s")
+    engine.offload_session("s")
+    run(engine, tokens(100, 10), THREE_OUT, session_id="a")
+    run(engine, tokens(200, 10), THREE_OUT, session_id="b")  # 6 pages held, 2 free
+    assert engine.kv_cache.num_free_pages == 2
+    move = engine.prewarm_session("s", ttl_s=60.0)
+    assert (move.pages, move.resident_pages) == (0, 0)  # 2 of 8 pages must stay free: nothing to spare
+    engine.release_session("b")  # 5 free now
+    move = engine.prewarm_session("s", ttl_s=60.0)
+    assert (move.pages, move.resident_pages) == (3, 3)
+    assert engine.kv_cache.num_free_pages == 2
+
+
 def test_early_return_after_offload_loads_on_demand() -> None:
     connector = DictConnector()
     engine = make_engine(num_pages=16, connector=connector, kv_load_min_tokens=0)
