@@ -12,6 +12,16 @@ from typing import Any
 
 import torch
 
+# Cluster settings for a small host: two decode replicas (so routing matters) on fractional CPUs.
+SMALL_MACHINE: dict[str, Any] = {
+    "decode.min_replicas": 2,
+    "decode.max_replicas": 2,
+    "decode.num_cpus": 0.25,
+    "prefill.num_cpus": 0.25,
+    "server.ingress_num_cpus": 0.25,
+    "kvstore.segment_bytes": "64MiB",
+}
+
 
 class Progress:
     """A one-line progress bar on stderr (the JSON result owns stdout's last line)."""

@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Progress, emit, machine, percentile
+from _common import SMALL_MACHINE, Progress, emit, machine, percentile
 
 Message = dict[str, Any]
 
@@ -421,12 +421,7 @@ def context_tokens(model: str) -> int:
 def cluster_overrides(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model.name": args.model,
-        "decode.min_replicas": 2,
-        "decode.max_replicas": 2,
-        "decode.num_cpus": 0.25,
-        "prefill.num_cpus": 0.25,
-        "server.ingress_num_cpus": 0.25,
-        "kvstore.segment_bytes": "64MiB",
+        **SMALL_MACHINE,
         "server.http_port": args.http_port,
         "server.grpc_port": args.grpc_port,
         **({} if args.disaggregation_threshold is None else {

@@ -53,7 +53,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from _common import emit, machine
+from _common import SMALL_MACHINE, emit, machine
 from replay_driver import Drive, SystemRun, replay
 from replay_report import (
     compare,
@@ -86,15 +86,6 @@ DEFAULT_TIME_SCALE = 1 / 60
 QUICK_CONVERSATIONS = 4
 QUICK_DURATION_S = 20.0
 
-# Without --config: two decode replicas (so routing matters) sharing a small machine.
-EMBEDDED_DEFAULTS: dict[str, Any] = {
-    "decode.min_replicas": 2,
-    "decode.max_replicas": 2,
-    "decode.num_cpus": 0.25,
-    "prefill.num_cpus": 0.25,
-    "server.ingress_num_cpus": 0.25,
-    "kvstore.segment_bytes": "64MiB",
-}
 
 SYSTEMS: dict[str, dict[str, Any]] = {
     "rayturn": {},
@@ -182,7 +173,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
 
 
 def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides = {} if args.config else dict(EMBEDDED_DEFAULTS)
+    overrides = {} if args.config else dict(SMALL_MACHINE)  # without --config: a small host
     if args.model:
         overrides["model.name"] = args.model
     if args.context:

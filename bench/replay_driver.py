@@ -20,10 +20,10 @@ from typing import Any
 
 from _common import Progress
 from agent_sessions import prefill_paths
-from replay_report import SESSION_RESPONSE_HEADER, CallRecord, parse_session_header
+from replay_report import CallRecord, parse_session_header
 from replay_workload import AgentPlan, CallKind, ConversationPlan, PlannedCall, TokenSynthesizer
 
-from rayturn.router.session import AFTER_HEADER, CALL_HEADER, SESSION_HEADER
+from rayturn.router.session import AFTER_HEADER, CALL_HEADER, SESSION_HEADER, SESSION_STATE_HEADER
 
 WARMUP_PROMPT_TOKENS = (640, 64)  # one past the default disaggregation threshold (512): the prefill pool warms too
 
@@ -57,7 +57,7 @@ async def timed_call(client: Any, model: str, call: PlannedCall) -> CallRecord:
             extra_body={"ignore_eos": True},
             extra_headers=headers,
         )
-        session_header = raw.headers.get(SESSION_RESPONSE_HEADER)
+        session_header = raw.headers.get(SESSION_STATE_HEADER)
         token_times: list[float] = []
         usage = None
         async for chunk in raw.parse():

@@ -35,8 +35,10 @@ from typing import Any, Literal
 from _common import percentile
 from replay_workload import CallKind
 
-SESSION_RESPONSE_HEADER = "x-rayturn-session"
-SESSION_STATES = ("new", "active", "held", "released", "offloaded", "prewarming", "prewarmed")
+from rayturn.decode.lifecycle import Phase
+from rayturn.router.session import SESSION_STATE_HEADER
+
+SESSION_STATES = tuple(phase.value for phase in Phase)
 OFF_DEVICE_STATES = frozenset({"offloaded", "prewarming", "prewarmed"})
 WARM_RESIDENT_SHARE = 0.9
 
@@ -97,13 +99,13 @@ def parse_session_header(value: str | None) -> SessionView | None:
     try:
         data = json.loads(value)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{SESSION_RESPONSE_HEADER}: invalid JSON ({err}): {value!r}") from None
+        raise ValueError(f"{SESSION_STATE_HEADER}: invalid JSON ({err}): {value!r}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{SESSION_RESPONSE_HEADER}: expected a JSON object, got {value!r}")
+        raise ValueError(f"{SESSION_STATE_HEADER}: expected a JSON object, got {value!r}")
 
     def need(key: str) -> Any:
         if key not in data:
-            raise ValueError(f"{SESSION_RESPONSE_HEADER}: missing {key!r} in {value!r}")
+            raise ValueError(f"{SESSION_STATE_HEADER}: missing {key!r} in {value!r}")
         return data[key]
 
     def seconds(key: str) -> float | None:
@@ -111,22 +113,20 @@ def parse_session_header(value: str | None) -> SessionView | None:
         if seconds_value is None:
             return None
         if isinstance(seconds_value, bool) or not isinstance(seconds_value, int | float) or seconds_value < 0:
-            raise ValueError(f"{SESSION_RESPONSE_HEADER}: {key}: expected seconds >= 0, got {seconds_value!r}")
+            raise ValueError(f"{SESSION_STATE_HEADER}: {key}: expected seconds >= 0, got {seconds_value!r}")
         return float(seconds_value)
 
     def pages(key: str) -> int:
         count = need(key)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"{SESSION_RESPONSE_HEADER}: {key}: expected a page count, got {count!r}")
+            raise ValueError(f"{SESSION_STATE_HEADER}: {key}: expected a page count, got {count!r}")
         return count
 
     call, state = need("call"), need("state")
     if call not in ("user", "tool"):
-        raise ValueError(f"{SESSION_RESPONSE_HEADER}: call: expected 'user' or 'tool', got {call!r}")
+        raise ValueError(f"{SESSION_STATE_HEADER}: call: expected 'user' or 'tool', got {call!r}")
     if state not in SESSION_STATES:
-        raise ValueError(
-            f"{SESSION_RESPONSE_HEADER}: state: expected one of {', '.join(SESSION_STATES)}, got {state!r}"
-        )
+        raise ValueError(f"{SESSION_STATE_HEADER}: state: expected one of {', '.join(SESSION_STATES)}, got {state!r}")
     return SessionView(
         call, state, seconds("idle_s"), seconds("off_device_s"), pages("resident_pages"), pages("session_pages")
     )

@@ -37,6 +37,7 @@ from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tokenizer import Tokenizer
 from rayturn.protos import rayturn_pb2 as pb
 from rayturn.router.session import (
+    SESSION_STATE_HEADER,
     LifecycleHints,
     classify_call,
     lifecycle_hints,
@@ -54,8 +55,6 @@ app = FastAPI(title="rayturn", docs_url=None, redoc_url=None)
 PAGE_HASH_HEX = 16
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
-# The response header with the session's KV state when the call arrived (JSON; calls that name a session).
-SESSION_STATE_HEADER = "x-rayturn-session"
 NO_HINTS = LifecycleHints()
 
 

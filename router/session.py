@@ -55,6 +55,8 @@ SESSION_HEADERS: tuple[str, ...] = (SESSION_HEADER, *AGENT_SESSION_HEADERS)
 
 CALL_HEADER = "x-rayturn-call"
 AFTER_HEADER = "x-rayturn-after"
+# The response header with the session's KV state when the call arrived (JSON; calls that name a session).
+SESSION_STATE_HEADER = "x-rayturn-session"
 _CALL_HINTS: dict[str, CallKind] = {"user": "user", "tool": "tool_continuation"}
 _AFTER_HINTS: dict[str, NextStep] = {"tool": "tool", "user": "user"}
 
