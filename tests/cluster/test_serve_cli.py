@@ -107,15 +107,14 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def start_serve(tmp_path: Path, config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """``rayturn serve`` in its own session (so its process group is its own); killed if a test fails."""
     log = tmp_path / "serve.log"
     command = [
         *rayturn_command(),
         "serve",
         "--config",
-        str(small_config),
+        str(config),
         "--http-port",
         str(HTTP_PORT),
         "--grpc-port",
@@ -132,6 +131,24 @@ def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Pope
             process.wait()
             for pid, _ in alive(tree):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    yield from start_serve(tmp_path, small_config)
+
+
+@pytest.fixture
+def stuck_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A server whose start-up cannot finish: its decode pool asks for a resource no node offers.
+
+    Ray starts, Serve starts and the prefill pool comes up; the decode replica waits to be
+    scheduled for ever, so a stop signal always lands while the cluster is still starting.
+    """
+    config = tmp_path / "stuck.yaml"
+    config.write_text(SMALL_CONFIG.replace("decode:\n", "decode:\n  resources: {no_such_node: 1}\n"))
+    assert "no_such_node" in config.read_text()
+    yield from start_serve(tmp_path, config)
 
 
 def healthy() -> bool:
@@ -180,9 +197,12 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Po
     stop_and_check_nothing_is_left(process, log)
 
 
-def test_sigterm_during_startup_abandons_it_and_stops_cleanly(server: tuple[subprocess.Popen[bytes], Path]) -> None:
-    process, log = server
-    # Serve is starting the deployments: Ray and its workers run, the application is not up yet.
+def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
+    stuck_server: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    process, log = stuck_server
+    # Serve is starting the deployments: Ray and its workers run, the application is not up yet
+    # (and cannot come up: the decode replica waits for a resource nobody has).
     wait_for(lambda: "Started Serve" in log.read_text(), process, log, "Serve start")
     assert "rayturn is serving" not in log.read_text()
     stop_and_check_nothing_is_left(process, log)
