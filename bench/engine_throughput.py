@@ -9,7 +9,11 @@ Each side runs in its own process, so peak RSS is its own; with ``--rounds``
 the two alternate and the median time of each is reported (this machine's
 memory bandwidth drifts between runs).
 
-    python bench/engine_throughput.py [--quick]
+rayturn uses the kernel backend the host gets by default (``cpu`` on a CPU
+with a C compiler: native paged decode attention); ``--backend torch`` runs
+the pure-PyTorch reference instead.
+
+    python bench/engine_throughput.py [--quick] [--backend NAME]
 
 The last line of stdout is one JSON object.
 """
@@ -46,10 +50,10 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def run_rayturn(model: str, workload: Workload) -> dict[str, Any]:
+def run_rayturn(model: str, workload: Workload, backend: str | None) -> dict[str, Any]:
     from rayturn.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(model, backend="torch", dtype="float32", enable_prefix_caching=False)
+    engine = LLMEngine.from_pretrained(model, backend=backend, dtype="float32", enable_prefix_caching=False)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     progress = Progress("rayturn (continuous)", workload.useful_tokens)
@@ -64,7 +68,7 @@ def run_rayturn(model: str, workload: Workload) -> dict[str, Any]:
                 progress.advance(len(output.token_ids))
     elapsed_s = time.perf_counter() - start
     tokens = [finished[str(i + 1)] for i in range(len(workload.prompts))]  # id 0 was the warm-up
-    return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
+    return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb(), "backend": engine.backend.name}
 
 
 def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
@@ -108,6 +112,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 shorter requests; finishes within a minute")
     parser.add_argument("--model", default="small")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend", default=None, help="rayturn's kernel backend (default: what this host gets by default)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="alternating runs of each side (default 3, quick 1)")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -124,7 +131,7 @@ def main() -> None:
 
     ours_runs, theirs_runs = [], []
     for _ in range(rounds):
-        ours_runs.append(_in_child("run_rayturn", model_dir, workload))
+        ours_runs.append(_in_child("run_rayturn", model_dir, workload, args.backend))
         theirs_runs.append(_in_child("run_transformers", model_dir, workload))
     ours, theirs = ours_runs[0], theirs_runs[0]
     mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
@@ -137,6 +144,7 @@ def main() -> None:
             "bench": "engine_throughput",
             "quick": args.quick,
             "model": args.model,
+            "backend": ours["backend"],
             "requests": len(workload.prompts),
             "useful_output_tokens": workload.useful_tokens,
             "rounds": rounds,

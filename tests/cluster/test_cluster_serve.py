@@ -121,7 +121,7 @@ def test_grpc_generate_matches_offline_engine(cluster: str, reference: LLMEngine
         assert "vocabulary" in (err.value.details() or "")
 
         health = stub.Health(pb.HealthRequest(), metadata=(("application", "rayturn"),))
-        assert health.status == "ok" and health.details["decode.backend"] == "torch"
+        assert health.status == "ok" and health.details["decode.backend"] == "cpu"
 
 
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(cluster: str, client: openai.OpenAI) -> None:
@@ -148,7 +148,7 @@ def test_health_and_metrics(cluster: str, client: openai.OpenAI) -> None:
     client.chat.completions.create(model="tiny", messages=SHORT, max_tokens=2)  # type: ignore[arg-type]
     health = requests.get(f"{cluster}/health").json()
     assert health["status"] == "ok"
-    assert health["details"]["decode.backend"] == "torch" and health["details"]["prefill.backend"] == "torch"
+    assert health["details"]["decode.backend"] == "cpu" and health["details"]["prefill.backend"] == "cpu"
     metrics = requests.get(f"{cluster}/metrics").text
     assert "rayturn_time_to_first_token_seconds_bucket" in metrics
     assert "rayturn_prompt_tokens_total" in metrics

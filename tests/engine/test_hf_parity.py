@@ -55,13 +55,14 @@ def reference(checkpoint: tuple[str, Path]) -> tuple[list[list[int]], list[torch
 
 
 @pytest.mark.parametrize(
-    "prefix_caching,max_batched",
-    [(True, 2048), (False, 2048), (True, 64)],
-    ids=["cache-on", "cache-off", "cache-on-chunked"],
+    "backend,prefix_caching,max_batched",
+    [("torch", True, 2048), ("torch", False, 2048), ("torch", True, 64), ("cpu", True, 2048), ("cpu", True, 64)],
+    ids=["cache-on", "cache-off", "cache-on-chunked", "cpu-cache-on", "cpu-cache-on-chunked"],
 )
 def test_greedy_matches_transformers(
     checkpoint: tuple[str, Path],
     reference: tuple[list[list[int]], list[torch.Tensor]],
+    backend: str,
     prefix_caching: bool,
     max_batched: int,
 ) -> None:
@@ -69,7 +70,7 @@ def test_greedy_matches_transformers(
     expected, _ = reference
     engine = LLMEngine.from_pretrained(
         str(path),
-        backend="torch",
+        backend=backend,
         dtype="float32",
         page_size=16,
         enable_prefix_caching=prefix_caching,

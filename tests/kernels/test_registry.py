@@ -9,12 +9,33 @@ import sys
 import pytest
 import torch
 
-from rayturn.kernels import BACKENDS, Registry, default_backend_name, select_backend
+from rayturn.kernels import BACKENDS, Registry, default_backend_name, native, select_backend
 
 
 def test_default_backend_per_device() -> None:
-    assert default_backend_name(torch.device("cpu")) == "torch"
+    assert default_backend_name(torch.device("cpu")) == "cpu"  # this host has a C compiler
     assert default_backend_name(torch.device("cuda")) in ("triton", "torch")  # triton when importable
+
+
+def test_cpu_without_native_kernels_falls_back_to_torch_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("RAYTURN_KERNEL_BACKEND", raising=False)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):
+            backend = select_backend(torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="needs its native kernels: no C compiler found"):
+            BACKENDS.create("cpu")
+    finally:
+        native.load.cache_clear()
+        native._unavailable.clear()
+    assert backend.name == "torch"
+    assert caplog.records[-1].getMessage() == (
+        "rayturn kernel backend: torch (default for CPU; native CPU kernels unavailable: "
+        "no C compiler found (set $CC), device cpu)"
+    )
 
 
 def test_select_backend_logs_one_line_and_honours_overrides(
@@ -23,8 +44,8 @@ def test_select_backend_logs_one_line_and_honours_overrides(
     monkeypatch.delenv("RAYTURN_KERNEL_BACKEND", raising=False)
     with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):
         backend = select_backend(torch.device("cpu"))
-    assert backend.name == "torch"
-    assert [r.getMessage() for r in caplog.records] == ["rayturn kernel backend: torch (default for CPU, device cpu)"]
+    assert backend.name == "cpu"
+    assert [r.getMessage() for r in caplog.records] == ["rayturn kernel backend: cpu (default for CPU, device cpu)"]
     caplog.clear()
     monkeypatch.setenv("RAYTURN_KERNEL_BACKEND", "torch")
     with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):
@@ -33,7 +54,7 @@ def test_select_backend_logs_one_line_and_honours_overrides(
     # An explicit name beats the environment.
     monkeypatch.setenv("RAYTURN_KERNEL_BACKEND", "no-such-backend")
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
-    with pytest.raises(ValueError, match="unknown kernel backend 'no-such-backend'; known: torch, triton"):
+    with pytest.raises(ValueError, match="unknown kernel backend 'no-such-backend'; known: cpu, torch, triton"):
         select_backend(torch.device("cpu"))
 
 
@@ -45,7 +66,7 @@ def test_registry_rejects_duplicates_and_unknown_names() -> None:
     assert registry.create("one") == 1 and registry.names() == ["one"]
     with pytest.raises(ValueError, match="unknown widget 'two'"):
         registry.create("two")
-    assert BACKENDS.names() == ["torch", "triton"]
+    assert BACKENDS.names() == ["cpu", "torch", "triton"]
 
 
 def test_choosing_torch_never_imports_triton() -> None:

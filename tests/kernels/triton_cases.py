@@ -1,4 +1,4 @@
-"""Case builders and checks shared by the Triton backend tests.
+"""Case builders and checks shared by the backend tests (Triton, native CPU).
 
 Each ``check_*`` builds random inputs for one op, runs it on the backend under
 test and on ``TorchBackend`` (the reference), and asserts they agree. The CPU

@@ -1,0 +1,124 @@
+"""Native CPU kernels: built once per host with the system C compiler, loaded with ctypes.
+
+The source (``paged_attention_cpu.c``) needs no Python or PyTorch headers, so
+a build takes well under a second. The library is cached under
+``$RAYTURN_CACHE_DIR/kernels`` (default ``~/.cache/rayturn/kernels``), keyed
+by the source, the compiler, its flags and the CPU, so a host with another
+CPU (a Kubernetes pod moved to another node type) builds its own. Concurrent
+builds (several Ray actors starting at once) are safe: each compiles to a
+private file and renames it into place.
+
+Where no compiler is found or the build fails, ``load()`` returns None and
+``unavailable_reason()`` says why; the ``cpu`` backend then is not chosen by
+default and the plain ``torch`` backend runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+# -march=native: vector width and FMA of the host; the cache key includes the CPU model.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+PORTABLE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+class NativeKernels:
+    """The loaded library with its function signatures set."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.paged_decode_attention_f32 = library.paged_decode_attention_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.paged_decode_attention_f32.argtypes = [
+            ptr, ptr, ptr,  # q, k_cache, v_cache
+            i64, i64, i64,  # page, token and head strides (elements)
+            ptr, i64, ptr,  # page_table, its row stride, seq_lens
+            ptr, i64, i64, i64, i64,  # out, num_seqs, num_heads, num_kv_heads, head_dim
+            i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
+        ]  # fmt: skip
+        self.paged_decode_attention_f32.restype = ctypes.c_int
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("RAYTURN_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "rayturn") / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile to ``target``; returns None, or the compiler's complaint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            return result.stderr.strip() or f"{compiler} exited with {result.returncode}"
+        os.replace(scratch, target)
+        return None
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
+_unavailable: list[str] = []
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> NativeKernels | None:
+    """The native kernels for this host, built on first use; None when they cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        _unavailable.append("no C compiler found (set $CC)")
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    errors = []
+    for flags in (FLAGS, PORTABLE_FLAGS):
+        key = hashlib.sha256(
+            "\0".join([SOURCE.read_text(), compiler, *version, *flags, platform.machine(), _cpu_model()]).encode()
+        ).hexdigest()[:16]
+        target = cache_dir() / f"paged_attention_cpu-{key}.so"
+        if not target.is_file():
+            error = _build(compiler, flags, target)
+            if error is not None:
+                errors.append(error.splitlines()[-1])
+                continue
+        try:
+            return NativeKernels(ctypes.CDLL(str(target)), target)
+        except OSError as err:
+            errors.append(str(err))
+    _unavailable.append(f"build failed: {'; '.join(errors)}")
+    logger.warning("rayturn native CPU kernels unavailable: %s", _unavailable[-1])
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``load()`` returned None (after it did), else None."""
+    return _unavailable[-1] if _unavailable else None
