@@ -237,58 +237,72 @@ class KVStoreClient:
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         _check_keys(keys)
-        locations = self._locate(keys)
-        buffers = [np.empty(locs[0].num_bytes if locs else 0, dtype=np.uint8) for locs in locations]
-        landed = self._read(locations, buffers)
+        located = self._locate(keys)
+        buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
+        landed = self._read(located, _Targets(buffers, len(keys)))
         return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
-        """Land each object in the caller's buffer (numpy, CPU tensor, bytearray); False for a miss."""
+    def get_into(self, keys: Sequence[bytes], buffers: Any) -> list[bool]:
+        """Land each object in the caller's buffer; False for a miss.
+
+        ``buffers``: one writable buffer per key (numpy arrays, CPU tensors,
+        bytearrays), or one C-contiguous array or CPU tensor whose first
+        dimension indexes the keys (row i receives key i; the cheapest form
+        for large batches).
+        """
         _check_keys(keys)
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        dests = [_flat_destination(b) for b in buffers]
-        locations = self._locate(keys)
-        for i, (dest, locs) in enumerate(zip(dests, locations)):
-            if locs and dest.nbytes != locs[0].num_bytes:
-                raise ValueError(
-                    f"buffer {i} has {dest.nbytes} bytes; object {keys[i].hex()[:16]} has {locs[0].num_bytes}"
-                )
-        return self._read(locations, dests)
+        targets = _Targets(buffers, len(keys))
+        located = self._locate(keys)
+        best = located.best
+        wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
+        return self._read(located, targets)
 
-    def _locate(self, keys: Sequence[bytes]) -> list[list[Location] | None]:
-        segment_ids, flat = self.master.call("get_locations", list(keys), self.node_id, self.tenant)
-        return [
-            None
-            if entry is None
-            else [Location(segment_ids[entry[i]], entry[i + 1], entry[i + 2]) for i in range(0, len(entry), 3)]
-            for entry in flat
-        ]
+    def _locate(self, keys: Sequence[bytes]) -> _Located:
+        segment_ids, best, more = self.master.call("get_locations", list(keys), self.node_id, self.tenant)
+        rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
+        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more})
 
-    def _read(self, locations: list[list[Location] | None], dests: Sequence[np.ndarray]) -> list[bool]:
-        """Try each object's replicas in order until one read lands; batches UCX reads per segment."""
-        done = [False] * len(locations)
-        attempt = 0
+    def _read(self, located: _Located, targets: _Targets) -> list[bool]:
+        """Try each object's replicas in order until one read lands; one batch per segment and attempt.
+
+        The first attempt (every key's best replica) is grouped and
+        coalesced with numpy, so a thousand-page batch costs a few
+        Python-level steps, not a thousand.
+        """
+        best = located.best
+        done = np.zeros(len(best), dtype=bool)
+        segments = best[:, 0]
+        for segment_index in np.unique(segments[segments >= 0]).tolist():
+            indices = np.flatnonzero(segments == segment_index)
+            if self._read_segment(located.segment_ids[segment_index], best[indices, 1:], indices, targets):
+                done[indices] = True
+        column = 0  # where the attempt's replica sits in ``located.more`` entries
         while True:
-            pending = [i for i, locs in enumerate(locations) if not done[i] and locs and attempt < len(locs)]
-            if not pending:
-                return done
-            by_segment: dict[str, list[int]] = defaultdict(list)
-            for i in pending:
-                by_segment[locations[i][attempt].segment_id].append(i)  # type: ignore[index]
-            for segment_id, indices in by_segment.items():
-                locs = [locations[i][attempt] for i in indices]  # type: ignore[index]
-                if self._read_segment(segment_id, locs, [dests[i] for i in indices]):
-                    for i in indices:
-                        done[i] = True
-            attempt += 1
+            by_segment: dict[int, list[int]] = defaultdict(list)
+            for i, entry in located.more.items():
+                if not done[i] and column < len(entry):
+                    by_segment[entry[column]].append(i)
+            if not by_segment:
+                return done.tolist()
+            for segment_index, retry in by_segment.items():
+                ranges = np.array([located.more[i][column + 1 : column + 3] for i in retry], dtype=np.int64)
+                indices = np.array(retry, dtype=np.int64)
+                if self._read_segment(located.segment_ids[segment_index], ranges, indices, targets):
+                    done[indices] = True
+            column += 3
 
-    def _read_segment(self, segment_id: str, locs: list[Location], dests: list[np.ndarray]) -> bool:
-        """Land ``locs`` of one segment in flat uint8 ``dests``; False if that segment cannot serve them."""
-        num_bytes = sum(loc.num_bytes for loc in locs)
+    def _read_segment(self, segment_id: str, ranges: np.ndarray, indices: np.ndarray, targets: _Targets) -> bool:
+        """Land ``ranges`` ([n, 2] offset, num_bytes) of one segment in the targets ``indices``.
+
+        False if that segment cannot serve them.
+        """
+        num_bytes = int(ranges[:, 1].sum())
         try:
             if segment_id == self.segment_id:
-                _copy_out(self.segment, locs, dests)
+                _copy_out(self.segment, ranges, targets.addresses[indices])
                 return True
             peer = self._peer(segment_id)
             if peer is None:
@@ -296,12 +310,13 @@ class KVStoreClient:
             if self.transport == "auto" and peer.node_id == self.node_id:
                 shared = self._attach(segment_id, peer)
                 if shared is not None:
-                    _copy_out(shared, locs, dests)
+                    _copy_out(shared, ranges, targets.addresses[indices])
                     self.metrics.bytes_in(num_bytes)
                     return True
             if peer.ucx_address is None:
                 return False
-            self._remote.read(peer.ucx_address, [(loc.offset, loc.num_bytes) for loc in locs], list(dests))
+            pairs = [(offset, size) for offset, size in ranges.tolist()]
+            self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()])
             self.metrics.bytes_in(num_bytes)
             return True
         except (TransportError, OSError, ValueError) as err:
@@ -395,29 +410,89 @@ def _memmove_parallel(dst: int, src: int, num_bytes: int) -> None:
     second.result()
 
 
-def _copy_out(segment: Segment, locs: list[Location], dests: list[np.ndarray]) -> None:
-    """Copy ranges of a mapped segment into flat uint8 arrays of exactly their sizes.
+def _copy_out(segment: Segment, ranges: np.ndarray, addresses: np.ndarray) -> None:
+    """Copy ``ranges`` ([n, 2] offset, num_bytes) of a mapped segment to destination ``addresses``.
 
     Pages written in one batch sit back to back in the segment, and callers
     often land them in consecutive rows of one array: such runs become one
-    ``memmove`` each, which moves bytes at memcpy speed instead of paying a
-    per-page call.
+    ``memmove`` each (found with numpy), which moves bytes at memcpy speed
+    instead of paying a per-page call.
     """
+    if not len(ranges):
+        return
     source = segment.array
     base, capacity = source.ctypes.data, source.size
-    run_src = run_dst = run_bytes = 0
-    for (_, offset, num_bytes), dest in zip(locs, dests):
-        if offset < 0 or offset + num_bytes > capacity or dest.nbytes != num_bytes:
-            raise ValueError(f"range {offset}+{num_bytes} does not fit segment {segment.name} or its buffer")
-        dst = dest.ctypes.data
-        if run_bytes and offset == run_src + run_bytes and dst == run_dst + run_bytes:
-            run_bytes += num_bytes
-            continue
-        if run_bytes:
-            _memmove_parallel(run_dst, base + run_src, run_bytes)
-        run_src, run_dst, run_bytes = offset, dst, num_bytes
-    if run_bytes:
-        _memmove_parallel(run_dst, base + run_src, run_bytes)
+    offsets, sizes = ranges[:, 0], ranges[:, 1]
+    outside = np.flatnonzero((offsets < 0) | (sizes < 0) | (offsets + sizes > capacity))
+    if outside.size:
+        i = int(outside[0])
+        raise ValueError(f"range {offsets[i]}+{sizes[i]} does not fit segment {segment.name}")
+    ends = offsets + sizes
+    continues = (offsets[1:] == ends[:-1]) & (addresses[1:] == addresses[:-1] + sizes[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
+    run_bytes = np.add.reduceat(sizes, starts)
+    for start, num_bytes in zip(starts.tolist(), run_bytes.tolist()):
+        _memmove_parallel(int(addresses[start]), base + int(offsets[start]), num_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """The master's answer for a batch: see ``KVMaster.get_locations``."""
+
+    segment_ids: list[str]
+    best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
+    more: dict[int, list[int]]  # key index -> further replicas, flat triples
+
+
+class _Targets:
+    """Where a read lands each key: addresses and sizes up front, arrays (for UCX) on demand.
+
+    Addresses come the cheapest way each kind of buffer allows (a tensor's
+    ``data_ptr``, a ctypes view of a numpy array's buffer, one base address
+    for a whole 2-D batch): at a thousand pages a call, per-buffer overhead
+    would cost as much as the copy.
+    """
+
+    def __init__(self, buffers: Any, count: int) -> None:
+        self.buffers = buffers
+        self.batched = _is_batch_array(buffers, count)
+        if self.batched:
+            self._batch = _flat_rows(buffers, count)
+            row_bytes = self._batch.shape[1] if count else 0
+            self.addresses = self._batch.ctypes.data + row_bytes * np.arange(count, dtype=np.int64)
+            self.sizes = np.full(count, row_bytes, dtype=np.int64)
+            return
+        if len(buffers) != count:
+            raise ValueError(f"{count} keys but {len(buffers)} buffers")
+        pairs = [_address(buffer) for buffer in buffers]
+        self.addresses = np.array([address for address, _ in pairs], dtype=np.int64)
+        self.sizes = np.array([size for _, size in pairs], dtype=np.int64)
+
+    def array(self, i: int) -> np.ndarray:
+        """Target ``i`` as a flat writable uint8 array (no copy)."""
+        return self._batch[i] if self.batched else _flat_destination(self.buffers[i])
+
+
+def _is_batch_array(buffers: Any, count: int) -> bool:
+    shape = getattr(buffers, "shape", None)
+    return shape is not None and len(shape) >= 2 and shape[0] == count
+
+
+def _flat_rows(buffers: Any, count: int) -> np.ndarray:
+    """A C-contiguous array or CPU tensor [count, ...] as a writable uint8 [count, row bytes] view."""
+    flat = _flat_destination(buffers)
+    return flat.reshape(count, flat.size // count if count else 0)
+
+
+def _address(buffer: Any) -> tuple[int, int]:
+    """(address, size) of a writable, C-contiguous buffer, with the checks ``_flat_destination`` makes."""
+    if isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous and buffer.flags.writeable and buffer.nbytes:
+        view = ctypes.c_char.from_buffer(buffer)  # type: ignore[arg-type]  # also checks it is writable
+        return ctypes.addressof(view), buffer.nbytes
+    if callable(getattr(buffer, "data_ptr", None)) and getattr(buffer, "is_cpu", False) and buffer.is_contiguous():
+        return buffer.data_ptr(), buffer.nbytes
+    flat = _flat_destination(buffer)  # raises a clear error for what cannot be a destination
+    return flat.ctypes.data, flat.nbytes
 
 
 def _flat_destination(buffer: Any) -> np.ndarray:

@@ -20,6 +20,7 @@ import numpy as np
 import ray
 
 from .master import KVMaster
+from .master_lookup import LOOKUP_METHODS, LookupClient, LookupFailed
 from .segment import as_bytes_view
 from .ucx_transport import TransportError
 
@@ -52,12 +53,22 @@ class RemoteClient(Protocol):
 
 
 class RayMaster:
-    """The master actor, called through Ray."""
+    """The master actor, called through Ray; lookups through its socket (``master_lookup``) where it can."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, lookups: bool = True) -> None:
         self.handle = handle
+        self.lookup = LookupClient(self._lookup_address) if lookups else None
+
+    def _lookup_address(self) -> tuple[str, int] | None:
+        address = ray.get(self.handle.lookup_address.remote(), timeout=30)
+        return None if address is None else (address[0], int(address[1]))
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        if self.lookup is not None and method in LOOKUP_METHODS:
+            try:
+                return self.lookup.call(method, *args)
+            except LookupFailed:
+                pass  # answered through Ray below
         return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
 
     def notify(self, method: str, *args: Any) -> None:

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import ray
 
+from .master_lookup import LookupServer
 from .master_state import MasterConfig, MasterState, PutPlan
 from .metrics import MasterMetrics
 
@@ -42,6 +44,7 @@ class KVMaster:
             self.state.restore(msgpack.unpackb(self.snapshot_path.read_bytes(), raw=False))
             logger.info("kv master restored %d objects from %s", len(self.state.objects), self.snapshot_path)
         self._housekeeping: asyncio.Task[None] | None = None
+        self._lookup: LookupServer | None = None
         self._metrics = MasterMetrics()
         self._last_snapshot_s = time.monotonic()
 
@@ -115,21 +118,56 @@ class KVMaster:
 
     async def get_locations(
         self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str = "default"
-    ) -> tuple[list[str], list[list[int] | None]]:
-        """Replica locations, compact: a segment-id table and per key flat ``[segment index, offset,
-        num_bytes, ...]`` (best replica first), or None for a miss. Plain ints cross Ray cheaply."""
+    ) -> list[Any]:
         self._ensure_started()
+        return self._locations(keys, reader_node_id, reader_tenant)
+
+    def _locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
+        """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more]``.
+
+        ``segment ids`` is a table the rest indexes; ``best`` packs the best
+        replica of every key as int64 rows ``(segment index, offset,
+        num_bytes)`` in bytes (segment index -1 for a miss); ``more`` lists,
+        for keys with further replicas, ``[key index, segment index, offset,
+        num_bytes, ...]``. Bytes and few objects cross Ray, or a socket,
+        several times faster than a list per key.
+        """
         table: dict[str, int] = {}
-        flat: list[list[int] | None] = []
-        for replicas in self.state.get_locations(keys, reader_node_id, reader_tenant):
+        best: list[int] = []
+        more: list[list[int]] = []
+        for i, replicas in enumerate(self.state.get_locations(keys, reader_node_id, reader_tenant)):
             if replicas is None:
-                flat.append(None)
+                best += (-1, -1, -1)
                 continue
-            entry: list[int] = []
-            for segment_id, offset, num_bytes in replicas:
-                entry += (table.setdefault(segment_id, len(table)), offset, num_bytes)
-            flat.append(entry)
-        return list(table), flat
+            segment_id, offset, num_bytes = replicas[0]
+            best += (table.setdefault(segment_id, len(table)), offset, num_bytes)
+            if len(replicas) > 1:
+                entry = [i]
+                for segment_id, offset, num_bytes in replicas[1:]:
+                    entry += (table.setdefault(segment_id, len(table)), offset, num_bytes)
+                more.append(entry)
+        return [list(table), np.array(best, dtype=np.int64).tobytes(), more]
+
+    async def lookup_address(self) -> tuple[str, int] | None:
+        """Where the lookup socket listens (started on first ask); None if it cannot listen."""
+        self._ensure_started()
+        if self._lookup is None:
+            server = LookupServer(self._answer_lookup)
+            try:
+                await server.start(ray.util.get_node_ip_address())
+            except OSError as err:
+                logger.warning("kv master lookup socket unavailable, lookups go through Ray: %s", err)
+                return None
+            self._lookup = server
+        return self._lookup.address
+
+    def _answer_lookup(self, method: str, keys: list[bytes], node_id: str | None, tenant: str) -> Any:
+        self._ensure_started()
+        if method == "get_locations":
+            return self._locations(keys, node_id, tenant or "default")
+        if method == "exists":
+            return self.state.exists(keys)
+        return self.state.longest_prefix(keys)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.state.exists(keys)

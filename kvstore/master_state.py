@@ -58,11 +58,11 @@ class MasterState:
         # Space of removed-but-leased replicas, freed when the lease ends.
         self._deferred: list[tuple[float, Location, str]] = []  # (lease end, replica, tenant)
 
-    def _count(self, name: str, tenant: str) -> None:
+    def _count(self, name: str, tenant: str, amount: int = 1) -> None:
         """Bump a counter store-wide and for one tenant."""
-        setattr(self.counters, name, getattr(self.counters, name) + 1)
+        setattr(self.counters, name, getattr(self.counters, name) + amount)
         per_tenant = self.tenant_counters.setdefault(tenant, Counters())
-        setattr(per_tenant, name, getattr(per_tenant, name) + 1)
+        setattr(per_tenant, name, getattr(per_tenant, name) + amount)
 
     # -- segments ---------------------------------------------------------
 
@@ -251,17 +251,29 @@ class MasterState:
         Hits count for the object's tenant, misses for the reader's.
         """
         now = self.clock()
+        lease_until_s = now + self.config.lease_ttl_s
+        objects, complete = self.objects, ObjectState.COMPLETE
         out: list[list[Location] | None] = []
-        for key in keys:
-            meta = self.objects.get(key)
-            if meta is None or meta.state is not ObjectState.COMPLETE or not meta.replicas:
-                self._count("misses", reader_tenant)
+        hits: dict[str, int] = {}
+        misses = 0
+        for key in keys:  # a thousand keys a call: kept lean
+            meta = objects.get(key)
+            if meta is None or meta.state is not complete or not meta.replicas:
+                misses += 1
                 out.append(None)
                 continue
-            self._count("hits", meta.tenant)
+            hits[meta.tenant] = hits.get(meta.tenant, 0) + 1
             meta.last_access_s = now
-            meta.lease_until_s = max(meta.lease_until_s, now + self.config.lease_ttl_s)
-            out.append(sorted(meta.replicas, key=lambda loc: self.segments[loc.segment_id].node_id != reader_node_id))
+            if meta.lease_until_s < lease_until_s:
+                meta.lease_until_s = lease_until_s
+            replicas = meta.replicas
+            if len(replicas) > 1:
+                replicas = sorted(replicas, key=lambda loc: self.segments[loc.segment_id].node_id != reader_node_id)
+            out.append(list(replicas))
+        for tenant, count in hits.items():
+            self._count("hits", tenant, count)
+        if misses:
+            self._count("misses", reader_tenant, misses)
         return out
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

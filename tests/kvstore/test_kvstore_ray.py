@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from rayturn.kvstore import KVStoreClient, MasterConfig, start_master, start_store_nodes  # noqa: E402
+from rayturn.kvstore import (  # noqa: E402
+    KVStoreClient,
+    MasterConfig,
+    start_master,
+    start_store_nodes,
+    wire,
+)
+from rayturn.kvstore.connection import RayMaster  # noqa: E402
+from rayturn.kvstore.master_lookup import LookupClient, frame  # noqa: E402
 
 PAGE = 32 << 10
 SEGMENT = 4 << 20
@@ -56,6 +67,11 @@ class StoreWorker:
         array = np.random.default_rng(seed).standard_normal(PAGE // 4).astype(np.float32)
         assert self.client.put(key, array)
         return array.tobytes()
+
+    def lookup_counts(self) -> tuple[int, int]:
+        """(calls the master's lookup socket answered, calls Ray answered after a socket failure)."""
+        lookup = self.client.master.lookup  # type: ignore[attr-defined]
+        return lookup.calls, lookup.fallbacks
 
     def pid(self) -> int:
         return os.getpid()
@@ -224,3 +240,67 @@ def test_puts_spill_to_a_store_node_before_evicting() -> None:
     assert ray.get(node.held_objects.remote()) == 21  # 9 stay home (90%), the rest go through the node's server
     reader = StoreWorker.remote(master_name)
     assert ray.get(reader.call.remote("get_batch", keys)) == [page(i) for i in range(30)]
+
+
+def test_lookups_take_the_masters_socket_and_answer_as_ray_does() -> None:
+    master_name = "kv-lookup"
+    master = start_master(master_name, config=CONFIG)
+    writer, reader = StoreWorker.remote(master_name), StoreWorker.remote(master_name)
+    keys = keys_for("lookup", 6)
+    assert ray.get(writer.call.remote("put_batch", keys[:4], [page(i) for i in range(4)])) == [True] * 4
+    assert ray.get(reader.call.remote("exists", keys)) == [True] * 4 + [False] * 2
+    assert ray.get(reader.call.remote("longest_prefix", keys)) == 4
+    assert ray.get(reader.call.remote("get_batch", keys)) == [page(i) for i in range(4)] + [None, None]
+    calls, fallbacks = ray.get(reader.lookup_counts.remote())
+    assert (calls, fallbacks) == (3, 0)  # all three went over the socket
+    socket_answer = RayMaster(master).call("get_locations", keys, None, "default")
+    ray_answer = RayMaster(master, lookups=False).call("get_locations", keys, None, "default")
+    assert socket_answer == ray_answer and socket_answer[0]  # same segments, offsets, misses
+
+
+def test_lookup_socket_refuses_bad_frames_and_stays_up() -> None:
+    master = start_master("kv-lookup-bad", config=CONFIG)
+    address = tuple(ray.get(master.lookup_address.remote()))
+
+    def ask(payload: bytes, conn: socket.socket) -> dict[str, Any]:
+        conn.sendall(payload)
+        (length,) = struct.unpack(">I", _recv(conn, 4))
+        return wire.decode(_recv(conn, length), "master_lookup_reply")
+
+    with socket.create_connection(address, timeout=10) as conn:
+        garbage = b"\xc1not msgpack"
+        reply = ask(struct.pack(">I", len(garbage)) + garbage, conn)
+        assert not reply["ok"] and "not valid msgpack" in reply["error"]
+        bad_method = {"type": "master_lookup", "request_id": 7, "method": "put_start", "keys": [b"k"]}
+        body = msgpack.packb(bad_method)
+        reply = ask(struct.pack(">I", len(body)) + body, conn)
+        assert not reply["ok"] and "lookup method must be one of" in reply["error"]
+        good = {"type": "master_lookup", "request_id": 8, "method": "exists", "keys": [b"k"]}
+        reply = ask(frame(good), conn)  # the same connection still answers
+        assert reply == {"type": "master_lookup_reply", "request_id": 8, "ok": True, "result": [False]}
+    with socket.create_connection(address, timeout=10) as conn:
+        reply = ask(struct.pack(">I", 1 << 30), conn)  # a length no frame may have: refused, then hung up
+        assert not reply["ok"] and "refused" in reply["error"]
+        assert conn.recv(1) == b""
+    # The master is still up for everyone else.
+    assert RayMaster(master).call("exists", [b"k"]) == [False]
+
+
+def test_lookups_fall_back_to_ray_when_the_socket_is_gone() -> None:
+    master = start_master("kv-lookup-gone", config=CONFIG)
+    gone = RayMaster(master)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens here once this closes
+    gone.lookup = LookupClient(lambda: ("127.0.0.1", port))
+    assert gone.call("longest_prefix", [b"a", b"b"]) == 0
+    assert gone.lookup is not None and (gone.lookup.calls, gone.lookup.fallbacks) == (0, 1)
+
+
+def _recv(conn: socket.socket, num_bytes: int) -> bytes:
+    data = b""
+    while len(data) < num_bytes:
+        chunk = conn.recv(num_bytes - len(data))
+        assert chunk, "connection closed early"
+        data += chunk
+    return data
