@@ -33,6 +33,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .page_hash import PageHash, hash_pages
 from .page_pool import Page
 from .presets import PRESETS, preset_dir
+from .reservations import PrefixReservations
 from .sampler import compute_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -107,7 +108,9 @@ class LLMEngine:
         self.session_holds = SessionHolds(
             self.kv_cache.pool, ModelRunner.bytes_per_page(self.model, page_size, self.dtype)
         )
-        self.kv_cache.reclaim = self.session_holds.reclaim
+        # Queued requests keep their cached prefix referenced until admission (reservations.py).
+        self.reservations = PrefixReservations(self.kv_cache.pool)
+        self.kv_cache.reclaim = self._reclaim
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -268,8 +271,16 @@ class LLMEngine:
         if self.kv_connector is not None:
             # A request arriving with output already made (a remote prefill) finds its pages in the store.
             self._load_prefix(seq, 0 if prefix else self.kv_load_min_tokens)
+        self.reservations.reserve(request_id, self.kv_cache.match_prefix(seq))
         self.scheduler.add(seq)
         return request_id
+
+    def _reclaim(self, num_pages: int) -> int:
+        """Free pages for an allocation that fell short: idle sessions' holds first, queued requests' last."""
+        freed = self.session_holds.reclaim(num_pages)
+        if freed < num_pages:
+            freed += self.reservations.reclaim(num_pages - freed)
+        return freed
 
     def _load_prefix(self, seq: Sequence, min_tokens: int) -> None:
         """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache."""
@@ -436,6 +447,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self.reservations.release(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -500,7 +512,7 @@ class LLMEngine:
         return self.session_holds.residency(session_id)
 
     def session_stats(self) -> dict[str, int]:
-        return self.session_holds.stats()
+        return {**self.session_holds.stats(), **self.reservations.stats()}
 
     def expire_holds(self) -> int:
         """Release the session holds whose TTL has passed; returns how many."""
@@ -521,6 +533,9 @@ class LLMEngine:
             del self._requests[output.request_id]
         self._finished_on_arrival.clear()
         scheduled = self.scheduler.schedule()
+        if self.reservations:
+            for chunk in scheduled.chunks:  # admitted: the sequence's own references take over
+                self.reservations.release(chunk.seq.request_id)
         if not scheduled.chunks:
             return arrived
         self.runner.apply_page_copies(self.kv_cache.pending_copies)

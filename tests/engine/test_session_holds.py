@@ -197,6 +197,9 @@ def test_finished_session_stays_held_while_cold_pages_make_room() -> None:
         "pressure_releases": 0,
         "offloaded_pages": 0,
         "prewarmed_pages": 0,
+        "reserved_requests": 0,
+        "reserved_pages_total": 0,
+        "reservations_dropped": 0,
     }
     assert engine.release_session("s") == 3 and engine.release_session("s") == 0
     assert engine.kv_cache.num_free_pages == 16
@@ -371,3 +374,70 @@ def test_async_engine_passes_sessions_through_and_lets_holds_lapse_when_idle() -
 
     stats = asyncio.run(main())
     assert stats["expired_holds"] == 1 and stats["held_sessions"] == 0 and stats["free_pages"] == 16
+
+
+# -- queued requests' prefixes ---------------------------------------------------
+
+
+def start_long_request(engine: LLMEngine, max_tokens: int) -> str:
+    """A 33-token request that runs (9 pages) and then grows by decoding; the engine admits only one at a time."""
+    request_id = engine.add_request(
+        tokens(200, 33), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
+    engine.step()
+    assert [seq.request_id for seq in engine.scheduler.running] == [request_id]
+    return request_id
+
+
+def finish_all(engine: LLMEngine) -> dict[str, RequestOutput]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def test_a_queued_request_keeps_its_cached_prefix_and_idle_holds_give_way_first() -> None:
+    engine = make_engine(num_pages=16, max_num_seqs=1)
+    run(engine, tokens(0, 10), THREE_OUT, session_id="s")  # pages 0-2 held for session s
+    shared = tokens(100, 13)
+    run(engine, shared, ONE_OUT)  # 3 full pages cached, unheld
+    start_long_request(engine, max_tokens=16)  # 9 pages now, 12 by its end: 3 more than the 1 free
+    queued = engine.add_request(shared + tokens(300, 4), ONE_OUT)  # waits: one sequence at a time
+    assert engine.session_stats()["reserved_requests"] == 1
+    outputs = finish_all(engine)
+    # The long request's growth took the session's held pages (released under pressure), not the
+    # queued request's cached prefix: all 3 of its pages were still there at its admission.
+    assert outputs[queued].num_cached_prompt_tokens == 12
+    assert engine.session_residency("s")[0] < 3
+    stats = engine.session_stats()
+    assert stats["pressure_releases"] == 1 and stats["reservations_dropped"] == 0
+    assert stats["reserved_requests"] == 0 and stats["reserved_pages_total"] == 3
+
+
+def test_a_running_sequence_outranks_queued_reservations_youngest_dropped_first() -> None:
+    engine = make_engine(num_pages=16, max_num_seqs=1)
+    older, younger = tokens(100, 9), tokens(400, 9)
+    run(engine, older, ONE_OUT)  # 2 full pages cached
+    run(engine, younger, ONE_OUT)  # 2 more
+    start_long_request(engine, max_tokens=24)  # grows to 14 pages: needs every page but the older's two
+    first = engine.add_request(older + [7], ONE_OUT)
+    second = engine.add_request(younger + [7], ONE_OUT)
+    outputs = finish_all(engine)  # no deadlock: the reservations gave way to the running sequence
+    assert engine.session_stats()["reservations_dropped"] == 1
+    assert outputs[first].num_cached_prompt_tokens == 8  # the oldest queued request kept its prefix
+    assert outputs[second].num_cached_prompt_tokens == 0  # the youngest's was taken back and evicted
+
+
+def test_an_aborted_queued_request_gives_its_reservation_back() -> None:
+    engine = make_engine(num_pages=16, max_num_seqs=1)
+    shared = tokens(100, 13)
+    run(engine, shared, ONE_OUT)
+    start_long_request(engine, max_tokens=4)
+    queued = engine.add_request(shared + [7], ONE_OUT)
+    pages = engine.kv_cache.pool.cached_prefix(engine.prefix_residency(shared)[0])
+    assert [page.ref_count for page in pages] == [1, 1, 1]  # the reservation's references
+    engine.abort(queued)
+    assert [page.ref_count for page in pages] == [0, 0, 0]
+    assert engine.session_stats()["reserved_requests"] == 0
