@@ -95,6 +95,14 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def system_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    return list(dict.fromkeys(names))
+
+
 def health_capacity_pages(url: str) -> int | None:
     """Decode pages of a running cluster, when ``/health`` reports them per pool; else None."""
     try:
@@ -150,6 +158,12 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         "--context", type=positive_int, default=None, help="serve a copy of the preset with this longer context"
     )
     parser.add_argument("--compare", action="store_true", help="also run no_lifecycle and round_robin")
+    parser.add_argument(
+        "--systems",
+        type=system_list,
+        default=None,
+        help=f"comma list of the systems to run, one after the other ({', '.join(SYSTEMS)}; --compare: all)",
+    )
     parser.add_argument("--concurrency", type=positive_int, default=4, help="conversations at once")
     parser.add_argument("--max-conversations", type=positive_int, default=None, help="default all (quick 4)")
     parser.add_argument("--max-duration-s", type=fraction, default=None, help="stop sending after (quick 20)")
@@ -161,8 +175,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--grpc-port", type=int, default=19080)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     args = parser.parse_args(argv)
-    if args.url and args.compare:
-        parser.error("--compare starts its own clusters: drop --url")
+    if args.url and (args.compare or args.systems):
+        parser.error("--compare and --systems start their own clusters: drop --url")
     if args.quick:
         args.max_conversations = args.max_conversations or QUICK_CONVERSATIONS
         args.max_duration_s = args.max_duration_s or QUICK_DURATION_S
@@ -204,7 +218,7 @@ def run_clusters(
     from rayturn.cluster.config import load_config
     from rayturn.cluster.runner import running_cluster
 
-    names = list(SYSTEMS) if args.compare else ["rayturn"]
+    names = args.systems or (list(SYSTEMS) if args.compare else ["rayturn"])
     configs = {name: load_config(args.config, **system_overrides(name, args, device_kv_pages)) for name in names}
     runs: dict[str, SystemRun] = {}
     # "local": a Ray of its own, never one already running on this host (its Serve would be torn down).
@@ -305,7 +319,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "kv_demand_over_device_capacity": round(demand / capacity, 3) if capacity else None,
         "systems": summaries,
     }
-    if len(summaries) > 1:
+    if len(summaries) > 1 and "rayturn" in summaries:
         result["ratios"] = compare(summaries, reference="rayturn")
     result["wall_s"] = round(time.perf_counter() - started, 1)
     result["machine"] = machine()

@@ -533,3 +533,36 @@ def test_with_context_stretches_a_preset_copy(tmp_path: Path) -> None:
     assert workload.with_context("tiny", 1024, tmp_path) == "tiny"  # long enough already
     with pytest.raises(ValueError, match="stretches a preset"):
         workload.with_context(str(tmp_path), 16384, tmp_path)
+
+
+# -- the idle frontier -------------------------------------------------------------
+
+frontier: ModuleType = load_bench(Path(REPLAY_SCRIPT).with_name("idle_frontier.py"), "idle_frontier")
+
+
+def test_hindsight_hold_picks_each_sessions_best_threshold() -> None:
+    # One session, gaps 10 s and 1000 s. At 100 s a warm return, holding 10 s (capture 990 of 1010 s,
+    # one warm return: 1090) beats offloading at once (1010) and holding through both (200).
+    point = frontier.hindsight_hold([[10.0, 1000.0]], weight_s=100.0)
+    assert point == {"weight_s": 100.0, "idle_capture": 990 / 1010, "warm_return": 0.5}
+    # A second session decides on its own gaps: at 100 s a return, never hold 500 s gaps.
+    both = frontier.hindsight_hold([[10.0, 1000.0], [500.0]], weight_s=100.0)
+    assert both["idle_capture"] == (990 + 500) / 1510 and both["warm_return"] == 1 / 3
+
+
+def test_idle_frontier_quick_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = tmp_path / "weka"
+    for n in range(4):  # four conversations, three turns each: think gaps of 20 s to 2 h
+        calls, t = [], 0.0
+        for turn in range(3):
+            calls.append(request(t, [1, 2, 3 + turn], text=True, stop="end_turn"))
+            t += 2.0 + [20.0, 600.0, 7200.0][(n + turn) % 3]
+        weka_file(traces, f"conversation-{n}", calls)
+    assert frontier.main(["--quick", "--traces", str(traces), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["gaps"] == 8 and result["conversations"] == 4
+    assert [p["prewarm_quantile"] for p in result["predictor"]] == list(frontier.QUICK_QUANTILES)
+    assert all(0.0 <= p["idle_capture"] <= 1.0 and 0.0 <= p["warm_return"] <= 1.0 for p in result["hindsight"])
+    assert result["oracle"]["warm_return"] == 1.0
+    assert (tmp_path / "out" / "idle_frontier_quick.json").is_file()
+    assert (tmp_path / "out" / "idle_frontier_quick.png").is_file()

@@ -1,0 +1,177 @@
+"""How much idle capture can be had with how many warm returns, on the Claude Code traces.
+
+Idle capture (the share of user idle time a session's KV spends off the
+device) and prewarm hits (the share of returns that find it back) pull
+against each other: bringing pages back earlier catches more returns and
+gives up idle time. This sweeps that trade-off for the idle predictor
+(``rayturn.router.idle``, cross-validated by conversation) over its prewarm
+quantile, and sets two references beside it in the same run:
+
+- ``hindsight``: for each session, the best "keep the pages for X seconds,
+  then offload, load on demand" rule, X chosen *knowing all of that
+  session's gaps* (no causal predictor can pick better thresholds), swept
+  over the weight of a warm return against captured idle time. A warm return
+  here is any return that finds the pages resident, the prewarmed and the
+  never-offloaded alike.
+- ``oracle``: knows every gap; offloads those past break-even and prewarms
+  just in time.
+
+Figures: per point, idle capture, the share of offloaded gaps prewarmed in
+time (``prewarm_hit``) and the share of all returns that found their pages
+resident (``warm_return``). The last line is one JSON object; a PNG of the
+frontier goes next to the JSON under ``--out``.
+
+    python bench/idle_frontier.py [--quick] [--traces DIR] [--break-even-s 5] [--reload-s 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from _common import Progress, emit
+
+from rayturn.router.idle import IdleModelConfig, cross_validate, load_traces, turn_end_samples
+
+DEFAULT_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "weka"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUANTILES = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05)
+QUICK_QUANTILES = (0.001, 0.005, 0.02)
+# Weight of one warm return, in seconds of captured idle, for the hindsight rule.
+WEIGHTS_S = (10, 30, 100, 200, 300, 500, 1000, 2000, 3000, 10_000)
+TARGET = (0.90, 0.90)  # idle capture, warm returns
+
+
+def hindsight_hold(gaps_by_session: Sequence[Sequence[float]], weight_s: float) -> dict[str, float]:
+    """Each session's best hold-then-offload threshold for ``weight_s``, chosen knowing its gaps."""
+    captured = warm = 0.0
+    for gaps in gaps_by_session:
+        best = (-1.0, 0.0, 0)
+        for threshold in (0.0, *sorted(gaps)):
+            session_captured = sum(max(0.0, gap - threshold) for gap in gaps)
+            session_warm = sum(1 for gap in gaps if gap <= threshold)
+            score = session_captured + weight_s * session_warm
+            if score > best[0]:
+                best = (score, session_captured, session_warm)
+        captured += best[1]
+        warm += best[2]
+    total_idle = sum(sum(gaps) for gaps in gaps_by_session)
+    total_gaps = sum(len(gaps) for gaps in gaps_by_session)
+    return {"weight_s": weight_s, "idle_capture": captured / total_idle, "warm_return": warm / total_gaps}
+
+
+def predictor_point(summary: dict[str, Any], quantile: float) -> dict[str, float]:
+    policy = summary["predictor"]
+    return {
+        "prewarm_quantile": quantile,
+        "idle_capture": policy["idle_capture"],
+        "prewarm_hit": policy["prewarm_hit_rate"],
+        "warm_return": policy["warm_return_rate"],
+    }
+
+
+def meets(point: dict[str, float]) -> bool:
+    return point["idle_capture"] >= TARGET[0] and point["warm_return"] >= TARGET[1]
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    for name, marker in (("predictor", "o-"), ("hindsight", "s--")):
+        points = sorted(result[name], key=lambda p: p["idle_capture"])
+        axes.plot([p["idle_capture"] for p in points], [p["warm_return"] for p in points], marker, label=name)
+    oracle = result["oracle"]
+    axes.plot([oracle["idle_capture"]], [oracle["warm_return"]], "k*", markersize=12, label="oracle")
+    axes.axvline(TARGET[0], color="grey", linewidth=0.8)
+    axes.axhline(TARGET[1], color="grey", linewidth=0.8)
+    axes.fill_between([TARGET[0], 1.0], TARGET[1], 1.0, color="green", alpha=0.08, label="target")
+    axes.set_xlabel("idle capture (share of user idle time off the device)")
+    axes.set_ylabel("warm returns (share of returns with pages resident)")
+    axes.set_title(f"{result['gaps']} think gaps, break-even {result['break_even_s']:g} s")
+    axes.set_xlim(0.5, 1.01)
+    axes.set_ylim(0.0, 1.01)
+    axes.legend(loc="lower left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="trace file or folder")
+    parser.add_argument("--quick", action="store_true", help="three prewarm quantiles, two folds")
+    parser.add_argument("--break-even-s", type=float, default=5.0, help="idle time past which an offload pays")
+    parser.add_argument("--reload-s", type=float, default=0.5, help="time to bring a session's KV back")
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if not args.traces.exists():
+        print(f"no traces at {args.traces}; pass --traces", file=sys.stderr)
+        return 2
+    conversations = [c for c in load_traces([args.traces]) if c.think_gaps()]
+    gaps_by_session = [[gap.duration_s for _, gap in turn_end_samples(c)] for c in conversations]
+    gaps_by_session = [gaps for gaps in gaps_by_session if gaps]
+    quantiles = QUICK_QUANTILES if args.quick else QUANTILES
+    folds = 2 if args.quick else args.folds
+    progress = Progress("idle frontier", len(quantiles))
+    predictor, oracle = [], None
+    for quantile in quantiles:
+        config = replace(IdleModelConfig(), lower_quantile=quantile)
+        summary = cross_validate(conversations, folds, args.break_even_s, args.reload_s, config=config)
+        predictor.append(predictor_point(summary, quantile))
+        oracle = summary["oracle"]
+        progress.advance()
+    assert oracle is not None
+    hindsight = [hindsight_hold(gaps_by_session, weight) for weight in WEIGHTS_S]
+    best_predictor = max(predictor, key=lambda p: min(p["idle_capture"], p["warm_return"]))
+    best_hindsight = max(hindsight, key=lambda p: min(p["idle_capture"], p["warm_return"]))
+    result: dict[str, Any] = {
+        "bench": "idle_frontier",
+        "quick": args.quick,
+        "gaps": sum(len(g) for g in gaps_by_session),
+        "conversations": len(gaps_by_session),
+        "break_even_s": args.break_even_s,
+        "reload_s": args.reload_s,
+        "folds": folds,
+        "predictor": predictor,
+        "hindsight": hindsight,
+        "oracle": {"idle_capture": oracle["idle_capture"], "warm_return": oracle["warm_return_rate"]},
+        "target_idle_capture": TARGET[0],
+        "target_warm_return": TARGET[1],
+        "predictor_meets_target": any(meets(p) for p in predictor),
+        "hindsight_meets_target": any(meets(p) for p in hindsight),
+        # The balanced point of each (the larger of its two shares' minimum), and its ratio to hindsight.
+        "predictor_balanced": best_predictor,
+        "hindsight_balanced": best_hindsight,
+        "balanced_over_hindsight": min(best_predictor["idle_capture"], best_predictor["warm_return"])
+        / min(best_hindsight["idle_capture"], best_hindsight["warm_return"]),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "idle_frontier_quick" if args.quick else "idle_frontier"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    if plot(result, args.out / f"{stem}.png"):
+        result["plot"] = str(args.out / f"{stem}.png")
+    for name in ("predictor", "hindsight"):
+        for point in result[name]:
+            knob = f"q={point['prewarm_quantile']:g}" if name == "predictor" else f"w={point['weight_s']:g}s"
+            print(f"{name:10s} {knob:10s} capture {point['idle_capture']:.3f}  warm returns {point['warm_return']:.3f}")
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
