@@ -311,8 +311,9 @@ class LLMEngine:
             logger.warning("KV store lookup failed, computing instead: %s", err)
             return 0
         pool.touch(local)  # keep local hits from being evicted by the allocation below
-        if reclaim and available > pool.num_free_pages and self.kv_cache.reclaim is not None:
-            self.kv_cache.reclaim(available - pool.num_free_pages)
+        if reclaim and available > pool.num_free_pages:
+            # Idle holds only: requests queued before this one keep their reservations.
+            self.session_holds.reclaim(available - pool.num_free_pages)
         pages = pool.allocate(max(0, min(available, pool.num_free_pages - keep_free)))
         try:
             cache = self.runner.kv_cache
@@ -448,6 +449,8 @@ class LLMEngine:
         if request is None:
             return
         self.reservations.release(request_id)
+        # Finished before any step: nothing left to report.
+        self._finished_on_arrival = [r for r in self._finished_on_arrival if r is not request]
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")

@@ -48,10 +48,19 @@ class PrefixReservations:
             self.pool.free(reversed(pages))
 
     def reclaim(self, num_pages: int) -> int:
-        """Drop reservations, youngest first, until ``num_pages`` pages became free; returns the pages freed."""
+        """Drop reservations, youngest first, until ``num_pages`` pages became free; returns the pages freed.
+
+        A reservation whose pages all have other references too (queued
+        requests sharing one system prompt) would free nothing: it stays.
+        """
         num_free_before = self.pool.num_free_pages
-        while self._pages and self.pool.num_free_pages - num_free_before < num_pages:
-            _, pages = self._pages.popitem(last=True)
+        for request_id in reversed(list(self._pages)):
+            if self.pool.num_free_pages - num_free_before >= num_pages:
+                break
+            pages = self._pages[request_id]
+            if all(page.ref_count > 1 for page in pages):
+                continue
+            del self._pages[request_id]
             self.pool.free(reversed(pages))
             self.dropped += 1
         return self.pool.num_free_pages - num_free_before

@@ -72,12 +72,24 @@ class CpuBackend(TorchBackend):
 def _native_decode_fits(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: DecodeBatch
 ) -> bool:
+    # The C kernel trusts its arguments: anything it cannot read safely takes the torch path.
     tensors = (query, key_cache, value_cache)
+    page_table, seq_lens = batch.page_table, batch.seq_lens
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and query.dim() == 3
+        and key_cache.dim() == 4
+        and key_cache.shape == value_cache.shape
         and key_cache.stride() == value_cache.stride()
         and key_cache.stride(-1) == 1
-        and batch.page_table.dtype == torch.int32
-        and batch.seq_lens.dtype == torch.int32
+        and query.shape[2] == key_cache.shape[3]
         and query.shape[1] % key_cache.shape[2] == 0
+        and page_table.device.type == "cpu"
+        and seq_lens.device.type == "cpu"
+        and page_table.dtype == torch.int32
+        and seq_lens.dtype == torch.int32
+        and page_table.dim() == 2
+        and seq_lens.shape == (query.shape[0],)
+        and page_table.shape[0] == query.shape[0]
+        and max(batch.seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
     )

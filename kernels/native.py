@@ -61,13 +61,14 @@ def _compiler() -> str | None:
 
 
 def _cpu_model() -> str:
+    """The CPU's model and instruction-set flags: a library built with -march=native runs only where both match."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{model}\n{flags}" if model or flags else platform.processor()
 
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
@@ -98,22 +99,27 @@ def load() -> NativeKernels | None:
     if compiler is None:
         _unavailable.append("no C compiler found (set $CC)")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     errors = []
-    for flags in (FLAGS, PORTABLE_FLAGS):
-        key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), compiler, *version, *flags, platform.machine(), _cpu_model()]).encode()
-        ).hexdigest()[:16]
-        target = cache_dir() / f"paged_attention_cpu-{key}.so"
-        if not target.is_file():
-            error = _build(compiler, flags, target)
-            if error is not None:
-                errors.append(error.splitlines()[-1])
-                continue
-        try:
-            return NativeKernels(ctypes.CDLL(str(target)), target)
-        except OSError as err:
-            errors.append(str(err))
+    try:
+        probe = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+        version = probe.stdout.splitlines()[:1]
+        for flags in (FLAGS, PORTABLE_FLAGS):
+            key = hashlib.sha256(
+                "\0".join([SOURCE.read_text(), compiler, *version, *flags, platform.machine(), _cpu_model()]).encode()
+            ).hexdigest()[:16]
+            target = cache_dir() / f"paged_attention_cpu-{key}.so"
+            if not target.is_file():
+                error = _build(compiler, flags, target)
+                if error is not None:
+                    errors.append(error.splitlines()[-1])
+                    continue
+            try:
+                return NativeKernels(ctypes.CDLL(str(target)), target)
+            except OSError as err:
+                errors.append(str(err))
+    # No writable cache, a compiler that hangs: the torch backend serves instead.
+    except (OSError, subprocess.SubprocessError) as err:
+        errors.append(f"{type(err).__name__}: {err}")
     _unavailable.append(f"build failed: {'; '.join(errors)}")
     logger.warning("rayturn native CPU kernels unavailable: %s", _unavailable[-1])
     return None

@@ -301,6 +301,8 @@ class KVStoreClient:
         """
         num_bytes = int(ranges[:, 1].sum())
         try:
+            if not np.array_equal(ranges[:, 1], targets.sizes[indices]):
+                raise ValueError("a replica's size differs from its buffer's")
             if segment_id == self.segment_id:
                 _copy_out(self.segment, ranges, targets.addresses[indices])
                 return True

@@ -60,7 +60,7 @@ class RayMaster:
         self.lookup = LookupClient(self._lookup_address) if lookups else None
 
     def _lookup_address(self) -> tuple[str, int] | None:
-        address = ray.get(self.handle.lookup_address.remote(), timeout=30)
+        address = ray.get(self.handle.lookup_address.remote(), timeout=5)
         return None if address is None else (address[0], int(address[1]))
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:

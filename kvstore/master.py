@@ -45,6 +45,7 @@ class KVMaster:
             logger.info("kv master restored %d objects from %s", len(self.state.objects), self.snapshot_path)
         self._housekeeping: asyncio.Task[None] | None = None
         self._lookup: LookupServer | None = None
+        self._lookup_start = asyncio.Lock()
         self._metrics = MasterMetrics()
         self._last_snapshot_s = time.monotonic()
 
@@ -151,14 +152,15 @@ class KVMaster:
     async def lookup_address(self) -> tuple[str, int] | None:
         """Where the lookup socket listens (started on first ask); None if it cannot listen."""
         self._ensure_started()
-        if self._lookup is None:
-            server = LookupServer(self._answer_lookup)
-            try:
-                await server.start(ray.util.get_node_ip_address())
-            except OSError as err:
-                logger.warning("kv master lookup socket unavailable, lookups go through Ray: %s", err)
-                return None
-            self._lookup = server
+        async with self._lookup_start:  # concurrent first askers: one server
+            if self._lookup is None:
+                server = LookupServer(self._answer_lookup)
+                try:
+                    await server.start(ray.util.get_node_ip_address())
+                except OSError as err:
+                    logger.warning("kv master lookup socket unavailable, lookups go through Ray: %s", err)
+                    return None
+                self._lookup = server
         return self._lookup.address
 
     def _answer_lookup(self, method: str, keys: list[bytes], node_id: str | None, tenant: str) -> Any:

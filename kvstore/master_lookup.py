@@ -16,7 +16,9 @@ state as the actor's methods and never interleaves with one. The client side
 lives in ``RayMaster``: it asks the actor for the address once, keeps one
 connection (calls from several threads take turns), and on any failure (the
 master restarted elsewhere, a frame it refused) answers that call through Ray
-and tries the socket again after a pause.
+and tries the socket again after a pause that grows while failures repeat.
+The socket has no authentication of its own: like Ray's ports, it belongs on
+the cluster's private network.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ logger = logging.getLogger(__name__)
 
 LOOKUP_METHODS = ("get_locations", "exists", "longest_prefix")
 _LENGTH = struct.Struct(">I")
-# After a failure the client answers through Ray for this long before it tries the socket again.
+# The client's patience (see LookupClient).
+CONNECT_TIMEOUT_S = 0.5
+CALL_TIMEOUT_S = 2.0
+LOCK_WAIT_S = 0.05
 RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
 
 
 def _request_fields(message: dict[str, Any]) -> None:
@@ -132,48 +138,75 @@ class LookupFailed(Exception):
 
 
 class LookupClient:
-    """One blocking connection to the master's lookup socket, shared by a process's threads."""
+    """One blocking connection to the master's lookup socket, shared by a process's threads.
 
-    def __init__(self, resolve: Callable[[], tuple[str, int] | None], timeout_s: float = 10.0) -> None:
+    A lookup takes a fraction of a millisecond, so the socket never makes a
+    caller wait long: connecting has ``CONNECT_TIMEOUT_S``, an answer
+    ``CALL_TIMEOUT_S``, and a thread that cannot have the connection within
+    ``LOCK_WAIT_S`` (another thread's call is stuck) asks Ray. After a failure
+    the socket rests for ``RETRY_AFTER_S``, doubling with every further
+    failure up to ``MAX_RETRY_AFTER_S`` (a port the network drops costs a
+    timeout once a minute, not every second); a success resets it.
+    """
+
+    def __init__(self, resolve: Callable[[], tuple[str, int] | None]) -> None:
         self._resolve = resolve
-        self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._next_id = 0
         self._retry_at = 0.0
+        self._failures = 0  # in a row
         self.calls = 0  # answered over the socket
-        self.fallbacks = 0  # answered through Ray after a failure
+        self.fallbacks = 0  # answered through Ray instead
 
     def call(self, method: str, keys: list[bytes], node_id: str | None = None, tenant: str | None = None) -> Any:
         """The master's answer over the socket; LookupFailed when Ray must answer instead."""
-        with self._lock:
+        if not self._lock.acquire(timeout=LOCK_WAIT_S):
+            self.fallbacks += 1
+            raise LookupFailed("the lookup socket is busy")
+        try:
             if time.monotonic() < self._retry_at:
-                raise LookupFailed("lookup socket failed recently")
+                self.fallbacks += 1
+                raise LookupFailed("the lookup socket failed recently")
+            self._next_id += 1
+            request: dict[str, Any] = {
+                "type": "master_lookup",
+                "request_id": self._next_id,
+                "method": method,
+                "keys": keys,
+            }
+            if node_id is not None:
+                request["node_id"] = node_id
+            if tenant is not None:
+                request["tenant"] = tenant
             try:
-                ok, result = self._round_trip(method, keys, node_id, tenant)
-            except (OSError, WireError, LookupFailed) as err:
+                payload = frame(request)
+            except WireError as err:  # too many keys for one frame: this call goes to Ray, the socket is fine
+                self.fallbacks += 1
+                raise LookupFailed(str(err)) from err
+            try:
+                ok, result = self._round_trip(payload)
+            except Exception as err:  # the socket, the master's address, a garbled reply: rest the socket
                 self._fail(err)
                 raise LookupFailed(str(err)) from err
-            if not ok:  # the master refused this request (an answer too large for a frame, say): Ray answers
+            self._failures = 0
+            if not ok:  # the master refused this request (an answer too large for a frame, say)
                 self.fallbacks += 1
                 raise LookupFailed(result)
             self.calls += 1
             return result
+        finally:
+            self._lock.release()
 
-    def _round_trip(self, method: str, keys: list[bytes], node_id: str | None, tenant: str | None) -> tuple[bool, Any]:
+    def _round_trip(self, payload: bytes) -> tuple[bool, Any]:
         if self._sock is None:
             address = self._resolve()
             if address is None:
                 raise LookupFailed("the master has no lookup socket")
-            self._sock = socket.create_connection(address, timeout=self._timeout_s)
+            self._sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+            self._sock.settimeout(CALL_TIMEOUT_S)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._next_id += 1
-        request: dict[str, Any] = {"type": "master_lookup", "request_id": self._next_id, "method": method, "keys": keys}
-        if node_id is not None:
-            request["node_id"] = node_id
-        if tenant is not None:
-            request["tenant"] = tenant
-        self._sock.sendall(frame(request))
+        self._sock.sendall(payload)
         (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
         if length == 0 or length > wire.MAX_CONTROL_BYTES:
             raise WireError(f"reply frame of {length} bytes refused")
@@ -197,9 +230,11 @@ class LookupClient:
 
     def _fail(self, err: Exception) -> None:
         self.fallbacks += 1
-        logger.debug("kv master lookup socket failed, answering through Ray: %s", err)
+        self._failures += 1
+        rest_s = min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self._failures - 1))
+        logger.debug("kv master lookup socket failed, answering through Ray for %.0f s: %s", rest_s, err)
         self.close_socket()
-        self._retry_at = time.monotonic() + RETRY_AFTER_S
+        self._retry_at = time.monotonic() + rest_s
 
     def close_socket(self) -> None:
         if self._sock is not None:

@@ -17,6 +17,7 @@ from rayturn.engine import LLMEngine, RequestOutput, SamplingParams, SessionMove
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.page_hash import PageHash, hash_page
 from rayturn.engine.page_pool import Page, PagePool
+from rayturn.engine.reservations import PrefixReservations
 from rayturn.engine.session_holds import SessionHolds
 
 PAGE = 4
@@ -441,3 +442,27 @@ def test_an_aborted_queued_request_gives_its_reservation_back() -> None:
     engine.abort(queued)
     assert [page.ref_count for page in pages] == [0, 0, 0]
     assert engine.session_stats()["reserved_requests"] == 0
+
+
+def test_reservations_that_would_free_nothing_are_kept() -> None:
+    pool = PagePool(6)
+    shared, own = pool.allocate(2), pool.allocate(1)
+    for page, n in zip([*shared, *own], range(3)):
+        pool.cache(page, hash_page(None, [n], "m"))
+    pool.free([*shared, *own])
+    reservations = PrefixReservations(pool)
+    reservations.reserve("a", list(shared))  # two queued requests with one system prompt
+    reservations.reserve("b", list(shared))
+    reservations.reserve("c", list(own))
+    # Dropping "c" (youngest) frees its page; "b" alone would free nothing ("a" still holds the pages).
+    assert reservations.reclaim(2) == 1
+    assert reservations.stats()["reserved_requests"] == 2 and reservations.dropped == 1
+    assert [page.ref_count for page in shared] == [2, 2]
+
+
+def test_aborting_a_request_that_finished_on_arrival_leaves_the_engine_working() -> None:
+    engine = make_engine(num_pages=16)
+    done = engine.add_request(tokens(0, 5), ONE_OUT, output_prefix=[9])  # max_tokens 1: finished on arrival
+    engine.abort(done)
+    assert engine.step() == []
+    assert run(engine, tokens(0, 5), ONE_OUT).finished

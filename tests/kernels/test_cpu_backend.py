@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayturn.kernels import DecodeBatch, native
+from rayturn.kernels import DecodeBatch, native, select_backend
 from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
@@ -132,3 +132,21 @@ def test_a_failing_build_names_the_compilers_complaint(monkeypatch: pytest.Monke
         native._unavailable.clear()
     assert reason is not None and reason.startswith("build failed: ") and "error" in reason
     assert list((tmp_path / "kernels").iterdir()) == []  # failed builds leave nothing behind
+
+
+def test_an_unwritable_cache_means_the_torch_backend_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("RAYTURN_CACHE_DIR", str(blocker))  # the cache would go under a file
+    monkeypatch.delenv("RAYTURN_KERNEL_BACKEND", raising=False)
+    native.load.cache_clear()
+    try:
+        backend = select_backend(torch.device("cpu"))
+        reason = native.unavailable_reason()
+    finally:
+        native.load.cache_clear()
+        native._unavailable.clear()
+    assert backend.name == "torch"
+    assert reason is not None and "NotADirectoryError" in reason
