@@ -3,18 +3,24 @@
 Idle capture (the share of user idle time a session's KV spends off the
 device) and prewarm hits (the share of returns that find it back) pull
 against each other: bringing pages back earlier catches more returns and
-gives up idle time. This sweeps that trade-off for the idle predictor
-(``rayturn.router.idle``, cross-validated by conversation) over its prewarm
-quantile, and sets two references beside it in the same run:
+gives up idle time. This sweeps that trade-off for both idle predictors of
+``rayturn.router.idle`` (cross-validated by conversation): ``hazard`` (the
+default) over the worth of a warm return, ``session`` (log-normal) over its
+prewarm quantile. References in the same run:
 
 - ``hindsight``: for each session, the best "keep the pages for X seconds,
   then offload, load on demand" rule, X chosen *knowing all of that
-  session's gaps* (no causal predictor can pick better thresholds), swept
-  over the weight of a warm return against captured idle time. A warm return
-  here is any return that finds the pages resident, the prewarmed and the
-  never-offloaded alike.
+  session's gaps* (no causal policy picks better thresholds), swept over
+  the weight of a warm return against captured idle time.
+- ``keep_or_offload``: the best any policy without prewarms can do, even
+  one that knows every gap: keep the pages through the shortest gaps, offload
+  the rest at once. Whatever lies beyond it needs prewarms that land inside
+  a user's absence, before the user is back.
 - ``oracle``: knows every gap; offloads those past break-even and prewarms
   just in time.
+
+A warm return is any return that finds the pages resident, the prewarmed
+and the never-offloaded alike.
 
 Figures: per point, idle capture, the share of offloaded gaps prewarmed in
 time (``prewarm_hit``) and the share of all returns that found their pages
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,12 +43,23 @@ from typing import Any
 
 from _common import Progress, emit
 
-from rayturn.router.idle import IdleModelConfig, cross_validate, load_traces, turn_end_samples
+from rayturn.router.idle import (
+    IdleModelConfig,
+    cross_validate,
+    keep_or_offload_capture,
+    load_traces,
+    turn_end_samples,
+)
 
 DEFAULT_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "weka"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUANTILES = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05)
 QUICK_QUANTILES = (0.001, 0.005, 0.02)
+# Worth of a warm return in seconds of device residency, for the hazard predictor.
+WORTHS_S = (100, 150, 200, 250, 300, 350, 400, 500, 700, 1000, 2000)
+QUICK_WORTHS_S = (200, 400, 1000)
+# Shares of warm returns at which the keep-or-offload bound is read.
+KEEP_SHARES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.92, 0.95, 0.98, 1.0)
 # Weight of one warm return, in seconds of captured idle, for the hindsight rule.
 WEIGHTS_S = (10, 30, 100, 200, 300, 500, 1000, 2000, 3000, 10_000)
 TARGET = (0.90, 0.90)  # idle capture, warm returns
@@ -65,14 +83,29 @@ def hindsight_hold(gaps_by_session: Sequence[Sequence[float]], weight_s: float) 
     return {"weight_s": weight_s, "idle_capture": captured / total_idle, "warm_return": warm / total_gaps}
 
 
-def predictor_point(summary: dict[str, Any], quantile: float) -> dict[str, float]:
+def keep_or_offload(gaps: Sequence[float], warm_share: float) -> dict[str, float]:
+    """The keep-or-offload bound at ``warm_share`` (``keep_or_offload_capture``), as a frontier point."""
+    kept = min(len(gaps), math.ceil(warm_share * len(gaps) - 1e-9))
+    return {
+        "warm_share": warm_share,
+        "idle_capture": keep_or_offload_capture(gaps, warm_share),
+        "warm_return": kept / len(gaps) if gaps else 0.0,
+    }
+
+
+def predictor_point(summary: dict[str, Any], knob: str, value: float) -> dict[str, float]:
     policy = summary["predictor"]
     return {
-        "prewarm_quantile": quantile,
+        knob: value,
         "idle_capture": policy["idle_capture"],
         "prewarm_hit": policy["prewarm_hit_rate"],
         "warm_return": policy["warm_return_rate"],
     }
+
+
+def balanced(points: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The point whose lesser share (capture or warm returns) is largest."""
+    return max(points, key=lambda p: min(p["idle_capture"], p["warm_return"]))
 
 
 def meets(point: dict[str, float]) -> bool:
@@ -88,7 +121,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
-    for name, marker in (("predictor", "o-"), ("hindsight", "s--")):
+    for name, marker in (("hazard", "o-"), ("session", "^-"), ("hindsight", "s--"), ("keep_or_offload", "k:")):
         points = sorted(result[name], key=lambda p: p["idle_capture"])
         axes.plot([p["idle_capture"] for p in points], [p["warm_return"] for p in points], marker, label=name)
     oracle = result["oracle"]
@@ -99,7 +132,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes.set_xlabel("idle capture (share of user idle time off the device)")
     axes.set_ylabel("warm returns (share of returns with pages resident)")
     axes.set_title(f"{result['gaps']} think gaps, break-even {result['break_even_s']:g} s")
-    axes.set_xlim(0.5, 1.01)
+    axes.set_xlim(0.6, 1.01)
     axes.set_ylim(0.0, 1.01)
     axes.legend(loc="lower left")
     figure.tight_layout()
@@ -126,19 +159,27 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     gaps_by_session = [[gap.duration_s for _, gap in turn_end_samples(c)] for c in conversations]
     gaps_by_session = [gaps for gaps in gaps_by_session if gaps]
     quantiles = QUICK_QUANTILES if args.quick else QUANTILES
+    worths = QUICK_WORTHS_S if args.quick else WORTHS_S
     folds = 2 if args.quick else args.folds
-    progress = Progress("idle frontier", len(quantiles))
-    predictor, oracle = [], None
-    for quantile in quantiles:
-        config = replace(IdleModelConfig(), lower_quantile=quantile)
-        summary = cross_validate(conversations, folds, args.break_even_s, args.reload_s, config=config)
-        predictor.append(predictor_point(summary, quantile))
+    progress = Progress("idle frontier", len(quantiles) + len(worths))
+    curves: dict[str, list[dict[str, float]]] = {"hazard": [], "session": []}
+    oracle = None
+    sweeps = [("hazard", "warm_return_worth_s", float(worth)) for worth in worths]
+    sweeps += [("session", "lower_quantile", quantile) for quantile in quantiles]
+    for predictor, knob, value in sweeps:
+        config = replace(IdleModelConfig(), **{knob: value})
+        summary = cross_validate(
+            conversations, folds, args.break_even_s, args.reload_s, predictor=predictor, config=config
+        )
+        curves[predictor].append(predictor_point(summary, knob, value))
         oracle = summary["oracle"]
         progress.advance()
     assert oracle is not None
     hindsight = [hindsight_hold(gaps_by_session, weight) for weight in WEIGHTS_S]
-    best_predictor = max(predictor, key=lambda p: min(p["idle_capture"], p["warm_return"]))
-    best_hindsight = max(hindsight, key=lambda p: min(p["idle_capture"], p["warm_return"]))
+    all_gaps = [gap for gaps in gaps_by_session for gap in gaps]
+    keep = [keep_or_offload(all_gaps, share) for share in KEEP_SHARES]
+    keep_at_target = keep_or_offload(all_gaps, TARGET[1])
+    references = {name: balanced(points) for name, points in (*curves.items(), ("hindsight", hindsight))}
     result: dict[str, Any] = {
         "bench": "idle_frontier",
         "quick": args.quick,
@@ -147,28 +188,43 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "break_even_s": args.break_even_s,
         "reload_s": args.reload_s,
         "folds": folds,
-        "predictor": predictor,
+        **curves,
         "hindsight": hindsight,
+        "keep_or_offload": keep,
         "oracle": {"idle_capture": oracle["idle_capture"], "warm_return": oracle["warm_return_rate"]},
         "target_idle_capture": TARGET[0],
         "target_warm_return": TARGET[1],
-        "predictor_meets_target": any(meets(p) for p in predictor),
-        "hindsight_meets_target": any(meets(p) for p in hindsight),
-        # The balanced point of each (the larger of its two shares' minimum), and its ratio to hindsight.
-        "predictor_balanced": best_predictor,
-        "hindsight_balanced": best_hindsight,
-        "balanced_over_hindsight": min(best_predictor["idle_capture"], best_predictor["warm_return"])
-        / min(best_hindsight["idle_capture"], best_hindsight["warm_return"]),
+        # Without prewarms, even knowing every gap, this is the most capture at the target's warm share.
+        "keep_or_offload_capture_at_target": keep_at_target["idle_capture"],
+        **{
+            f"{name}_meets_target": any(meets(p) for p in points)
+            for name, points in (*curves.items(), ("hindsight", hindsight))
+        },
+        # The balanced point of each (the largest lesser share), and the predictors' against hindsight.
+        **{f"{name}_balanced": point for name, point in references.items()},
+        **{
+            f"{name}_balanced_over_hindsight": min(references[name]["idle_capture"], references[name]["warm_return"])
+            / min(references["hindsight"]["idle_capture"], references["hindsight"]["warm_return"])
+            for name in curves
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "idle_frontier_quick" if args.quick else "idle_frontier"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if plot(result, args.out / f"{stem}.png"):
         result["plot"] = str(args.out / f"{stem}.png")
-    for name in ("predictor", "hindsight"):
+    knobs = {
+        "hazard": "warm_return_worth_s",
+        "session": "lower_quantile",
+        "hindsight": "weight_s",
+        "keep_or_offload": "warm_share",
+    }
+    for name, knob in knobs.items():
         for point in result[name]:
-            knob = f"q={point['prewarm_quantile']:g}" if name == "predictor" else f"w={point['weight_s']:g}s"
-            print(f"{name:10s} {knob:10s} capture {point['idle_capture']:.3f}  warm returns {point['warm_return']:.3f}")
+            print(
+                f"{name:16s} {knob}={point[knob]:<8g} capture {point['idle_capture']:.3f}  "
+                f"warm returns {point['warm_return']:.3f}"
+            )
     emit(result)
     return 0
 

@@ -28,7 +28,9 @@ moment's running calls fits.
 Systems: without ``--url`` an embedded cluster per system (``--config``,
 default: all defaults with 2 decode replicas). ``--compare`` runs, one after
 the other, ``rayturn``, ``no_lifecycle`` and ``round_robin`` and reports each
-baseline's figures over rayturn's.
+baseline's figures over rayturn's; ``--systems`` picks any of those and
+``lognormal_idle`` (the life cycle with the log-normal idle predictor in place
+of the default hazard one).
 
     python bench/replay.py [TRACES ...] [--quick] [--compare] [--url http://127.0.0.1:8000]
     rayturn replay [args]
@@ -92,7 +94,10 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "no_lifecycle": {"lifecycle.enabled": False},
     "round_robin": {"router.policy": "round_robin", "kvstore.enabled": False, "prefill.min_replicas": 0,
                     "prefill.max_replicas": 0, "lifecycle.enabled": False},
+    "lognormal_idle": {"lifecycle.predictor": "session"},
 }  # fmt: skip
+# What --compare runs: rayturn and the baselines without its life cycle or its routing and store.
+COMPARED = ("rayturn", "no_lifecycle", "round_robin")
 
 
 def system_list(text: str) -> list[str]:
@@ -162,7 +167,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         "--systems",
         type=system_list,
         default=None,
-        help=f"comma list of the systems to run, one after the other ({', '.join(SYSTEMS)}; --compare: all)",
+        help=f"comma list of the systems to run, one after the other ({', '.join(SYSTEMS)}; "
+        f"--compare: {', '.join(COMPARED)})",
     )
     parser.add_argument("--concurrency", type=positive_int, default=4, help="conversations at once")
     parser.add_argument("--max-conversations", type=positive_int, default=None, help="default all (quick 4)")
@@ -218,7 +224,7 @@ def run_clusters(
     from rayturn.cluster.config import load_config
     from rayturn.cluster.runner import running_cluster
 
-    names = args.systems or (list(SYSTEMS) if args.compare else ["rayturn"])
+    names = args.systems or (list(COMPARED) if args.compare else ["rayturn"])
     configs = {name: load_config(args.config, **system_overrides(name, args, device_kv_pages)) for name in names}
     runs: dict[str, SystemRun] = {}
     # "local": a Ray of its own, never one already running on this host (its Serve would be torn down).
@@ -245,7 +251,8 @@ def trace_paths(args: argparse.Namespace) -> list[Path] | None:
 
 HEADLINE = (
     "hit_within_turn", "hit_cross_turn", "bound_within_turn", "bound_cross_turn", "idle_capture", "prewarm_hit",
-    "warm_return_rate", "ttft_p50_s", "ttft_p99_s", "ttft_cross_over_within_p99", "itl_p50_s", "itl_p99_s",
+    "warm_return_rate", "idle_capture_keep_bound", "idle_capture_keep_bound_at_target",
+    "ttft_p50_s", "ttft_p99_s", "ttft_cross_over_within_p99", "itl_p50_s", "itl_p99_s",
     "calls", "failures",
 )  # fmt: skip
 

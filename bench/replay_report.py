@@ -15,6 +15,12 @@ is in neither):
   that found them back (``prewarmed``).
 - ``warm_return_rate``: the share of cross-turn calls that found at least 90%
   of their session's pages resident.
+- ``idle_capture_keep_bound`` / ``idle_capture_keep_bound_at_target``: the
+  most idle capture any policy without prewarms could have had on the same
+  returns, knowing every gap, with as many of those returns warm as the run
+  had / with 90%
+  (``rayturn.router.idle.keep_or_offload_capture``): it keeps the pages
+  through the shortest gaps and offloads the rest at once.
 
 For a call the prefill pool computed, ``cached_tokens`` (and
 ``kv_store_tokens``) are what the prefill replica found cached, not the pages
@@ -36,6 +42,7 @@ from _common import percentile
 from replay_workload import CallKind
 
 from rayturn.decode.lifecycle import Phase
+from rayturn.router.idle import keep_or_offload_capture
 from rayturn.router.session import SESSION_STATE_HEADER
 
 SESSION_STATES = tuple(phase.value for phase in Phase)
@@ -234,12 +241,22 @@ def lifecycle_figures(cross_calls: Sequence[CallRecord]) -> dict[str, Any]:
     idle = [v for v in views if v.idle_s is not None]
     off_device = [v for v in views if v.state in OFF_DEVICE_STATES]
     warm = [v for v in views if v.resident_pages >= WARM_RESIDENT_SHARE * v.session_pages]
+    warm_return_rate = _share(len(warm), len(views))
+    gaps_s = [v.idle_s for v in idle if v.idle_s is not None]
+    # The bound at the warm share of these same returns (a new session's first call is not one).
+    warm_share = _share(sum(1 for v in idle if v.resident_pages >= WARM_RESIDENT_SHARE * v.session_pages), len(idle))
     return {
         "session_header_calls": len(views),
-        "idle_capture": _share(sum(v.off_device_s or 0.0 for v in idle), sum(v.idle_s or 0.0 for v in idle)),
+        "idle_capture": _share(sum(v.off_device_s or 0.0 for v in idle), sum(gaps_s)),
         "offloaded_returns": len(off_device),
         "prewarm_hit": _share(sum(1 for v in off_device if v.state == "prewarmed"), len(off_device)),
-        "warm_return_rate": _share(len(warm), len(views)),
+        "warm_return_rate": warm_return_rate,
+        "idle_capture_keep_bound": None
+        if warm_share is None or not gaps_s
+        else round(keep_or_offload_capture(gaps_s, warm_share), 4),
+        "idle_capture_keep_bound_at_target": round(keep_or_offload_capture(gaps_s, TARGETS["prewarm_hit"][1]), 4)
+        if gaps_s
+        else None,
     }
 
 
@@ -277,7 +294,7 @@ TABLE_ROWS = (
     "calls", "failures", "duration_s", "prompt_tokens", "device_cache_tokens", "store_tokens", "recomputed_tokens",
     "hit_within_turn", "bound_within_turn", "hit_within_turn_over_bound",
     "hit_cross_turn", "bound_cross_turn", "hit_cross_turn_over_bound",
-    "idle_capture", "prewarm_hit", "warm_return_rate",
+    "idle_capture", "prewarm_hit", "warm_return_rate", "idle_capture_keep_bound", "idle_capture_keep_bound_at_target",
     "ttft_p50_s", "ttft_p99_s", "ttft_within_p99_s", "ttft_cross_p99_s", "ttft_cross_over_within_p99",
     "itl_p50_s", "itl_p99_s", "prefill_paths",
 )  # fmt: skip

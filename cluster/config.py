@@ -36,7 +36,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv_aware", "round_robin")
-IDLE_PREDICTORS = ("session", "prior")  # rayturn.router.idle.PREDICTORS
+IDLE_PREDICTORS = ("hazard", "session", "prior")  # rayturn.router.idle.PREDICTORS
 KV_TRANSPORTS = ("auto", "ucx")  # rayturn.kvstore.client.TRANSPORTS, without importing Ray to parse a file
 
 _SIZE_UNITS = {
@@ -279,7 +279,8 @@ class LifecycleSpec:
     turn_hold_s: float = 10.0
     break_even_margin_s: float = 5.0
     prewarm_lead_s: float = 0.5
-    predictor: str = "session"
+    predictor: str = "hazard"
+    warm_return_worth_s: float = 400.0
     store_bandwidth_bytes_s: float = 1e9
 
     def __post_init__(self) -> None:
@@ -298,6 +299,7 @@ class LifecycleSpec:
             "predictor",
             f"must be one of {', '.join(IDLE_PREDICTORS)}, got {self.predictor!r}",
         )
+        _check_above("warm_return_worth_s", self.warm_return_worth_s, 0)
         _check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
 
     def settings(self) -> dict[str, Any]:

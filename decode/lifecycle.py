@@ -12,8 +12,8 @@ otherwise::
               ┌──── answer calls a tool ────────┴──── turn over ────┐
               v                                                     v
      HELD (tool, TTL = tool latency quantile)                      LOOK: predict the idle left
-              │ TTL passes                        idle left > break-even and the prewarm is due
-              └──> LOOK (no store: RELEASED,      later than a reload takes?
+              │ TTL passes                        idle left > break-even, and the pages would
+              └──> LOOK (no store: RELEASED,      stay off long enough to pay for the move?
                    cached and evictable)           ├─ no:  HELD (turn, turn_hold_s) ──> LOOK again
                                                    └─ yes: OFFLOADED (in the store, device pages free)
                                                               │ prewarm timer: predict again; later? move the timer
@@ -54,7 +54,14 @@ from typing import Any, TypeVar
 
 from rayturn.engine import LLMEngine, SessionMove
 from rayturn.engine.async_engine import AsyncEngine
-from rayturn.router.idle import PREDICTORS, IdlePredictor, IdlePrior, TurnEndFeatures
+from rayturn.router.idle import (
+    PREDICTORS,
+    IdleModelConfig,
+    IdlePredictor,
+    IdlePrior,
+    TurnEndFeatures,
+    min_off_s,
+)
 from rayturn.router.session import CallKind, NextStep
 from rayturn.router.tool_latency import ToolLatencyModel
 
@@ -89,7 +96,8 @@ class LifecycleSettings:
     turn_hold_s: float = 10.0
     break_even_margin_s: float = 5.0
     prewarm_lead_s: float = 0.5
-    predictor: str = "session"
+    predictor: str = "hazard"
+    warm_return_worth_s: float = 400.0
     store_bandwidth_bytes_s: float = 1e9
 
     @classmethod
@@ -194,7 +202,10 @@ class SessionPlanner:
         self.settings = settings
         self.bytes_per_page = bytes_per_page
         self.has_store = has_store
-        self.predictor = predictor or PREDICTORS[settings.predictor](IdlePrior())
+        if predictor is None:
+            config = IdleModelConfig(warm_return_worth_s=settings.warm_return_worth_s)
+            predictor = PREDICTORS[settings.predictor](IdlePrior(config=config))
+        self.predictor = predictor
         self.tool_latency = ToolLatencyModel()
         self.clock = clock
         self.counters = LifecycleCounters()
@@ -358,14 +369,14 @@ class SessionPlanner:
         assert session.last_end_s is not None
         return now - session.last_end_s > self.settings.wall_s(MAX_IDLE_S)
 
-    def _planned_prewarm(self, session: _Session, now: float, lower_s: float, reload_s: float) -> float:
-        """When the prewarm starts if the user stays away: ``_prewarm_at`` the lower quantile, moved later
-        while a prediction from the idle time at that moment says so (as the timer does when it fires),
-        looking only as far as needed to tell whether it lies more than a reload time from now."""
+    def _planned_prewarm(self, session: _Session, now: float, lower_s: float, reload_s: float, off_s: float) -> float:
+        """When the prewarm starts if the user stays away: ``_prewarm_at`` the predicted ``lower_s``, moved
+        later while a prediction from the idle time at that moment says so (as the timer does when it
+        fires), looking only as far as needed to tell whether it lies more than ``off_s`` from now."""
         start_s = max(now, self._prewarm_at(session, lower_s, reload_s))
         min_step_s = self.settings.wall_s(REPLAN_MIN_STEP_S)
         for _ in range(MAX_REPLANS):
-            if start_s - now > reload_s:
+            if start_s - now > off_s:
                 break
             _, later_lower_s = self._predict(session, start_s)
             later_s = self._prewarm_at(session, later_lower_s, reload_s)
@@ -390,8 +401,11 @@ class SessionPlanner:
             assert session.last_end_s is not None
             point_s, lower_s = self._predict(session, now)
             break_even_s, reload_s = self._costs_s(session)
-            prewarm_at_s = self._planned_prewarm(session, now, lower_s, reload_s)
-            if point_s - (now - session.last_end_s) > break_even_s and prewarm_at_s - now > reload_s:
+            # Offload when the user should stay away past break-even and the pages would stay off
+            # long enough to pay for the move (its break-even less the reload inside it).
+            least_off_s = min_off_s(break_even_s, reload_s)
+            prewarm_at_s = self._planned_prewarm(session, now, lower_s, reload_s, least_off_s)
+            if point_s - (now - session.last_end_s) > break_even_s and prewarm_at_s - now > least_off_s:
                 self._expected_s[session.session_id] = prewarm_at_s
                 await self._offload(session, epoch, prewarm_at_s)
                 return
@@ -431,8 +445,11 @@ class SessionPlanner:
         later_s = self._prewarm_at(session, lower_s, reload_s)
         if later_s > now + max(reload_s, self.settings.wall_s(REPLAN_MIN_STEP_S)):
             self.counters.replans += 1
-            self._expected_s[session.session_id] = later_s
-            self._at(session, later_s, self._prewarm_due)
+            if math.isfinite(later_s):
+                self._expected_s[session.session_id] = later_s
+                self._at(session, later_s, self._prewarm_due)
+            else:  # no return worth waiting for on the device: a return loads on demand
+                self._expected_s.pop(session.session_id, None)
             return
         session.phase = Phase.PREWARMING
         hold_s = self.settings.wall_s(self.settings.turn_hold_s)

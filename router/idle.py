@@ -5,7 +5,7 @@ KV-residency planner asks an ``IdlePredictor`` how long, conditioned on how
 long the user has been away already, and acts on the answer:
 
   turn ends ──> LOOK (predict from the idle time so far)
-                 ├─ idle left <= break-even, or prewarm due within a reload time:
+                 ├─ idle left <= break-even, or the pages would be off too briefly to pay:
                  │    ON DEVICE, pinned ──(hold_s passes, user still away)──> LOOK
                  └─ otherwise:
                       OFFLOADED ──(prewarm timer fires)──> PREWARMING ──> ON DEVICE
@@ -13,20 +13,26 @@ long the user has been away already, and acts on the answer:
                       │   └─────────────────┘ a new prediction says later: the timer moves
                       └──(user back first)──> on-demand load
 
-Pages back on the device are pinned like those of a fresh turn end. The
-prewarm timer is set ``reload_s`` before the predicted lower quantile.
-When it fires and the user is still away, a prediction from the idle time so
-far may move it later (the pages are off already, so waiting costs nothing);
-it stays once the chance that the user returns within a reload time reaches
-the lower quantile's share.
+Pages back on the device are pinned like those of a fresh turn end. A
+prediction's ``lower_s`` says when the pages should be back on the device; the
+prewarm timer is set ``reload_s`` before it. When it fires and the user is
+still away, a prediction from the idle time so far may move it later (the
+pages are off already, so waiting costs nothing).
 
-The default model (``SessionIdlePredictor``) works on log seconds. A prior
-fitted offline (``fit_prior``) gives a log-linear centre from turn-end features
-and the spread of what is left; online, an exponentially weighted mean of each
-session's residuals, shrunk toward zero while it has few gaps, moves the centre
-per session, and a slow global mean follows drift of the whole population.
-Quantiles are those of a log-normal around that centre, conditioned on the
-idle time so far.
+Both models work on log seconds around a prior: fitted offline
+(``fit_prior``), it gives a log-linear centre from turn-end features and a
+spread; without traces, a log-normal from the public Claude Code figures. A
+slow global mean of the residuals follows drift of the whole population.
+
+- ``HazardIdlePredictor`` (the default) mixes the prior's log-normal with a
+  kernel density over the session's own latest gaps and keeps the pages on
+  the device while the return hazard is worth it (see the class); one gap
+  may hold, offload, prewarm and offload again.
+- ``SessionIdlePredictor`` moves the log-normal's centre by an exponentially
+  weighted mean of the session's residuals (shrunk toward zero while it has
+  few gaps); ``lower_s`` is a low quantile of the return, conditioned on the
+  idle time so far, and it stays once the chance that the user returns within
+  a reload time reaches that quantile's share.
 """
 
 from __future__ import annotations
@@ -83,7 +89,8 @@ class TurnEndFeatures:
 
 @dataclass(frozen=True, slots=True)
 class IdlePrediction:
-    """Predicted idle time: a point estimate and a lower quantile for the prewarm lead."""
+    """Predicted idle time: a point estimate, and when the pages should be back on the device (the
+    prewarm timer is set ahead of it; the idle time so far: now; ``inf``: no return worth waiting for)."""
 
     point_s: float
     lower_s: float
@@ -138,6 +145,12 @@ class IdleModelConfig:
     # this share: the most prewarming that kept idle capture at 0.90 or more on the tuning half.
     lower_quantile: float = 0.02
     ridge: float = 1.0
+    # The hazard predictor wants the pages on the device while the user's chance of returning
+    # within the next second is at least 1 / this: a warm return is worth this many seconds of
+    # device residency (the balanced point on the Claude Code traces lies near 400).
+    warm_return_worth_s: float = 400.0
+    # Each past gap of a session adds a Laplace kernel of this scale (log seconds) to its return times.
+    gap_kernel_log_width: float = 0.2
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.features if name not in FEATURES]
@@ -145,6 +158,10 @@ class IdleModelConfig:
             raise ValueError(f"unknown idle features {unknown}; known: {sorted(FEATURES)}")
         if not 0.0 < self.lower_quantile <= self.point_quantile < 1.0:
             raise ValueError("need 0 < lower_quantile <= point_quantile < 1")
+        if not self.warm_return_worth_s > 0.0:
+            raise ValueError(f"warm_return_worth_s must be > 0, got {self.warm_return_worth_s}")
+        if not self.gap_kernel_log_width > 0.0:
+            raise ValueError(f"gap_kernel_log_width must be > 0, got {self.gap_kernel_log_width}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +257,149 @@ class SessionIdlePredictor:
         return IdlePrediction(max(point, elapsed), max(lower, elapsed))
 
 
+# The return-time grid of ``HazardIdlePredictor``: log seconds from 1 s to about two days. Grid
+# point k stands for the cell of log seconds within half a step of it; the first cell also holds
+# returns within a second, and what lies past the last cell is kept as a tail of its own.
+_HAZARD_GRID_POINTS = 256
+_LOG_GRID = np.linspace(0.0, math.log(2.0e5), _HAZARD_GRID_POINTS)
+_GRID_S = np.exp(_LOG_GRID)
+_LOG_STEP = float(_LOG_GRID[1] - _LOG_GRID[0])
+_GRID_END = float(_LOG_GRID[-1] + 0.5 * _LOG_STEP)
+# A session's return-time density remembers this many of its latest gaps.
+HAZARD_HISTORY_GAPS = 32
+# Sessions whose schedule is kept for the next look within the same gap.
+HAZARD_CACHE_ENTRIES = 4096
+# A kept schedule serves while the log-normal's centre has moved less than this (the global drift
+# term moves it a little with every gap any session ends).
+HAZARD_CENTRE_TOLERANCE = 0.01
+# Past this share of the mass still to come, the density says nothing more: no return is planned for.
+HAZARD_MIN_AWAY = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class _Schedule:
+    """One gap's plan on the grid: where the pages belong on the device, and the return-time CDF."""
+
+    on: np.ndarray  # bool per grid point: the return hazard there is worth the residency
+    cdf: np.ndarray  # the share of returns before each grid point (cell midpoints)
+
+
+class HazardIdlePredictor:
+    """Return-hazard predictor: pages on the device exactly while a return is likely enough.
+
+    At a turn end the session's return time gets a density over log seconds:
+    the prior's log-normal (centre from the turn-end features plus a slow
+    global drift) mixed with Laplace kernels on the session's own latest gaps,
+    which gain weight as the session shows more of them. Its hazard (the
+    chance per second that a user who is still away returns now) decides: the
+    pages belong on the device while the hazard is at least
+    ``1 / warm_return_worth_s``. The hazard of real think times falls, rises
+    again near the gaps a session keeps repeating, and falls after them (a
+    Laplace kernel's tail, unlike a normal one's, does not say "late, so surely
+    back any second"), so one gap may hold, offload, prewarm before a likely
+    return, and offload again when the user does not come. ``lower_s`` is when
+    the pages should be back on the device (the idle time so far while they
+    belong there, ``inf`` when no return is worth waiting for), ``point_s``
+    the conditional median of the return.
+    """
+
+    def __init__(self, prior: IdlePrior | None = None, max_sessions: int = 100_000):
+        self.prior = prior or IdlePrior()
+        config = self.prior.config
+        self._decay = 0.5 ** (1.0 / config.session_half_life_gaps)
+        self._threshold = 1.0 / config.warm_return_worth_s
+        # A Laplace kernel on the grid, out to where it has fallen below a millionth.
+        self._reach = math.ceil(14.0 * config.gap_kernel_log_width / _LOG_STEP)
+        offsets = np.arange(-self._reach, self._reach + 1)
+        kernel = np.exp(-np.abs(offsets) * _LOG_STEP / config.gap_kernel_log_width)
+        self._kernel = kernel / kernel.sum()  # one unit of mass per gap
+        self._max_sessions = max_sessions
+        self._global_bias = 0.0
+        # Each session's latest log gaps, oldest first; least recently observed session first.
+        self._sessions: OrderedDict[str, list[float]] = OrderedDict()
+        # Each recent session's last schedule, under the log-normal centre it was computed for.
+        self._schedules: OrderedDict[str, tuple[float, _Schedule]] = OrderedDict()
+
+    def observe_gap(self, session_id: str, features: TurnEndFeatures, gap_s: float) -> None:
+        if not math.isfinite(gap_s):
+            return
+        log_gap = math.log(max(gap_s, MIN_GAP_S))
+        self._global_bias += self.prior.config.global_rate * (log_gap - self.prior.centre(features) - self._global_bias)
+        gaps = self._sessions.pop(session_id, None) or []
+        gaps.append(log_gap)
+        del gaps[:-HAZARD_HISTORY_GAPS]
+        self._sessions[session_id] = gaps
+        self._schedules.pop(session_id, None)
+        if len(self._sessions) > self._max_sessions:
+            dropped, _ = self._sessions.popitem(last=False)
+            self._schedules.pop(dropped, None)
+
+    def masses(self, session_id: str, features: TurnEndFeatures) -> tuple[np.ndarray, float]:
+        """The session's return-time distribution: the mass of each grid cell, and the mass past the grid."""
+        return self._masses(session_id, self.prior.centre(features) + self._global_bias)
+
+    def _masses(self, session_id: str, centre: float) -> tuple[np.ndarray, float]:
+        sigma = self.prior.log_std
+        mass = np.exp(-0.5 * ((_LOG_GRID - centre) / sigma) ** 2) * (_LOG_STEP / (sigma * math.sqrt(2.0 * math.pi)))
+        mass[0] += _STANDARD_NORMAL.cdf((-0.5 * _LOG_STEP - centre) / sigma)  # back within the first second
+        beyond = 1.0 - _STANDARD_NORMAL.cdf((_GRID_END - centre) / sigma)
+        gaps = self._sessions.get(session_id)
+        if not gaps:
+            return mass, beyond
+        weights = self._decay ** np.arange(len(gaps) - 1, -1, -1, dtype=np.float64)
+        total = float(weights.sum())
+        # Spread each gap over its two neighbouring grid points, then lay the kernel over them.
+        far = _HAZARD_GRID_POINTS + self._reach  # a gap beyond this adds nothing to the grid
+        position = np.minimum(np.asarray(gaps) / _LOG_STEP, float(far))
+        below = position.astype(np.int64)
+        above_share = position - below
+        points = np.bincount(below, weights * (1.0 - above_share), minlength=far + 2)
+        points += np.bincount(below + 1, weights * above_share, minlength=far + 2)
+        spread = np.convolve(points, self._kernel) / total  # index reach + k is grid point k
+        own = spread[self._reach : self._reach + _HAZARD_GRID_POINTS].copy()
+        own[0] += spread[: self._reach].sum()
+        own_beyond = float(spread[self._reach + _HAZARD_GRID_POINTS :].sum())
+        share = total / (total + self.prior.config.shrinkage_gaps)
+        return share * own + (1.0 - share) * mass, share * own_beyond + (1.0 - share) * beyond
+
+    def _schedule(self, session_id: str, features: TurnEndFeatures) -> _Schedule:
+        centre = self.prior.centre(features) + self._global_bias
+        cached = self._schedules.get(session_id)
+        if cached is not None and abs(cached[0] - centre) < HAZARD_CENTRE_TOLERANCE:
+            self._schedules.move_to_end(session_id)
+            return cached[1]
+        mass, beyond = self._masses(session_id, centre)
+        # Still away on reaching a grid point: the mass from that point on, summed from the far end
+        # so that a thin tail keeps its size.
+        away = np.cumsum(mass[::-1])[::-1] + beyond
+        likely = away > HAZARD_MIN_AWAY * (away[0] if away[0] > 0.0 else 1.0)
+        hazard_per_s = np.where(likely, mass / (_LOG_STEP * _GRID_S) / np.maximum(away, 1e-300), 0.0)
+        cdf = (np.cumsum(mass) - 0.5 * mass) / max(float(away[0]), 1e-300)
+        schedule = _Schedule(hazard_per_s >= self._threshold, cdf)
+        self._schedules.pop(session_id, None)
+        self._schedules[session_id] = (centre, schedule)
+        if len(self._schedules) > HAZARD_CACHE_ENTRIES:
+            self._schedules.popitem(last=False)
+        return schedule
+
+    def predict(self, session_id: str, features: TurnEndFeatures) -> IdlePrediction:
+        schedule = self._schedule(session_id, features)
+        elapsed = features.idle_so_far_s
+        log_elapsed = math.log(max(elapsed, MIN_GAP_S))
+        index = min(round(log_elapsed / _LOG_STEP), _HAZARD_GRID_POINTS - 1)
+        ahead = np.flatnonzero(schedule.on[index:])
+        if ahead.size == 0:
+            back_by_s = math.inf
+        else:
+            back_by_s = max(elapsed, float(_GRID_S[index + int(ahead[0])]) * math.exp(-0.5 * _LOG_STEP))
+        passed = float(np.interp(log_elapsed, _LOG_GRID, schedule.cdf)) if elapsed > 0 else 0.0
+        median_index = int(np.searchsorted(schedule.cdf, passed + 0.5 * (1.0 - passed)))
+        point_s = float(_GRID_S[median_index]) if median_index < _HAZARD_GRID_POINTS else math.exp(_GRID_END)
+        return IdlePrediction(max(point_s, elapsed), back_by_s)
+
+
 PREDICTORS: dict[str, Callable[[IdlePrior], IdlePredictor]] = {
+    "hazard": lambda prior: HazardIdlePredictor(prior),
     "session": lambda prior: SessionIdlePredictor(prior),
     "prior": lambda prior: SessionIdlePredictor(prior, learn_sessions=False),
 }
@@ -354,6 +513,16 @@ class _Costs:
     timeout_s: float
     hold_s: float
 
+    @property
+    def min_off_s(self) -> float:
+        return min_off_s(self.break_even_s, self.reload_s)
+
+
+def min_off_s(break_even_s: float, reload_s: float) -> float:
+    """The least time off the device that pays for an offload: break-even less the reload inside it,
+    and never less than a reload."""
+    return max(reload_s, break_even_s - reload_s)
+
 
 # Bounds on the second looks one gap may take: looks at the whole gap, moves of one prewarm timer.
 MAX_LOOKS = 1000
@@ -370,7 +539,7 @@ def _prewarm_start(
     replan: bool,
     horizon_s: float,
 ) -> float:
-    """When the prewarm starts if the user stays away: ``reload_s`` before the lower quantile, moved
+    """When the prewarm starts if the user stays away: ``reload_s`` before ``lower_s``, moved
     later while a prediction from the idle time at that moment says so. Past ``horizon_s`` the exact
     time no longer matters to the caller."""
     start_s = max(now_s, prediction.lower_s - costs.reload_s)
@@ -398,10 +567,11 @@ def _predictor_gap(
     for _ in range(MAX_LOOKS if second_looks else 1):
         if prediction.point_s - now_s > costs.break_even_s:
             # Once the user is back and the offload is decided, a later prewarm changes nothing.
-            horizon_s = max(gap_s, now_s + costs.reload_s + REPLAN_MIN_STEP_S)
+            # Looking that far tells whether the pages would stay off long enough, whatever the gap.
+            horizon_s = max(gap_s, now_s + costs.min_off_s + REPLAN_MIN_STEP_S)
             prewarm_at_s = _prewarm_start(now_s, prediction, again, costs, second_looks, horizon_s)
-            # With second looks, offload only when the pages would stay off longer than a reload takes.
-            if not second_looks or prewarm_at_s - now_s > costs.reload_s:
+            # Offload only when the pages would stay off long enough to pay for the move.
+            if prewarm_at_s - now_s > costs.min_off_s:
                 offloaded = True
                 tally.offload(gap_s, now_s, costs.break_even_s)
                 if gap_s < prewarm_at_s + costs.reload_s:
@@ -529,11 +699,11 @@ def evaluate(
     Policies: ``predictor`` follows the module's state diagram: at turn end
     and after every ``hold_s`` (default: break-even) the user stays away with
     the pages on the device, it offloads when the predicted idle left exceeds
-    ``break_even_s`` and the prewarm would start more than ``reload_s`` later;
-    the prewarm starts ``reload_s`` before the lower quantile, moved later by
-    predictions from the idle time so far. ``single_shot`` is the plain rule:
-    one look at turn end, offload when the point estimate exceeds break-even,
-    prewarm at the first lower quantile minus ``reload_s``. ``timeout``
+    ``break_even_s`` and the pages would stay off long enough to pay for the
+    move (``min_off_s``); the prewarm starts ``reload_s`` before ``lower_s``,
+    moved later by predictions from the idle time so far. ``single_shot`` is
+    the plain rule: one look at turn end, the same offload test, prewarm at
+    the first ``lower_s`` minus ``reload_s``. ``timeout``
     offloads every gap after ``timeout_s`` (default: break-even) and loads on
     demand. ``oracle`` offloads exactly the gaps longer than break-even and
     prewarms just in time.
@@ -554,7 +724,7 @@ def cross_validate(
     break_even_s: float,
     reload_s: float,
     *,
-    predictor: str = "session",
+    predictor: str = "hazard",
     config: IdleModelConfig | None = None,
     timeout_s: float | None = None,
     hold_s: float | None = None,
@@ -571,6 +741,19 @@ def cross_validate(
     summary = _summary(total, costs)
     summary.update(folds=folds, predictor_name=predictor, config=asdict(config or IdleModelConfig()))
     return summary
+
+
+def keep_or_offload_capture(gaps_s: Sequence[float], warm_share: float) -> float:
+    """The most idle capture any policy without prewarms can have with ``warm_share`` of returns warm,
+    even one that knows every gap: without a prewarm a warm return keeps the pages on the device for
+    its whole gap, so it keeps them through the shortest gaps and offloads every other at once. More
+    capture at that share takes prewarms that land inside a user's absence."""
+    ordered = sorted(gaps_s)
+    total = sum(ordered)
+    if not ordered or total <= 0.0:
+        return 0.0
+    kept = min(len(ordered), math.ceil(warm_share * len(ordered) - 1e-9))
+    return 1.0 - sum(ordered[:kept]) / total
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -612,12 +795,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hold-s", type=float, help="pages on the device wait this long before a second look (default: break-even)"
     )
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds over conversations")
-    parser.add_argument("--predictor", choices=sorted(PREDICTORS), default="session")
+    parser.add_argument("--predictor", choices=sorted(PREDICTORS), default="hazard")
     parser.add_argument("--features", default=",".join(defaults.features), help=f"comma list of {sorted(FEATURES)}")
-    parser.add_argument("--lower-quantile", type=float, default=defaults.lower_quantile)
+    parser.add_argument(
+        "--lower-quantile", type=float, default=defaults.lower_quantile, help="session, prior: the prewarm quantile"
+    )
+    parser.add_argument(
+        "--warm-return-worth-s",
+        type=float,
+        default=defaults.warm_return_worth_s,
+        help="hazard: seconds of device residency one warm return is worth",
+    )
     args = parser.parse_args(argv)
     features = tuple(name for name in args.features.split(",") if name)
-    config = replace(defaults, features=features, lower_quantile=args.lower_quantile)
+    config = replace(
+        defaults,
+        features=features,
+        lower_quantile=args.lower_quantile,
+        warm_return_worth_s=args.warm_return_worth_s,
+    )
     conversations = [c for c in load_traces(args.traces) if c.think_gaps()]
     summary = cross_validate(
         conversations,

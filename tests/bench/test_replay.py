@@ -306,7 +306,13 @@ def test_idle_capture_prewarm_hit_and_warm_returns() -> None:
     assert figures["offloaded_returns"] == 3
     assert figures["prewarm_hit"] == round(1 / 3, 4)
     assert figures["warm_return_rate"] == round(3 / 5, 4)  # prewarmed, held, new (0 of 0 pages)
-    assert report.lifecycle_figures([record("cross")])["idle_capture"] is None
+    # Gaps 5, 5, 10, 10 s, two of the four returns warm (the prewarmed and the held): without prewarms,
+    # keep the two shortest (10 s on the device). 90% warm keeps all four.
+    assert figures["idle_capture_keep_bound"] == round(1 - 10 / 30, 4)
+    assert figures["idle_capture_keep_bound_at_target"] == 0.0
+    empty = report.lifecycle_figures([record("cross")])
+    assert empty["idle_capture"] is None and empty["idle_capture_keep_bound"] is None
+    assert empty["idle_capture_keep_bound_at_target"] is None
 
 
 def test_summary_splits_tokens_and_checks_targets() -> None:
@@ -514,6 +520,10 @@ def test_systems_override_the_config_as_specified() -> None:
     round_robin = replay.system_overrides("round_robin", args, 700)
     assert round_robin["router.policy"] == "round_robin" and round_robin["kvstore.enabled"] is False
     assert round_robin["prefill.max_replicas"] == 0 and round_robin["lifecycle.enabled"] is False
+    lognormal = replay.system_overrides("lognormal_idle", args, 700)
+    assert lognormal["lifecycle.predictor"] == "session" and lognormal["decode.num_pages"] == 700
+    assert replay.COMPARED == ("rayturn", "no_lifecycle", "round_robin")
+    assert replay.parse_args(["--systems", "rayturn,lognormal_idle"]).systems == ["rayturn", "lognormal_idle"]
 
 
 def test_rayturn_replay_passes_its_arguments_to_the_replayer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -550,6 +560,20 @@ def test_hindsight_hold_picks_each_sessions_best_threshold() -> None:
     assert both["idle_capture"] == (990 + 500) / 1510 and both["warm_return"] == 1 / 3
 
 
+def test_keep_or_offload_keeps_the_shortest_gaps() -> None:
+    # Warm returns without prewarms cost their whole gap: keep the shortest ones.
+    point = frontier.keep_or_offload([1000.0, 10.0, 90.0, 900.0], warm_share=0.5)
+    assert point == {"warm_share": 0.5, "idle_capture": 1 - 100 / 2000, "warm_return": 0.5}
+    assert frontier.keep_or_offload([1000.0, 10.0], warm_share=1.0)["idle_capture"] == 0.0
+    assert frontier.keep_or_offload([1000.0, 10.0], warm_share=0.0)["idle_capture"] == 1.0
+    # The bound is no lower than any hindsight threshold at the same warm share.
+    sessions = [[10.0, 1000.0], [500.0, 20.0, 30.0]]
+    for weight in frontier.WEIGHTS_S:
+        hold = frontier.hindsight_hold(sessions, weight)
+        bound = frontier.keep_or_offload([g for gaps in sessions for g in gaps], hold["warm_return"])
+        assert bound["idle_capture"] >= hold["idle_capture"] - 1e-12
+
+
 def test_idle_frontier_quick_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     traces = tmp_path / "weka"
     for n in range(4):  # four conversations, three turns each: think gaps of 20 s to 2 h
@@ -561,8 +585,16 @@ def test_idle_frontier_quick_on_a_small_trace(tmp_path: Path, capsys: pytest.Cap
     assert frontier.main(["--quick", "--traces", str(traces), "--out", str(tmp_path / "out")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["gaps"] == 8 and result["conversations"] == 4
-    assert [p["prewarm_quantile"] for p in result["predictor"]] == list(frontier.QUICK_QUANTILES)
-    assert all(0.0 <= p["idle_capture"] <= 1.0 and 0.0 <= p["warm_return"] <= 1.0 for p in result["hindsight"])
+    assert [p["lower_quantile"] for p in result["session"]] == list(frontier.QUICK_QUANTILES)
+    assert [p["warm_return_worth_s"] for p in result["hazard"]] == list(frontier.QUICK_WORTHS_S)
+    for curve in ("hazard", "session", "hindsight", "keep_or_offload"):
+        assert all(0.0 <= p["idle_capture"] <= 1.0 and 0.0 <= p["warm_return"] <= 1.0 for p in result[curve])
+    # A warm return worth more keeps pages on the device longer: more warm returns, less capture.
+    hazard = result["hazard"]
+    assert hazard[0]["warm_return"] <= hazard[-1]["warm_return"]
+    assert hazard[0]["idle_capture"] >= hazard[-1]["idle_capture"]
+    # 8 gaps: 90% warm means keeping 8 (all), so no capture is left without prewarms.
+    assert result["keep_or_offload_capture_at_target"] == 0.0
     assert result["oracle"]["warm_return"] == 1.0
     assert (tmp_path / "out" / "idle_frontier_quick.json").is_file()
     assert (tmp_path / "out" / "idle_frontier_quick.png").is_file()

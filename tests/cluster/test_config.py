@@ -447,7 +447,7 @@ def test_lifecycle_settings_reach_the_decode_planner() -> None:
         load_config(**{"lifecycle.time_scale": 0})
     with pytest.raises(ValueError, match=r"lifecycle\.tool_hold_max_s must be >= tool_hold_min_s"):
         load_config(**{"lifecycle.tool_hold_min_s": 10, "lifecycle.tool_hold_max_s": 5})
-    with pytest.raises(ValueError, match=r"lifecycle\.predictor must be one of session, prior"):
+    with pytest.raises(ValueError, match=r"lifecycle\.predictor must be one of hazard, session, prior"):
         load_config(**{"lifecycle.predictor": "oracle"})
 
 

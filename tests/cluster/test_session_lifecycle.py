@@ -2,8 +2,9 @@
 
 One decode replica with a small KV cache (so other traffic evicts whatever is
 not pinned), the KV store, no prefill pool, time at the users' pace. The
-default predictor offloads a new session's pages as soon as its turn ends and
-prewarms them about two seconds later (its lower quantile, 4.4 s, less a 2 s
+``session`` predictor (log-normal prior, prewarm at a low quantile) offloads a
+new session's pages as soon as its turn ends and prewarms them about two
+seconds later (its lower quantile, 4.4 s, less a 2 s
 lead and the reload). Calls send
 token-id prompts to ``/v1/completions`` with the life-cycle hint headers; the
 ``x-rayturn-session`` response header and ``usage`` say where the prompt's KV
@@ -45,6 +46,11 @@ OVERRIDES = small_cluster(
         "prefill.max_replicas": 0,
         "decode.num_pages": NUM_PAGES,
         "lifecycle.time_scale": 1.0,
+        # The mechanics under test need an offload and a prewarm within seconds of a first turn end;
+        # the default hazard predictor holds a session it knows nothing about for minutes instead.
+        "lifecycle.predictor": "session",
+        # Off the device for ~2.6 s must pay for the move: break-even (moves + margin) under 2 s.
+        "lifecycle.break_even_margin_s": 1.0,
         # With a 2 s lead the default prior's prewarm timer stops moving after about 2.4 s of idle.
         "lifecycle.prewarm_lead_s": 2.0,
         # No second look within a test: prewarmed pages stay put.

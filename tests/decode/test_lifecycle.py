@@ -294,3 +294,66 @@ def test_a_session_away_past_the_horizon_is_not_prewarmed() -> None:
         assert plan.next_activity_s() == math.inf
 
     asyncio.run(run())
+
+
+class ChangingPredictor(FixedPredictor):
+    """Says its first answer until ``switch`` is set, then ``later``."""
+
+    def __init__(self, point_s: float, lower_s: float, later: IdlePrediction) -> None:
+        super().__init__(point_s, lower_s)
+        self.later = later
+        self.switch = False
+
+    def predict(self, session_id: str, features: TurnEndFeatures) -> IdlePrediction:
+        if not self.switch:
+            return super().predict(session_id, features)
+        self.asked.append(features)
+        return IdlePrediction(max(self.later.point_s, features.idle_so_far_s), self.later.lower_s)
+
+
+def test_a_prewarm_no_longer_expected_leaves_the_pages_in_the_store() -> None:
+    async def run() -> None:
+        predictor = ChangingPredictor(1000.0, 300.0, later=IdlePrediction(5000.0, math.inf))
+        plan, engine = planner(predictor)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.05)
+        assert engine.kinds() == ["offload"]
+        predictor.switch = True  # by the time the prewarm timer fires, no return is worth waiting for
+        await settle(0.4)
+        assert engine.kinds() == ["offload"]
+        session = plan._sessions["s"]
+        assert session.phase is Phase.OFFLOADED
+        assert plan.next_activity_s() == math.inf
+        assert plan.counters.replans == 1
+        await settle(0.3)  # and no timer is left to prewarm them later
+        assert engine.kinds() == ["offload"]
+        report = plan.arrive("s", "user")  # the user is back after all: an on-demand load
+        assert report["state"] == "offloaded" and plan.counters.early_returns == 1
+
+    asyncio.run(run())
+
+
+def test_hazard_predictor_offloads_prewarms_for_a_learned_return_and_offloads_again() -> None:
+    from rayturn.router.idle import HazardIdlePredictor, IdleModelConfig, IdlePrior
+
+    async def run() -> None:
+        prior = IdlePrior(math.log(100.0), (), 1.0, IdleModelConfig(features=(), global_rate=0.0))
+        predictor = HazardIdlePredictor(prior)
+        for _ in range(6):
+            predictor.observe_gap("s", TurnEndFeatures(), 600.0)
+        # 1 ms per user second: the usual return is 0.6 s away; looks every 10 user seconds.
+        plan, engine = planner(predictor, turn_hold_s=10.0)  # type: ignore[arg-type]
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.3)
+        assert "offload" in engine.kinds() and "prewarm" not in engine.kinds()
+        await settle(0.35)  # ~650 user seconds: prewarmed for the usual return
+        moves = [kind for kind in engine.kinds() if kind != "hold"]
+        assert moves[-1] == "prewarm" and plan._sessions["s"].phase is Phase.PREWARMED
+        await settle(1.6)  # well past it, the user has not come: off the device again
+        moves = [kind for kind in engine.kinds() if kind != "hold"]
+        assert moves[-2:] == ["prewarm", "offload"]
+        assert plan._sessions["s"].phase is Phase.OFFLOADED
+
+    asyncio.run(run())
