@@ -265,13 +265,18 @@ _LOG_GRID = np.linspace(0.0, math.log(2.0e5), _HAZARD_GRID_POINTS)
 _GRID_S = np.exp(_LOG_GRID)
 _LOG_STEP = float(_LOG_GRID[1] - _LOG_GRID[0])
 _GRID_END = float(_LOG_GRID[-1] + 0.5 * _LOG_STEP)
+# A cell's mass over this is its mean density per second.
+_PER_SECOND = 1.0 / (_LOG_STEP * _GRID_S)
 # A session's return-time density remembers this many of its latest gaps.
 HAZARD_HISTORY_GAPS = 32
-# Sessions whose schedule is kept for the next look within the same gap.
+# Sessions whose schedule (and own return-time mass) is kept for the next look within the same gap.
 HAZARD_CACHE_ENTRIES = 4096
-# A kept schedule serves while the log-normal's centre has moved less than this (the global drift
-# term moves it a little with every gap any session ends).
-HAZARD_CENTRE_TOLERANCE = 0.01
+# The log-normal's centre is taken to this step (log seconds), so that a schedule and the prior's
+# mass serve until the centre has moved a step (the global drift term moves it a little with every
+# gap any session ends).
+HAZARD_CENTRE_STEP = 0.01
+# Prior masses kept, one per centre step in use.
+HAZARD_PRIOR_ENTRIES = 256
 # Past this share of the mass still to come, the density says nothing more: no return is planned for.
 HAZARD_MIN_AWAY = 1e-9
 
@@ -317,8 +322,12 @@ class HazardIdlePredictor:
         self._global_bias = 0.0
         # Each session's latest log gaps, oldest first; least recently observed session first.
         self._sessions: OrderedDict[str, list[float]] = OrderedDict()
-        # Each recent session's last schedule, under the log-normal centre it was computed for.
-        self._schedules: OrderedDict[str, tuple[float, _Schedule]] = OrderedDict()
+        # Each recent session's last schedule, under the centre step it was computed for.
+        self._schedules: OrderedDict[str, tuple[int, _Schedule]] = OrderedDict()
+        # Each recent session's own return-time masses (grid, past the grid) and their share of the mix.
+        self._own: OrderedDict[str, tuple[np.ndarray, float, float]] = OrderedDict()
+        # The prior's masses (grid, past the grid) by centre step.
+        self._prior_masses: OrderedDict[int, tuple[np.ndarray, float]] = OrderedDict()
 
     def observe_gap(self, session_id: str, features: TurnEndFeatures, gap_s: float) -> None:
         if not math.isfinite(gap_s):
@@ -329,23 +338,54 @@ class HazardIdlePredictor:
         gaps.append(log_gap)
         del gaps[:-HAZARD_HISTORY_GAPS]
         self._sessions[session_id] = gaps
-        self._schedules.pop(session_id, None)
+        self._forget(session_id)
         if len(self._sessions) > self._max_sessions:
             dropped, _ = self._sessions.popitem(last=False)
-            self._schedules.pop(dropped, None)
+            self._forget(dropped)
+
+    def _forget(self, session_id: str) -> None:
+        """Drop what was derived from a session's gaps."""
+        self._schedules.pop(session_id, None)
+        self._own.pop(session_id, None)
 
     def masses(self, session_id: str, features: TurnEndFeatures) -> tuple[np.ndarray, float]:
         """The session's return-time distribution: the mass of each grid cell, and the mass past the grid."""
-        return self._masses(session_id, self.prior.centre(features) + self._global_bias)
+        return self._masses(session_id, self._centre_step(features))
 
-    def _masses(self, session_id: str, centre: float) -> tuple[np.ndarray, float]:
-        sigma = self.prior.log_std
+    def _centre_step(self, features: TurnEndFeatures) -> int:
+        return round((self.prior.centre(features) + self._global_bias) / HAZARD_CENTRE_STEP)
+
+    def _masses(self, session_id: str, centre_step: int) -> tuple[np.ndarray, float]:
+        mass, beyond = self._prior(centre_step)
+        own = self._own_masses(session_id)
+        if own is None:
+            return mass, beyond
+        own_mass, own_beyond, share = own
+        return share * own_mass + (1.0 - share) * mass, share * own_beyond + (1.0 - share) * beyond
+
+    def _prior(self, centre_step: int) -> tuple[np.ndarray, float]:
+        """The prior's log-normal around the centre step, as masses."""
+        cached = self._prior_masses.get(centre_step)
+        if cached is not None:
+            return cached
+        centre, sigma = centre_step * HAZARD_CENTRE_STEP, self.prior.log_std
         mass = np.exp(-0.5 * ((_LOG_GRID - centre) / sigma) ** 2) * (_LOG_STEP / (sigma * math.sqrt(2.0 * math.pi)))
         mass[0] += _STANDARD_NORMAL.cdf((-0.5 * _LOG_STEP - centre) / sigma)  # back within the first second
         beyond = 1.0 - _STANDARD_NORMAL.cdf((_GRID_END - centre) / sigma)
+        self._prior_masses[centre_step] = (mass, beyond)
+        if len(self._prior_masses) > HAZARD_PRIOR_ENTRIES:
+            self._prior_masses.popitem(last=False)
+        return mass, beyond
+
+    def _own_masses(self, session_id: str) -> tuple[np.ndarray, float, float] | None:
+        """The session's own return-time masses from its gaps, and their share of the mix (None: no gaps)."""
+        cached = self._own.get(session_id)
+        if cached is not None:
+            self._own.move_to_end(session_id)
+            return cached
         gaps = self._sessions.get(session_id)
         if not gaps:
-            return mass, beyond
+            return None
         weights = self._decay ** np.arange(len(gaps) - 1, -1, -1, dtype=np.float64)
         total = float(weights.sum())
         # Spread each gap over its two neighbouring grid points, then lay the kernel over them.
@@ -360,24 +400,27 @@ class HazardIdlePredictor:
         own[0] += spread[: self._reach].sum()
         own_beyond = float(spread[self._reach + _HAZARD_GRID_POINTS :].sum())
         share = total / (total + self.prior.config.shrinkage_gaps)
-        return share * own + (1.0 - share) * mass, share * own_beyond + (1.0 - share) * beyond
+        self._own[session_id] = (own, own_beyond, share)
+        if len(self._own) > HAZARD_CACHE_ENTRIES:
+            self._own.popitem(last=False)
+        return own, own_beyond, share
 
     def _schedule(self, session_id: str, features: TurnEndFeatures) -> _Schedule:
-        centre = self.prior.centre(features) + self._global_bias
+        centre_step = self._centre_step(features)
         cached = self._schedules.get(session_id)
-        if cached is not None and abs(cached[0] - centre) < HAZARD_CENTRE_TOLERANCE:
+        if cached is not None and cached[0] == centre_step:
             self._schedules.move_to_end(session_id)
             return cached[1]
-        mass, beyond = self._masses(session_id, centre)
+        mass, beyond = self._masses(session_id, centre_step)
         # Still away on reaching a grid point: the mass from that point on, summed from the far end
         # so that a thin tail keeps its size.
         away = np.cumsum(mass[::-1])[::-1] + beyond
-        likely = away > HAZARD_MIN_AWAY * (away[0] if away[0] > 0.0 else 1.0)
-        hazard_per_s = np.where(likely, mass / (_LOG_STEP * _GRID_S) / np.maximum(away, 1e-300), 0.0)
-        cdf = (np.cumsum(mass) - 0.5 * mass) / max(float(away[0]), 1e-300)
-        schedule = _Schedule(hazard_per_s >= self._threshold, cdf)
+        total = max(float(away[0]), 1e-300)
+        # The hazard per second, mass / (cell width in seconds) / away, against the threshold.
+        on = (mass * _PER_SECOND >= self._threshold * away) & (away > HAZARD_MIN_AWAY * total)
+        schedule = _Schedule(on, 1.0 - (away - 0.5 * mass) / total)
         self._schedules.pop(session_id, None)
-        self._schedules[session_id] = (centre, schedule)
+        self._schedules[session_id] = (centre_step, schedule)
         if len(self._schedules) > HAZARD_CACHE_ENTRIES:
             self._schedules.popitem(last=False)
         return schedule

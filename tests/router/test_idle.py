@@ -13,6 +13,7 @@ import pytest
 
 from rayturn.router.idle import (
     HAZARD_HISTORY_GAPS,
+    HAZARD_PRIOR_ENTRIES,
     HazardIdlePredictor,
     IdleModelConfig,
     IdlePrediction,
@@ -280,6 +281,12 @@ def test_hazard_history_and_session_table_are_bounded() -> None:
     assert set(predictor._sessions) == {"b", "c"}
     # "a" is forgotten, the schedule it had with it.
     assert predictor.predict("a", later) == fresh
+    # A new gap replaces what was kept from the older ones.
+    before = predictor.predict("c", later)
+    for _ in range(5):
+        predictor.observe_gap("c", features, 20.0)
+    assert predictor.predict("c", later) != before
+    assert len(predictor._prior_masses) <= HAZARD_PRIOR_ENTRIES
     mass, beyond = predictor.masses("a", features)
     fresh_mass, fresh_beyond = predictor.masses("never seen", features)
     assert np.allclose(mass, fresh_mass) and beyond == fresh_beyond
