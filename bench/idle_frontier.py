@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,6 +46,7 @@ from rayturn.router.idle import (
     IdleModelConfig,
     cross_validate,
     keep_or_offload_capture,
+    keep_or_offload_kept,
     load_traces,
     turn_end_samples,
 )
@@ -85,11 +85,10 @@ def hindsight_hold(gaps_by_session: Sequence[Sequence[float]], weight_s: float) 
 
 def keep_or_offload(gaps: Sequence[float], warm_share: float) -> dict[str, float]:
     """The keep-or-offload bound at ``warm_share`` (``keep_or_offload_capture``), as a frontier point."""
-    kept = min(len(gaps), math.ceil(warm_share * len(gaps) - 1e-9))
     return {
         "warm_share": warm_share,
         "idle_capture": keep_or_offload_capture(gaps, warm_share),
-        "warm_return": kept / len(gaps) if gaps else 0.0,
+        "warm_return": keep_or_offload_kept(len(gaps), warm_share) / len(gaps) if gaps else 0.0,
     }
 
 

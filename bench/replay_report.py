@@ -235,16 +235,21 @@ def summarize(
     return summary
 
 
+def _is_warm(view: SessionView) -> bool:
+    """The call found (nearly) all of its session's pages on the device."""
+    return view.resident_pages >= WARM_RESIDENT_SHARE * view.session_pages
+
+
 def lifecycle_figures(cross_calls: Sequence[CallRecord]) -> dict[str, Any]:
     """Idle capture, prewarm hits and warm returns of cross-turn calls, from their session headers."""
     views = [r.session for r in cross_calls if r.session is not None]
     idle = [v for v in views if v.idle_s is not None]
     off_device = [v for v in views if v.state in OFF_DEVICE_STATES]
-    warm = [v for v in views if v.resident_pages >= WARM_RESIDENT_SHARE * v.session_pages]
+    warm = [v for v in views if _is_warm(v)]
     warm_return_rate = _share(len(warm), len(views))
     gaps_s = [v.idle_s for v in idle if v.idle_s is not None]
     # The bound at the warm share of these same returns (a new session's first call is not one).
-    warm_share = _share(sum(1 for v in idle if v.resident_pages >= WARM_RESIDENT_SHARE * v.session_pages), len(idle))
+    warm_share = _share(sum(1 for v in idle if _is_warm(v)), len(idle))
     return {
         "session_header_calls": len(views),
         "idle_capture": _share(sum(v.off_device_s or 0.0 for v in idle), sum(gaps_s)),

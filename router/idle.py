@@ -795,8 +795,13 @@ def keep_or_offload_capture(gaps_s: Sequence[float], warm_share: float) -> float
     total = sum(ordered)
     if not ordered or total <= 0.0:
         return 0.0
-    kept = min(len(ordered), math.ceil(warm_share * len(ordered) - 1e-9))
-    return 1.0 - sum(ordered[:kept]) / total
+    return 1.0 - sum(ordered[: keep_or_offload_kept(len(ordered), warm_share)]) / total
+
+
+def keep_or_offload_kept(num_gaps: int, warm_share: float) -> int:
+    """How many of ``num_gaps`` gaps ``keep_or_offload_capture`` keeps the pages through: ``warm_share`` of them,
+    rounded up."""
+    return min(num_gaps, math.ceil(warm_share * num_gaps - 1e-9))
 
 
 def format_table(summary: dict[str, Any]) -> str:
