@@ -19,6 +19,10 @@ prewarm quantile. References in the same run:
 - ``oracle``: knows every gap; offloads those past break-even and prewarms
   just in time.
 
+And ``announced``: the ``hazard`` default when the client announces every
+return some seconds before its call (``POST /v1/sessions/{id}/prewarm`` when
+the user starts typing), swept over that lead: the signal the traces lack.
+
 A warm return is any return that finds the pages resident, the prewarmed
 and the never-offloaded alike.
 
@@ -58,6 +62,9 @@ QUICK_QUANTILES = (0.001, 0.005, 0.02)
 # Worth of a warm return in seconds of device residency, for the hazard predictor.
 WORTHS_S = (100, 150, 200, 250, 300, 350, 400, 500, 700, 1000, 2000)
 QUICK_WORTHS_S = (200, 400, 1000)
+# Seconds between a client's announcement of a return and the call.
+ANNOUNCE_LEADS_S = (0.5, 1, 2, 5, 10, 30, 60)
+QUICK_ANNOUNCE_LEADS_S = (2, 10)
 # Shares of warm returns at which the keep-or-offload bound is read.
 KEEP_SHARES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.92, 0.95, 0.98, 1.0)
 # Weight of one warm return, in seconds of captured idle, for the hindsight rule.
@@ -120,7 +127,14 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
-    for name, marker in (("hazard", "o-"), ("session", "^-"), ("hindsight", "s--"), ("keep_or_offload", "k:")):
+    curves = (
+        ("hazard", "o-"),
+        ("session", "^-"),
+        ("hindsight", "s--"),
+        ("keep_or_offload", "k:"),
+        ("announced", "D-"),
+    )
+    for name, marker in curves:
         points = sorted(result[name], key=lambda p: p["idle_capture"])
         axes.plot([p["idle_capture"] for p in points], [p["warm_return"] for p in points], marker, label=name)
     oracle = result["oracle"]
@@ -159,8 +173,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     gaps_by_session = [gaps for gaps in gaps_by_session if gaps]
     quantiles = QUICK_QUANTILES if args.quick else QUANTILES
     worths = QUICK_WORTHS_S if args.quick else WORTHS_S
+    leads = QUICK_ANNOUNCE_LEADS_S if args.quick else ANNOUNCE_LEADS_S
     folds = 2 if args.quick else args.folds
-    progress = Progress("idle frontier", len(quantiles) + len(worths))
+    progress = Progress("idle frontier", len(quantiles) + len(worths) + len(leads))
     curves: dict[str, list[dict[str, float]]] = {"hazard": [], "session": []}
     oracle = None
     sweeps = [("hazard", "warm_return_worth_s", float(worth)) for worth in worths]
@@ -174,6 +189,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         oracle = summary["oracle"]
         progress.advance()
     assert oracle is not None
+    announced = []
+    for lead_s in leads:
+        summary = cross_validate(conversations, folds, args.break_even_s, args.reload_s, announce_lead_s=lead_s)
+        announced.append(predictor_point(summary, "announce_lead_s", float(lead_s)))
+        progress.advance()
     hindsight = [hindsight_hold(gaps_by_session, weight) for weight in WEIGHTS_S]
     all_gaps = [gap for gaps in gaps_by_session for gap in gaps]
     keep = [keep_or_offload(all_gaps, share) for share in KEEP_SHARES]
@@ -190,6 +210,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         **curves,
         "hindsight": hindsight,
         "keep_or_offload": keep,
+        "announced": announced,
+        "announced_meets_target": any(meets(p) for p in announced),
         "oracle": {"idle_capture": oracle["idle_capture"], "warm_return": oracle["warm_return_rate"]},
         "target_idle_capture": TARGET[0],
         "target_warm_return": TARGET[1],
@@ -217,6 +239,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "session": "lower_quantile",
         "hindsight": "weight_s",
         "keep_or_offload": "warm_share",
+        "announced": "announce_lead_s",
     }
     for name, knob in knobs.items():
         for point in result[name]:

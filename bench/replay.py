@@ -25,6 +25,12 @@ compresses every gap; the cluster's lifecycle planner is told the same scale.
 KV demand is 2.5 times the decode pool's, yet a replica's share of the busiest
 moment's running calls fits.
 
+Announcements: the traces do not say when a user started typing. With
+``--announce-lead-s L`` the replayer posts ``/v1/sessions/{id}/prewarm`` L
+trace seconds (scaled like every gap) before each call that opens a user
+turn, as a client does when its user starts typing; without it nothing is
+announced and the idle predictor alone decides.
+
 Systems: without ``--url`` an embedded cluster per system (``--config``,
 default: all defaults with 2 decode replicas). ``--compare`` runs, one after
 the other, ``rayturn``, ``no_lifecycle`` and ``round_robin`` and reports each
@@ -176,6 +182,13 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--token-scale", type=auto_or(fraction), default=None, help="x trace tokens, or auto")
     parser.add_argument("--time-scale", type=fraction, default=DEFAULT_TIME_SCALE, help="x trace seconds (1/60)")
     parser.add_argument("--device-kv-pages", type=auto_or(positive_int), default=None, help="per decode replica")
+    parser.add_argument(
+        "--announce-lead-s",
+        type=fraction,
+        default=None,
+        help="announce each user turn this many trace seconds before its call, as a client does when its "
+        "user starts typing (default: never)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=18080)
     parser.add_argument("--grpc-port", type=int, default=19080)
@@ -258,7 +271,8 @@ HEADLINE = (
 
 
 REPORTED_SETUP = (
-    "token_scale", "time_scale", "device_kv_pages", "kv_demand_over_device_capacity", "conversations", "wall_s",
+    "token_scale", "time_scale", "announce_lead_s", "device_kv_pages", "kv_demand_over_device_capacity",
+    "conversations", "wall_s",
 )  # fmt: skip
 
 
@@ -289,7 +303,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     demand = kv_demand_pages(plans, page_size)
     busiest = busiest_pages(plans, page_size, args.concurrency)
     decode_replicas = base.decode.max_replicas
-    drive = Drive(args.concurrency, args.max_duration_s, vocabulary.token_ids, args.seed)
+    announce_lead_s = None if args.announce_lead_s is None else args.announce_lead_s * args.time_scale
+    drive = Drive(args.concurrency, args.max_duration_s, vocabulary.token_ids, args.seed, announce_lead_s)
     if args.url:
         url = args.url.rstrip("/")
         runs = {"cluster": asyncio.run(replay(url, plans, drive, "cluster"))}
@@ -304,6 +319,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         summaries[name]["prefill_paths"] = run.prefill_paths
         if run.cluster_start_s is not None:
             summaries[name]["cluster_start_s"] = run.cluster_start_s
+        if run.announcements is not None:
+            summaries[name]["announcements"] = run.announcements
     result: dict[str, Any] = {
         "bench": "replay",
         "quick": args.quick,
@@ -318,6 +335,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "max_duration_s": args.max_duration_s,
         "token_scale": token_scale,
         "time_scale": args.time_scale,
+        "announce_lead_s": args.announce_lead_s,
         "page_size": page_size,
         "decode_replicas": None if args.url else decode_replicas,
         "device_kv_pages": device_kv_pages,

@@ -14,6 +14,7 @@ import itertools
 import math
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class SystemRun:
     wall_s: float
     prefill_paths: dict[str, int] | None = None  # calls by prefill path (local | disaggregated), when reported
     cluster_start_s: float | None = None
+    announcements: dict[str, int] | None = None  # announced user turns by the session's state on arrival
 
 
 # -- driving one cluster ------------------------------------------------------
@@ -104,7 +106,18 @@ async def run_agent(calls: Sequence[PlannedCall], send: Send, deadline: float) -
         await send(call)
 
 
-async def run_conversation(plan: ConversationPlan, send: Send, deadline: float) -> None:
+@dataclass(frozen=True, slots=True)
+class Announcer:
+    """Announces a main agent's next user turn ``lead_s`` (wall) before it goes out, as a client does
+    when its user starts typing."""
+
+    lead_s: float
+    announce: Send
+
+
+async def run_conversation(
+    plan: ConversationPlan, send: Send, deadline: float, announcer: Announcer | None = None
+) -> None:
     """The main agent closed loop; each sub-agent starts after its parent call, and the calls after it wait for it."""
     main_done = [asyncio.Event() for _ in plan.main.calls]
     sub_done = [asyncio.Event() for _ in plan.subagents]
@@ -122,7 +135,14 @@ async def run_conversation(plan: ConversationPlan, send: Send, deadline: float) 
         for n, call in enumerate(plan.main.calls):
             for index in call.waits_for_subagents:
                 await sub_done[index].wait()
-            if not await pause(call.gap_s, deadline):
+            gap_s = call.gap_s
+            if announcer is not None and call.kind == "cross":
+                lead_s = min(announcer.lead_s, gap_s)
+                if not await pause(gap_s - lead_s, deadline):
+                    break
+                await announcer.announce(call)
+                gap_s = lead_s
+            if not await pause(gap_s, deadline):
                 break
             await send(call)
             main_done[n].set()
@@ -140,6 +160,8 @@ class Drive:
     max_duration_s: float | None
     vocabulary: Sequence[int]
     seed: int
+    # Announce each user turn this long (wall) before its call (``POST /v1/sessions/{id}/prewarm``); None: never.
+    announce_lead_s: float | None = None
 
 
 async def replay(url: str, plans: Sequence[ConversationPlan], drive: Drive, label: str) -> SystemRun:
@@ -158,6 +180,24 @@ async def replay(url: str, plans: Sequence[ConversationPlan], drive: Drive, labe
             records.append(await timed_call(client, model, call))
             progress.advance()
 
+        announced: list[str] = []  # the session's state when each announcement arrived
+        announcing: set[asyncio.Task[None]] = set()
+
+        async def post_announcement(session_id: str) -> None:
+            path = f"/sessions/{urllib.parse.quote(session_id, safe='/')}/prewarm"
+            try:
+                answer = await client.post(path, cast_to=object)
+                announced.append(str(answer["state"]))
+            except Exception:  # an announcement is a hint: its failure only costs the prewarm
+                announced.append("error")
+
+        async def announce(call: PlannedCall) -> None:
+            # Sent beside the typing, as a client would: the call's timing does not wait for the answer.
+            task = asyncio.create_task(post_announcement(call.session_id))
+            announcing.add(task)
+            task.add_done_callback(announcing.discard)
+
+        announcer = None if drive.announce_lead_s is None else Announcer(drive.announce_lead_s, announce)
         start = time.perf_counter()
         deadline = math.inf if drive.max_duration_s is None else start + drive.max_duration_s
         pending = iter(plans)
@@ -166,9 +206,10 @@ async def replay(url: str, plans: Sequence[ConversationPlan], drive: Drive, labe
             for plan in pending:  # one shared iterator: the next conversation starts when one ends
                 if time.perf_counter() >= deadline:
                     return
-                await run_conversation(plan, send, deadline)
+                await run_conversation(plan, send, deadline, announcer)
 
         await asyncio.gather(*(worker() for _ in range(drive.concurrency)))
+        await asyncio.gather(*announcing)
         wall_s = time.perf_counter() - start
         if progress.done < progress.total:
             sys.stderr.write("\n")
@@ -176,7 +217,8 @@ async def replay(url: str, plans: Sequence[ConversationPlan], drive: Drive, labe
         paths = None
         if paths_before is not None and paths_after is not None:
             paths = {path: int(n - paths_before.get(path, 0)) for path, n in paths_after.items()}
-        return SystemRun(records, sent, wall_s, paths)
+        states = {state: announced.count(state) for state in sorted(set(announced))}
+        return SystemRun(records, sent, wall_s, paths, announcements=states if announcer else None)
 
 
 async def warm_up(client: Any, model: str, plans: Sequence[ConversationPlan], drive: Drive) -> None:

@@ -327,6 +327,12 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"Model {result['model']}; token scale {result['token_scale']:.5g}, time scale {result['time_scale']:.5g}; "
         f"{result['device_kv_pages']} device KV pages per decode replica; "
         f"KV demand / device capacity {_cell(result['kv_demand_over_device_capacity'])}.",
+        (
+            "Clients announce no user turn ahead of its call."
+            if result.get("announce_lead_s") is None
+            else f"Clients announce each user turn {result['announce_lead_s']:.5g} trace seconds before its call "
+            "(`POST /v1/sessions/{id}/prewarm`, as when the user starts typing)."
+        ),
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

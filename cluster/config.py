@@ -282,6 +282,7 @@ class LifecycleSpec:
     predictor: str = "hazard"
     warm_return_worth_s: float = 400.0
     store_bandwidth_bytes_s: float = 1e9
+    composing_hold_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check_above("time_scale", self.time_scale, 0)
@@ -301,6 +302,7 @@ class LifecycleSpec:
         )
         _check_above("warm_return_worth_s", self.warm_return_worth_s, 0)
         _check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
+        _check_above("composing_hold_s", self.composing_hold_s, 0)
 
     def settings(self) -> dict[str, Any]:
         """Plain settings for ``rayturn.decode.lifecycle.LifecycleSettings``."""

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from rayturn.router.session import (
     LifecycleHints,
     classify_call,
     lifecycle_hints,
+    required_session_id,
     session_id_from_grpc_metadata,
     session_id_from_headers,
 )
@@ -151,6 +152,16 @@ async def _first_step(steps: AsyncIterator[list[dict[str, Any]]]) -> Any:
         raise oai.rate_limited(f"rayturn is at capacity; retry shortly ({err})") from err
     except ValueError as err:  # the engine refused the request (a replica's ValueError)
         raise oai.invalid_request(str(err).splitlines()[-1], param=None) from err
+
+
+async def _announced(answer: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """A decode replica's answer to an announcement; a full queue is a 429, a failed replica a 503."""
+    try:
+        return await answer
+    except BackPressureError as err:
+        raise oai.rate_limited(f"rayturn is at capacity; retry shortly ({err})") from err
+    except Exception as err:  # the announcement is lost, nothing else: the call itself still comes
+        raise oai.server_error(f"no decode replica took the announcement: {err}", status_code=503) from err
 
 
 async def _chain(first: Any, steps: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[list[dict[str, Any]]]:
@@ -373,6 +384,32 @@ class Ingress:
         )
         return prompt_ids, params
 
+    async def Prewarm(self, request: Any, grpc_context: Any = None) -> Any:
+        metadata = list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+        try:
+            session_id = required_session_id(
+                request.session_id.strip() or session_id_from_grpc_metadata(metadata), "session_id"
+            )
+        except ValueError as err:
+            self.telemetry.requests.labels("grpc_prewarm", "invalid").inc()
+            _grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise
+        try:
+            answer = await self._prewarm(session_id)
+        except oai.APIError as err:
+            overloaded = err.status_code == 429
+            self.telemetry.requests.labels("grpc_prewarm", "overloaded" if overloaded else "failed").inc()
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if overloaded else grpc.StatusCode.UNAVAILABLE
+            _grpc_fail(grpc_context, code, err.message)
+            raise
+        self.telemetry.requests.labels("grpc_prewarm", "ok").inc()
+        return pb.PrewarmResponse(state=answer["state"], replica_id=answer["replica_id"] or "")
+
+    async def _prewarm(self, session_id: str) -> dict[str, Any]:
+        """Announce a session's next call to the decode replica that follows the session."""
+        request = {"session_id": session_id, "page_hashes": [], "prompt_tokens": 0, "prewarm": True}
+        return await _announced(self.decode.prewarm.remote(request))
+
     async def Health(self, request: Any, grpc_context: Any = None) -> Any:
         status, details = await self._health()
         return pb.HealthResponse(status=status, details={k: str(v) for k, v in details.items()})
@@ -425,6 +462,25 @@ class Ingress:
         except oai.APIError as err:
             return _error_response(err)
         return JSONResponse(oai.models_list(self.served_model, self.created))
+
+    @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
+    async def prewarm(self, session_id: str, request: Request) -> JSONResponse:
+        """The session's user has started typing: bring its KV back to the device before the call."""
+        try:
+            self._authorize(request)
+            try:
+                session = required_session_id(session_id, "path")
+            except ValueError as err:
+                raise oai.invalid_request(str(err), param="session_id") from err
+            answer = await self._prewarm(session)
+        except oai.APIError as err:
+            outcome = {401: "unauthorized", 429: "overloaded"}.get(err.status_code, "invalid")
+            self.telemetry.requests.labels("prewarm", "failed" if err.status_code >= 500 else outcome).inc()
+            return _error_response(err)
+        self.telemetry.requests.labels("prewarm", "ok").inc()
+        headers = {REPLICA_HEADER: answer["replica_id"]} if answer["replica_id"] else {}
+        body = {"object": "session.prewarm", "session_id": session, "state": answer["state"]}
+        return JSONResponse(body, status_code=202, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

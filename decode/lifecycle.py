@@ -20,6 +20,12 @@ otherwise::
                                                               v
                                                           PREWARMING ──> PREWARMED (held) ──> LOOK again
 
+A client may announce a return (``composing``: the user has started typing):
+OFFLOADED pages start back at once, pages on the device stay until the call
+or for ``composing_hold_s``. A session whose returns come announced needs no
+guessing for a warm return, so its later gaps hold the pages on the device
+less (the predictor's ``announced_share``).
+
 A user back while the pages are OFFLOADED or PREWARMING is an early return:
 the engine loads the missing pages on demand when the call arrives (commands
 run in order on the engine thread, so a prewarm already queued lands first).
@@ -43,6 +49,7 @@ the replica's next idle window closes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -62,6 +69,7 @@ from rayturn.router.idle import (
     TurnEndFeatures,
     min_off_s,
 )
+from rayturn.router.scoring import session_key
 from rayturn.router.session import CallKind, NextStep
 from rayturn.router.tool_latency import ToolLatencyModel
 
@@ -83,6 +91,9 @@ REPLAN_MIN_STEP_S = 1.0
 MAX_REPLANS = 50
 # A session away this long (users' seconds) is not planned for any more: its pages stay in the store.
 MAX_IDLE_S = 24 * 3600.0
+# Sessions named in the routing stats (the most recently seen): enough for every session that may
+# announce a return soon on a busy replica, small enough to broadcast every stats period.
+MAX_REPORTED_SESSIONS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +110,7 @@ class LifecycleSettings:
     predictor: str = "hazard"
     warm_return_worth_s: float = 400.0
     store_bandwidth_bytes_s: float = 1e9
+    composing_hold_s: float = 120.0
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any] | None) -> LifecycleSettings:
@@ -135,6 +147,10 @@ class _Session:
     offloaded_at_s: float | None = None
     off_device_s: float = 0.0  # this gap's time off the device, offload cycles before the current one
     offloaded_this_gap: bool = False
+    composing_until_s: float = 0.0  # wall clock until which an announced call is waited for on the device
+    seen_unix_s: float = 0.0  # when a call of the session last arrived or ended (epoch seconds, for routing)
+    returns: int = 0
+    announced_returns: int = 0
     num_pages: int = 0
     retry: bool = False  # the last call was abandoned: the next one retries it
     # Bumped by every arrival and decision: a timer or move from an older epoch lost its turn.
@@ -150,6 +166,8 @@ class LifecycleCounters:
     offloaded_returns: int = 0
     prewarm_hits: int = 0  # offloaded, and back on the device before the call
     early_returns: int = 0  # offloaded, and still (partly) off the device at the call
+    announced_returns: int = 0  # returns the client announced beforehand (``composing``)
+    composing_hints: int = 0  # announcements of a session this replica follows
     tool_returns: int = 0
     tool_holds: int = 0
     turn_holds: int = 0
@@ -246,7 +264,9 @@ class SessionPlanner:
                 if session.offloaded_at_s is not None:  # still off (or on its way back): off until now
                     off_s += now - session.offloaded_at_s
                 report.update(idle_s=round(gap_s, 6), off_device_s=round(off_s, 6))
-                self._count_return(session, gap_s, off_s)
+                # Announced in time: the announcement's hold still runs and the pages are back for it.
+                announced = self._composing_left_s(session, now) > 0 and session.phase in (Phase.HELD, Phase.PREWARMED)
+                self._count_return(session, gap_s, off_s, announced)
                 if session.turn_end is not None:
                     self.predictor.observe_gap(session_id, session.turn_end, gap_s / self.settings.time_scale)
             else:
@@ -265,11 +285,17 @@ class SessionPlanner:
         session.offloaded_at_s = None
         session.off_device_s = 0.0
         session.offloaded_this_gap = False
+        if kind == "user":  # the announced call is here (a tool result in between leaves the announcement)
+            session.composing_until_s = 0.0
         return report
 
-    def _count_return(self, session: _Session, gap_s: float, off_s: float) -> None:
+    def _count_return(self, session: _Session, gap_s: float, off_s: float, announced: bool) -> None:
         counters = self.counters
         counters.returns += 1
+        session.returns += 1
+        if announced:
+            counters.announced_returns += 1
+            session.announced_returns += 1
         counters.idle_s += gap_s
         counters.off_device_s += off_s
         if session.offloaded_this_gap:
@@ -301,6 +327,7 @@ class SessionPlanner:
             finish_reason=finish_reason,
             prompt_tokens=prompt_tokens,
             time_of_day_s=time.time() % 86_400.0,
+            announced_share=self._announced_share(session),
         )
         if session.after == "tool":
             # Back within the hold, usually; a tool (or a user answering it) that takes longer gets a look.
@@ -310,6 +337,49 @@ class SessionPlanner:
             self._expected_s[session_id] = now + hold_s
             return
         self._tasks.spawn(self._look(session, session.epoch))
+
+    def _announced_share(self, session: _Session) -> float:
+        """The chance that the session's next return comes announced: its own returns so far, with the
+        replica's share of announced returns counting as one more (clients either announce or do not)."""
+        counters = self.counters
+        replica_share = counters.announced_returns / counters.returns if counters.returns else 0.0
+        return (session.announced_returns + replica_share) / (session.returns + 1)
+
+    def composing(self, session_id: str) -> dict[str, Any]:
+        """The client announces a call of ``session_id`` (its user has started typing); returns the
+        session's state when the announcement came (``unknown``: not a session of this replica).
+
+        Pages in the store start back now (a prewarm under way is redone as an
+        announced one, which loads as for an arrived call); pages on the device
+        stay there until the call or for ``composing_hold_s``. With a call in
+        flight (the user types while the agent works), the pages stay when
+        that call ends.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            return {"state": "unknown"}
+        report = {"state": session.phase.value}
+        self.counters.composing_hints += 1
+        now = self.clock()
+        hold_s = self.settings.wall_s(self.settings.composing_hold_s)
+        session.composing_until_s = now + hold_s
+        if session.in_flight or session.last_end_s is None:
+            return report  # the call's end finds the announcement (``_look``)
+        self._expected_s[session_id] = now
+        session.epoch += 1  # the plan for this gap (timers, a move under way) gives way
+        self._cancel_timer(session)
+        if session.phase in (Phase.OFFLOADED, Phase.PREWARMING):
+            self._tasks.spawn(self._prewarm_due(session, session.epoch))
+        else:
+            self._hold(session, hold_s, "tool", then=self._after_hold(session))
+        return report
+
+    def _after_hold(self, session: _Session) -> _Action:
+        """What follows a hold: another look, or (no store, or no turn ended to plan from) a release."""
+        return self._look if self.has_store and session.turn_end is not None else self._released
+
+    def _composing_left_s(self, session: _Session, now: float) -> float:
+        return max(session.composing_until_s - now, 0.0)
 
     def _call_ended(self, session_id: str) -> _Session | None:
         """Count a call of the session as ended; the session when it was its last one in flight (which decides)."""
@@ -389,6 +459,10 @@ class SessionPlanner:
         if epoch != session.epoch:
             return
         self.counters.looks += 1
+        waiting_s = self._composing_left_s(session, self.clock())
+        if waiting_s > 0:  # an announced call is on its way: keep the pages for it
+            self._hold(session, waiting_s, "tool", then=self._after_hold(session))
+            return
         if self._gone(session, self.clock()):
             self._expected_s.pop(session.session_id, None)
             if self.has_store:
@@ -437,23 +511,27 @@ class SessionPlanner:
         if epoch != session.epoch:
             return
         now = self.clock()
-        if self._gone(session, now):
-            self._expected_s.pop(session.session_id, None)
-            return  # the pages stay in the store; a return loads them on demand
-        _, lower_s = self._predict(session, now)
-        _, reload_s = self._costs_s(session)
-        later_s = self._prewarm_at(session, lower_s, reload_s)
-        if later_s > now + max(reload_s, self.settings.wall_s(REPLAN_MIN_STEP_S)):
-            self.counters.replans += 1
-            if math.isfinite(later_s):
-                self._expected_s[session.session_id] = later_s
-                self._at(session, later_s, self._prewarm_due)
-            else:  # no return worth waiting for on the device: a return loads on demand
+        if not self._composing_left_s(session, now):  # unannounced: is the return still expected this soon?
+            if self._gone(session, now):
                 self._expected_s.pop(session.session_id, None)
-            return
+                return  # the pages stay in the store; a return loads them on demand
+            _, lower_s = self._predict(session, now)
+            _, reload_s = self._costs_s(session)
+            later_s = self._prewarm_at(session, lower_s, reload_s)
+            if later_s > now + max(reload_s, self.settings.wall_s(REPLAN_MIN_STEP_S)):
+                self.counters.replans += 1
+                if math.isfinite(later_s):
+                    self._expected_s[session.session_id] = later_s
+                    self._at(session, later_s, self._prewarm_due)
+                else:  # no return worth waiting for on the device: a return loads on demand
+                    self._expected_s.pop(session.session_id, None)
+                return
         session.phase = Phase.PREWARMING
-        hold_s = self.settings.wall_s(self.settings.turn_hold_s)
-        move = await self._engine(lambda engine: engine.prewarm_session(session.session_id, hold_s * HOLD_SLACK))
+        announced_s = self._composing_left_s(session, now)
+        hold_s = max(self.settings.wall_s(self.settings.turn_hold_s), announced_s)
+        move = await self._engine(
+            lambda engine: engine.prewarm_session(session.session_id, hold_s * HOLD_SLACK, announced=announced_s > 0)
+        )
         if move is not None:
             self._in.update(move)
             self.counters.prewarms += 1
@@ -468,7 +546,8 @@ class SessionPlanner:
             self._expected_s.pop(session.session_id, None)
             return
         session.phase = Phase.PREWARMED
-        self._expected_s[session.session_id] = self.clock() + hold_s
+        # An announced call is due any moment; a guessed return within the hold.
+        self._expected_s[session.session_id] = self.clock() + (0.0 if announced_s > 0 else hold_s)
         self._at(session, self.clock() + hold_s, self._look)
 
     async def _released(self, session: _Session, epoch: int) -> None:
@@ -527,12 +606,20 @@ class SessionPlanner:
     def _session(self, session_id: str) -> _Session:
         session = self._sessions.pop(session_id, None) or _Session(session_id)
         self._sessions[session_id] = session  # most recently seen last
+        session.seen_unix_s = time.time()
         while len(self._sessions) > MAX_SESSIONS:
             dropped_id, dropped = self._sessions.popitem(last=False)
             self._cancel_timer(dropped)
             self._expected_s.pop(dropped_id, None)
             self._in_flight -= dropped.in_flight
         return session
+
+    def followed_sessions(self, limit: int = MAX_REPORTED_SESSIONS) -> dict[str, float]:
+        """``session_key`` -> when a call was last seen (epoch seconds) for the ``limit`` sessions seen
+        last, for the routing stats: announcements (which carry no pages to match) route to the replica
+        that saw their session last."""
+        recent = itertools.islice(reversed(self._sessions.values()), limit)
+        return {session_key(session.session_id): round(session.seen_unix_s, 3) for session in recent}
 
     def stats(self) -> dict[str, Any]:
         counters = {spec_field.name: getattr(self.counters, spec_field.name) for spec_field in fields(self.counters)}

@@ -303,8 +303,19 @@ class DecodeServer:
             output_tokens=output_tokens or 0,
         )
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    async def prewarm(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """A session's next call is announced (``SessionPlanner.composing``); ``request`` carries
+        ``session_id`` (and routes like the session's calls). Returns its state here and this replica."""
+        session_id = request["session_id"]
+        state = self.planner.composing(session_id)["state"] if self.planner is not None else "disabled"
+        return {"state": state, "replica_id": self.replica_id}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        # On the replica's event loop, beside the planner that owns the session table.
+        stats = self.engine.stats()
+        if self.planner is not None:
+            stats["sessions"] = self.planner.followed_sessions()
+        return stats
 
     async def health(self) -> dict[str, Any]:
         engine = self.engine.engine

@@ -501,9 +501,18 @@ class LLMEngine:
         self._require_connector("offload_session")
         return self.session_holds.offload(session_id, self._store_now)
 
-    def prewarm_session(self, session_id: str, ttl_s: float) -> SessionMove:
-        """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``."""
+    def prewarm_session(self, session_id: str, ttl_s: float, announced: bool = False) -> SessionMove:
+        """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``.
+
+        ``announced``: the client said the session's call is coming, so the
+        pages load as for an arrived call (idle sessions' holds give way) and
+        are held as for a tool wait.
+        """
         self._require_connector("prewarm_session")
+        if announced:
+            return self.session_holds.prewarm(
+                session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0, reclaim=True), kind="tool"
+            )
         # A prewarm is a guess: it leaves a share of the pool free for calls that have arrived.
         keep_free = int(self.num_pages * PREWARM_FREE_FRACTION)
         return self.session_holds.prewarm(

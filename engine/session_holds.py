@@ -181,14 +181,15 @@ class SessionHolds:
             seconds=time.perf_counter() - started_s,
         )
 
-    def prewarm(self, session_id: str, ttl_s: float, load: LoadPages) -> SessionMove:
-        """Have ``load`` bring back the session's pages missing here, then hold the cached prefix (kind "prewarm")."""
-        _check_hold(ttl_s, "prewarm")
+    def prewarm(self, session_id: str, ttl_s: float, load: LoadPages, kind: str = "prewarm") -> SessionMove:
+        """Have ``load`` bring back the session's pages missing here, then hold the cached prefix (kind "prewarm",
+        or "tool" for a call that is on its way)."""
+        _check_hold(ttl_s, kind)
         started_s = time.perf_counter()
         hashes = self._recorded(session_id)
         num_loaded = load(hashes) if hashes else 0
         self.prewarmed_pages += num_loaded
-        num_held = self.hold(session_id, ttl_s, "prewarm")
+        num_held = self.hold(session_id, ttl_s, kind)
         return SessionMove(
             pages=num_loaded,
             resident_pages=num_held,

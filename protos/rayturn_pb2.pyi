@@ -124,3 +124,17 @@ class HealthResponse(_message.Message):
     status: str
     details: _containers.ScalarMap[str, str]
     def __init__(self, status: _Optional[str] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class PrewarmResponse(_message.Message):
+    __slots__ = ("state", "replica_id")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    replica_id: str
+    def __init__(self, state: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...

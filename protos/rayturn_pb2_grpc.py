@@ -45,6 +45,11 @@ class RayTurnStub:
                 request_serializer=rayturn_dot_protos_dot_rayturn__pb2.HealthRequest.SerializeToString,
                 response_deserializer=rayturn_dot_protos_dot_rayturn__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/rayturn.v1.RayTurn/Prewarm',
+                request_serializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.FromString,
+                _registered_method=True)
 
 
 class RayTurnServicer:
@@ -66,6 +71,15 @@ class RayTurnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prewarm(self, request, context):
+        """Announces a session's next call (its user has started typing): the
+        session's KV, if moved off the device while the user was away, starts
+        back now, and KV still on the device stays there for the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RayTurnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_RayTurnServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=rayturn_dot_protos_dot_rayturn__pb2.HealthRequest.FromString,
                     response_serializer=rayturn_dot_protos_dot_rayturn__pb2.HealthResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.FromString,
+                    response_serializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class RayTurn:
             '/rayturn.v1.RayTurn/Health',
             rayturn_dot_protos_dot_rayturn__pb2.HealthRequest.SerializeToString,
             rayturn_dot_protos_dot_rayturn__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rayturn.v1.RayTurn/Prewarm',
+            rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.SerializeToString,
+            rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.FromString,
             options,
             channel_credentials,
             insecure,

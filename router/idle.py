@@ -85,6 +85,10 @@ class TurnEndFeatures:
     time_of_day_s: float | None = None
     # The user has already been idle this long: predictions are conditioned on it.
     idle_so_far_s: float = 0.0
+    # The chance that the client announces the return (the user started typing) in time to bring the
+    # pages back: a warm return then needs no residency, so the hazard predictor holds pages for
+    # ``(1 - announced_share) * warm_return_worth_s`` per return.
+    announced_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +279,8 @@ HAZARD_CACHE_ENTRIES = 4096
 # mass serve until the centre has moved a step (the global drift term moves it a little with every
 # gap any session ends).
 HAZARD_CENTRE_STEP = 0.01
+# The announced share is taken to this step, for the same reason.
+HAZARD_SHARE_STEP = 0.01
 # Prior masses kept, one per centre step in use.
 HAZARD_PRIOR_ENTRIES = 256
 # Past this share of the mass still to come, the density says nothing more: no return is planned for.
@@ -298,7 +304,8 @@ class HazardIdlePredictor:
     which gain weight as the session shows more of them. Its hazard (the
     chance per second that a user who is still away returns now) decides: the
     pages belong on the device while the hazard is at least
-    ``1 / warm_return_worth_s``. The hazard of real think times falls, rises
+    ``1 / warm_return_worth_s``, the worth scaled by ``1 - announced_share``
+    (a return the client announces is warm without residency). The hazard of real think times falls, rises
     again near the gaps a session keeps repeating, and falls after them (a
     Laplace kernel's tail, unlike a normal one's, does not say "late, so surely
     back any second"), so one gap may hold, offload, prewarm before a likely
@@ -312,7 +319,7 @@ class HazardIdlePredictor:
         self.prior = prior or IdlePrior()
         config = self.prior.config
         self._decay = 0.5 ** (1.0 / config.session_half_life_gaps)
-        self._threshold = 1.0 / config.warm_return_worth_s
+        self._worth_s = config.warm_return_worth_s
         # A Laplace kernel on the grid, out to where it has fallen below a millionth.
         self._reach = math.ceil(14.0 * config.gap_kernel_log_width / _LOG_STEP)
         offsets = np.arange(-self._reach, self._reach + 1)
@@ -322,8 +329,8 @@ class HazardIdlePredictor:
         self._global_bias = 0.0
         # Each session's latest log gaps, oldest first; least recently observed session first.
         self._sessions: OrderedDict[str, list[float]] = OrderedDict()
-        # Each recent session's last schedule, under the centre step it was computed for.
-        self._schedules: OrderedDict[str, tuple[int, _Schedule]] = OrderedDict()
+        # Each recent session's last schedule, under the centre and announced-share steps it was computed for.
+        self._schedules: OrderedDict[str, tuple[tuple[int, int], _Schedule]] = OrderedDict()
         # Each recent session's own return-time masses (grid, past the grid) and their share of the mix.
         self._own: OrderedDict[str, tuple[np.ndarray, float, float]] = OrderedDict()
         # The prior's masses (grid, past the grid) by centre step.
@@ -407,20 +414,24 @@ class HazardIdlePredictor:
 
     def _schedule(self, session_id: str, features: TurnEndFeatures) -> _Schedule:
         centre_step = self._centre_step(features)
+        share_step = round(min(max(features.announced_share, 0.0), 1.0) / HAZARD_SHARE_STEP)
+        key = (centre_step, share_step)
         cached = self._schedules.get(session_id)
-        if cached is not None and cached[0] == centre_step:
+        if cached is not None and cached[0] == key:
             self._schedules.move_to_end(session_id)
             return cached[1]
         mass, beyond = self._masses(session_id, centre_step)
+        # Residency one warm return is worth: less the share of returns that come announced anyway.
+        worth_s = self._worth_s * max(1.0 - share_step * HAZARD_SHARE_STEP, 0.0)
         # Still away on reaching a grid point: the mass from that point on, summed from the far end
         # so that a thin tail keeps its size.
         away = np.cumsum(mass[::-1])[::-1] + beyond
         total = max(float(away[0]), 1e-300)
         # The hazard per second, mass / (cell width in seconds) / away, against the threshold.
-        on = (mass * _PER_SECOND >= self._threshold * away) & (away > HAZARD_MIN_AWAY * total)
+        on = (mass * _PER_SECOND * worth_s >= away) & (away > HAZARD_MIN_AWAY * total)
         schedule = _Schedule(on, 1.0 - (away - 0.5 * mass) / total)
         self._schedules.pop(session_id, None)
-        self._schedules[session_id] = (centre_step, schedule)
+        self._schedules[session_id] = (key, schedule)
         if len(self._schedules) > HAZARD_CACHE_ENTRIES:
             self._schedules.popitem(last=False)
         return schedule
@@ -555,6 +566,12 @@ class _Costs:
     reload_s: float
     timeout_s: float
     hold_s: float
+    # The client announces each return this long before the call (the user starts typing); None: never.
+    announce_lead_s: float | None = None
+
+    def announced_at_s(self, gap_s: float) -> float:
+        """When the client announces the end of a gap (``inf``: it does not)."""
+        return math.inf if self.announce_lead_s is None else max(gap_s - self.announce_lead_s, 0.0)
 
     @property
     def min_off_s(self) -> float:
@@ -607,7 +624,10 @@ def _predictor_gap(
     """One gap under the predictor's policy (see ``evaluate``); ``again(t)`` predicts after ``t`` seconds of idle."""
     tally.begin(gap_s)
     now_s, prediction, offloaded = 0.0, first, False
+    announced_at_s = costs.announced_at_s(gap_s)
     for _ in range(MAX_LOOKS if second_looks else 1):
+        if now_s >= announced_at_s:
+            break  # the call is announced: the pages on the device wait for it
         if prediction.point_s - now_s > costs.break_even_s:
             # Once the user is back and the offload is decided, a later prewarm changes nothing.
             # Looking that far tells whether the pages would stay off long enough, whatever the gap.
@@ -617,11 +637,14 @@ def _predictor_gap(
             if prewarm_at_s - now_s > costs.min_off_s:
                 offloaded = True
                 tally.offload(gap_s, now_s, costs.break_even_s)
-                if gap_s < prewarm_at_s + costs.reload_s:
-                    tally.cold_return(gap_s, now_s, prewarm_at_s, costs.reload_s)
+                back_at_s = min(prewarm_at_s, announced_at_s)  # an announcement starts the prewarm at once
+                if gap_s < back_at_s + costs.reload_s:
+                    tally.cold_return(gap_s, now_s, back_at_s, costs.reload_s)
                     return
-                tally.captured_s += prewarm_at_s - now_s
-                now_s = prewarm_at_s + costs.reload_s
+                tally.captured_s += back_at_s - now_s
+                now_s = back_at_s + costs.reload_s
+                if back_at_s == announced_at_s:
+                    break
         now_s += costs.hold_s
         if gap_s <= now_s:
             break
@@ -675,9 +698,17 @@ def _replay(conversations: Sequence[Conversation], predictor: IdlePredictor, cos
         result.prediction_ns.append(time.perf_counter_ns() - start)
         return prediction
 
+    # Returns announced, and returns, so far: the replica's share and each session's (as the planner keeps them).
+    announced, returns = 0, 0
     for conversation in conversations:
         session_id = conversation.conversation_id
-        for features, gap in turn_end_samples(conversation):
+        for index, (features, gap) in enumerate(turn_end_samples(conversation)):
+            if costs.announce_lead_s is not None:
+                # Every return of this replay is announced; the share is the planner's estimate of that.
+                replica_share = announced / returns if returns else 0.0
+                features = replace(features, announced_share=(index + replica_share) / (index + 1))
+                announced += 1
+            returns += 1
             first = timed(session_id, features)
             gap_log_s = math.log(max(gap.duration_s, MIN_GAP_S))
             result.log_error_sum += abs(gap_log_s - math.log(max(first.point_s, MIN_GAP_S)))
@@ -717,14 +748,23 @@ def _summary(result: _Replay, costs: _Costs) -> dict[str, Any]:
     }
 
 
-def _costs(break_even_s: float, reload_s: float, timeout_s: float | None, hold_s: float | None) -> _Costs:
+def _costs(
+    break_even_s: float,
+    reload_s: float,
+    timeout_s: float | None,
+    hold_s: float | None,
+    announce_lead_s: float | None = None,
+) -> _Costs:
     if min(break_even_s, reload_s) < 0 or reload_s > break_even_s:
         raise ValueError(f"need 0 <= reload_s <= break_even_s, got {reload_s} and {break_even_s}")
+    if announce_lead_s is not None and not announce_lead_s >= 0:
+        raise ValueError(f"announce_lead_s must be >= 0, got {announce_lead_s}")
     return _Costs(
         break_even_s,
         reload_s,
         break_even_s if timeout_s is None else timeout_s,
         break_even_s if hold_s is None else hold_s,
+        announce_lead_s,
     )
 
 
@@ -736,6 +776,7 @@ def evaluate(
     *,
     timeout_s: float | None = None,
     hold_s: float | None = None,
+    announce_lead_s: float | None = None,
 ) -> dict[str, Any]:
     """Replay every think gap of ``conversations`` in time order (one predictor, sessions in turn).
 
@@ -756,8 +797,16 @@ def evaluate(
     ``prewarm_hit_rate`` (share of offloaded gaps whose pages were back before
     the user), ``wrong_offloads`` (offloads the user returned from within
     break-even), ``early_returns`` (on-demand loads) and their mean stall.
+
+    ``announce_lead_s``: the client announces every return this long before
+    the call (the user starts typing; at the turn end when the gap is
+    shorter); the predictor policies (``predictor``, ``single_shot``) then
+    start a prewarm at once or keep pages on the device until the call (the
+    planner's ``composing_hold_s`` is assumed long enough), and the predictor
+    sees the session's announced share (``TurnEndFeatures``). ``timeout`` and
+    ``oracle`` ignore announcements.
     """
-    costs = _costs(break_even_s, reload_s, timeout_s, hold_s)
+    costs = _costs(break_even_s, reload_s, timeout_s, hold_s, announce_lead_s)
     return _summary(_replay(conversations, predictor_factory(), costs), costs)
 
 
@@ -771,12 +820,13 @@ def cross_validate(
     config: IdleModelConfig | None = None,
     timeout_s: float | None = None,
     hold_s: float | None = None,
+    announce_lead_s: float | None = None,
 ) -> dict[str, Any]:
     """``evaluate`` with the prior fitted on the other folds (conversations dealt round-robin)."""
     if folds < 2 or len(conversations) < folds:
         raise ValueError(f"need at least 2 folds and a conversation per fold, got {folds} for {len(conversations)}")
     factory = PREDICTORS[predictor]
-    costs = _costs(break_even_s, reload_s, timeout_s, hold_s)
+    costs = _costs(break_even_s, reload_s, timeout_s, hold_s, announce_lead_s)
     total = _Replay()
     for fold in range(folds):
         training = [c for index, c in enumerate(conversations) if index % folds != fold]
@@ -854,6 +904,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=defaults.warm_return_worth_s,
         help="hazard: seconds of device residency one warm return is worth",
     )
+    parser.add_argument(
+        "--announce-lead-s",
+        type=float,
+        default=None,
+        help="the client announces every return this long before the call (default: never)",
+    )
     args = parser.parse_args(argv)
     features = tuple(name for name in args.features.split(",") if name)
     config = replace(
@@ -872,6 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config=config,
         timeout_s=args.timeout_s,
         hold_s=args.hold_s,
+        announce_lead_s=args.announce_lead_s,
     )
     print(format_table(summary))
     print(json.dumps(summary, sort_keys=True))

@@ -29,6 +29,9 @@ Routing hints. The caller passes one mapping as the first positional argument
                               prefixes); may be empty
     prompt_tokens: int        prompt length in tokens
     store_prefix_pages: int   optional: leading pages the KV store holds
+    prewarm: bool             optional: an announcement of the session's next
+                              call; it goes first to the replicas whose stats
+                              list the session, the one that saw it last first
 
 Any other keys are the callee's business. Missing or malformed hints make the
 call route on load alone; they never fail it.
@@ -64,7 +67,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from rayturn.router.scoring import ReplicaStats, ScoringWeights, scored_replicas
+from rayturn.router.scoring import ReplicaStats, ScoringWeights, following_replicas, scored_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class RoutingHints:
     page_hashes: tuple[str, ...] = ()
     prompt_tokens: int = 0
     store_prefix_pages: int = 0
+    prewarm: bool = False
 
     @classmethod
     def from_pending_request(cls, pending_request: PendingRequest) -> RoutingHints:
@@ -97,8 +101,10 @@ class RoutingHints:
         page_hashes = request.get("page_hashes") or ()
         prompt_tokens = request.get("prompt_tokens", 0)
         store_prefix_pages = request.get("store_prefix_pages", 0)
+        prewarm = request.get("prewarm", False)
         if (
             (session_id is not None and not isinstance(session_id, str))
+            or not isinstance(prewarm, bool)
             or not isinstance(page_hashes, list | tuple)
             or not all(isinstance(page_hash, str) for page_hash in page_hashes)
             or not _is_count(prompt_tokens)
@@ -107,7 +113,7 @@ class RoutingHints:
             # The request itself is not logged: it carries the user's prompt.
             logger.debug("Ignoring malformed routing hints (keys: %s).", sorted(map(str, request)))
             return cls()
-        return cls(session_id or None, tuple(page_hashes), prompt_tokens, store_prefix_pages)
+        return cls(session_id or None, tuple(page_hashes), prompt_tokens, store_prefix_pages, prewarm)
 
 
 def _is_count(value: object) -> bool:
@@ -155,15 +161,23 @@ class KVAwareRequestRouter(RequestRouter):
 
         hints = RoutingHints.from_pending_request(pending_request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        stats = {replica_id: self._stats(replica) for replica_id, replica in by_id.items()}
+        ranks: list[list[RunningReplica]] = []
+        if hints.prewarm:
+            # A session's announcement, nothing to match pages against: the replica that saw the
+            # session last comes first.
+            following = following_replicas(hints.session_id, stats)
+            ranks = [[by_id[replica_id]] for replica_id in following]
+            for replica_id in following:
+                del stats[replica_id]
         scored = scored_replicas(
             hints.page_hashes,
             hints.session_id,
             hints.prompt_tokens,
-            {replica_id: self._stats(replica) for replica_id, replica in by_id.items()},
+            stats,
             self._weights,
             hints.store_prefix_pages,
         )
-        ranks: list[list[RunningReplica]] = []
         last_score: float | None = None
         for replica_id, replica_score in scored:
             if replica_score != last_score:

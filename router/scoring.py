@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Page hashes travel as hex prefixes: 16 hex chars (64 bits) keep collisions
@@ -77,6 +77,9 @@ class ReplicaStats:
     # The same for pages in the replica's host segment.
     host_page_hashes: frozenset[str] = frozenset()
     page_size: int = DEFAULT_PAGE_SIZE
+    # `session_key` -> when the replica last saw a call of the session (epoch seconds), for the
+    # sessions it follows between calls (the most recent ones).
+    sessions: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _COUNT_FIELDS:
@@ -102,6 +105,7 @@ class ReplicaStats:
             cached_page_hashes=_hash_set(data, "cached_page_hashes", required=True),
             host_page_hashes=_hash_set(data, "host_page_hashes", required=False),
             page_size=page_size,
+            sessions=_session_times(data),
             **counts,
         )
 
@@ -117,6 +121,7 @@ class ReplicaStats:
             "cached_page_hashes": sorted(self.cached_page_hashes),
             "host_page_hashes": sorted(self.host_page_hashes),
             "page_size": self.page_size,
+            "sessions": dict(self.sessions),
         }
 
 
@@ -140,6 +145,18 @@ def _hash_set(data: Mapping[str, Any], name: str, *, required: bool) -> frozense
     if not all(isinstance(value, str) for value in values):
         raise ValueError(f"replica stats {name!r} must hold only strings")
     return frozenset(page_hash_key(value) for value in values)
+
+
+def _session_times(data: Mapping[str, Any]) -> dict[str, float]:
+    values = data.get("sessions", {})
+    if not isinstance(values, Mapping):
+        raise ValueError("replica stats 'sessions' must map session keys to epoch seconds")
+    times = {}
+    for key, seen_s in values.items():
+        if not isinstance(key, str) or isinstance(seen_s, bool) or not isinstance(seen_s, int | float):
+            raise ValueError("replica stats 'sessions' must map session keys (strings) to epoch seconds (numbers)")
+        times[key[:PAGE_HASH_PREFIX_CHARS]] = float(seen_s)
+    return times
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +225,24 @@ def load_penalty(stats: ReplicaStats | None, prompt_tokens: int, resident_pages:
     else:
         pages = 1.0
     return min(1.0, max(queue, seqs, pages))
+
+
+def session_key(session_id: str) -> str:
+    """The short hex form of a session id that replica stats carry (ids themselves may be long or private)."""
+    return hashlib.blake2b(session_id.encode(), digest_size=PAGE_HASH_PREFIX_CHARS // 2).hexdigest()
+
+
+def following_replicas(session_id: str | None, stats_by_replica: Mapping[str, ReplicaStats | None]) -> list[str]:
+    """The replicas that report following the session, the one that saw it last first (usually one, or none)."""
+    if not session_id:
+        return []
+    key = session_key(session_id)
+    seen = {
+        replica_id: stats.sessions[key]
+        for replica_id, stats in stats_by_replica.items()
+        if stats is not None and key in stats.sessions
+    }
+    return sorted(seen, key=lambda replica_id: (-seen[replica_id], -rendezvous_weight(session_id, replica_id)))
 
 
 def rendezvous_weight(session_id: str, replica_id: str) -> int:

@@ -151,6 +151,14 @@ def classify_call(messages: Sequence[Mapping[str, Any]]) -> CallKind:
     return "user"
 
 
+def required_session_id(value: str | None, source: str) -> str:
+    """A session id that must be there: stripped, non-empty, at most ``MAX_SESSION_ID_CHARS``; else ValueError."""
+    session_id = _checked(value, source)
+    if session_id is None:
+        raise ValueError(f"a session id is required in {source!r}")
+    return session_id
+
+
 def _checked(value: str | None, source: str) -> str | None:
     if value is None:
         return None

@@ -595,6 +595,10 @@ def test_idle_frontier_quick_on_a_small_trace(tmp_path: Path, capsys: pytest.Cap
     assert hazard[0]["idle_capture"] >= hazard[-1]["idle_capture"]
     # 8 gaps: 90% warm means keeping 8 (all), so no capture is left without prewarms.
     assert result["keep_or_offload_capture_at_target"] == 0.0
+    # Announced returns: every one warm, and beyond the keep-or-offload bound.
+    assert [p["announce_lead_s"] for p in result["announced"]] == list(frontier.QUICK_ANNOUNCE_LEADS_S)
+    assert all(p["warm_return"] == 1.0 and p["idle_capture"] > 0.9 for p in result["announced"])
+    assert result["announced_meets_target"]
     assert result["oracle"]["warm_return"] == 1.0
     assert (tmp_path / "out" / "idle_frontier_quick.json").is_file()
     assert (tmp_path / "out" / "idle_frontier_quick.png").is_file()

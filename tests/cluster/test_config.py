@@ -449,6 +449,10 @@ def test_lifecycle_settings_reach_the_decode_planner() -> None:
         load_config(**{"lifecycle.tool_hold_min_s": 10, "lifecycle.tool_hold_max_s": 5})
     with pytest.raises(ValueError, match=r"lifecycle\.predictor must be one of hazard, session, prior"):
         load_config(**{"lifecycle.predictor": "oracle"})
+    held = LifecycleSettings.from_mapping(load_config(**{"lifecycle.composing_hold_s": 30}).lifecycle.settings())
+    assert held.composing_hold_s == 30.0
+    with pytest.raises(ValueError, match=r"lifecycle\.composing_hold_s must be > 0"):
+        load_config(**{"lifecycle.composing_hold_s": 0})
 
 
 def test_a_pool_may_size_its_own_kv_cache() -> None:

@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 from ray.serve.exceptions import BackPressureError
 
 from rayturn.cluster import openai_api as oai
-from rayturn.cluster.ingress import _NO_STEP, _chain, _first_step
+from rayturn.cluster.ingress import _NO_STEP, _announced, _chain, _first_step
 
 
 async def failing(error: BaseException) -> AsyncIterator[list[dict[str, Any]]]:
@@ -53,3 +53,24 @@ def test_first_step_then_the_rest_in_order() -> None:
         return [step async for step in _chain(first, iterator)]
 
     assert asyncio.run(empty()) == []
+
+
+async def raising(error: BaseException) -> dict[str, Any]:
+    raise error
+
+
+def test_a_lost_announcement_is_an_openai_error() -> None:
+    with pytest.raises(oai.APIError) as err:
+        asyncio.run(_announced(raising(BackPressureError(num_queued_requests=8, max_queued_requests=8))))
+    assert err.value.status_code == 429
+    with pytest.raises(oai.APIError) as err:
+        asyncio.run(_announced(raising(RuntimeError("replica died"))))
+    assert err.value.status_code == 503 and "replica died" in err.value.message
+    assert err.value.to_dict()["error"]["type"] == "server_error"
+
+
+def test_an_announcement_passes_the_replicas_answer_through() -> None:
+    async def answer() -> dict[str, Any]:
+        return {"state": "offloaded", "replica_id": "r1"}
+
+    assert asyncio.run(_announced(answer())) == {"state": "offloaded", "replica_id": "r1"}

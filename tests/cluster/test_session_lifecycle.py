@@ -5,7 +5,7 @@ not pinned), the KV store, no prefill pool, time at the users' pace. The
 ``session`` predictor (log-normal prior, prewarm at a low quantile) offloads a
 new session's pages as soon as its turn ends and prewarms them about two
 seconds later (its lower quantile, 4.4 s, less a 2 s
-lead and the reload). Calls send
+lead and the reload), unless the client announces the return first. Calls send
 token-id prompts to ``/v1/completions`` with the life-cycle hint headers; the
 ``x-rayturn-session`` response header and ``usage`` say where the prompt's KV
 came from. Every answer must equal the offline engine's.
@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 ray = pytest.importorskip("ray")
+grpc = pytest.importorskip("grpc")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
@@ -30,6 +31,8 @@ from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
+from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
+from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 from rayturn.router.session import SESSION_STATE_HEADER  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18461, 19461
@@ -200,3 +203,64 @@ def test_a_bad_hint_is_a_400_and_the_server_stays_up(client: openai.OpenAI) -> N
         )
     text, usage, _ = call(client, prompt(9, 20), "after-error", "user", "user")
     assert usage["completion_tokens"] == MAX_TOKENS and text
+
+
+def announce(cluster: str, session_id: str) -> requests.Response:
+    return requests.post(f"{cluster}/v1/sessions/{session_id}/prewarm", timeout=30)
+
+
+def test_an_announced_return_brings_the_pages_back_at_once(
+    client: openai.OpenAI, reference: LLMEngine, cluster: str
+) -> None:
+    first = prompt(11, 400)
+    before = lifecycle(cluster)
+    call(client, first, "typist/main", "user", "user")
+    deadline = time.monotonic() + 30
+    while lifecycle(cluster)["offloads"] <= before["offloads"]:
+        assert time.monotonic() < deadline, "no offload"
+        time.sleep(0.01)
+    answer = announce(cluster, "typist/main")  # a session id with a slash, as sub-agents have
+    assert answer.status_code == 202
+    assert answer.json() == {"object": "session.prewarm", "session_id": "typist/main", "state": "offloaded"}
+    assert answer.headers["x-rayturn-replica"]
+    # The user types for a while. The pages come back at once, as for an arrived call: the idle
+    # sessions that earlier tests left held give way.
+    time.sleep(3.0)
+    second = next_prompt(first, 8, 12)
+    text, usage, state = call(client, second, "typist/main", "user", "user")
+    assert text == offline(reference, second)
+    assert state is not None and state["state"] == "prewarmed"
+    assert state["idle_s"] > 3.0
+    # Off the device from the offload to the announcement only: the predicted prewarm (~2.4 s) never ran.
+    assert state["off_device_s"] < 2.0
+    assert state["resident_pages"] == state["session_pages"] > 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= full_pages(len(first))
+    assert usage["prompt_tokens_details"]["kv_store_tokens"] == 0
+    stats = lifecycle(cluster)
+    assert stats["composing_hints"] == before["composing_hints"] + 1
+    assert stats["announced_returns"] == before["announced_returns"] + 1
+    assert stats["prewarm_hits"] == before["prewarm_hits"] + 1
+
+
+def test_announcing_over_grpc_and_bad_announcements(client: openai.OpenAI, cluster: str) -> None:
+    call(client, prompt(13, 100), "grpc-typist", "user", "user")
+    answer = announce(cluster, "never-seen")
+    assert answer.status_code == 202 and answer.json()["state"] == "unknown"
+    too_long = announce(cluster, "s" * 300)
+    assert too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "session_id" and "300" in error["message"]
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = pb_grpc.RayTurnStub(channel)
+        metadata = (("application", "rayturn"),)
+        reply = stub.Prewarm(pb.PrewarmRequest(session_id="never-seen-grpc"), metadata=metadata)
+        assert reply.state == "unknown" and reply.replica_id
+        # The session id may come as metadata, as for Generate; the replica knows this session.
+        reply = stub.Prewarm(pb.PrewarmRequest(), metadata=(*metadata, ("session_id", "grpc-typist")))
+        assert reply.state in ("held", "offloaded", "prewarming", "prewarmed")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Prewarm(pb.PrewarmRequest(), metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "session id is required" in (err.value.details() or "")
+    # Nothing was lost: the cluster still answers.
+    assert requests.get(f"{cluster}/health", timeout=30).json()["status"] == "ok"

@@ -47,8 +47,8 @@ class RecordingEngine:
         self.calls.append(("offload", session_id))
         return SessionMove(pages=3, resident_pages=0, bytes_moved=0, seconds=0.0)
 
-    def prewarm_session(self, session_id: str, ttl_s: float) -> SessionMove:
-        self.calls.append(("prewarm", session_id, round(ttl_s, 6)))
+    def prewarm_session(self, session_id: str, ttl_s: float, announced: bool = False) -> SessionMove:
+        self.calls.append(("prewarm", session_id, round(ttl_s, 6)) + (("announced",) if announced else ()))
         return SessionMove(pages=3, resident_pages=3, bytes_moved=3 * BYTES_PER_PAGE, seconds=0.001)
 
     def kinds(self) -> list[str]:
@@ -355,5 +355,133 @@ def test_hazard_predictor_offloads_prewarms_for_a_learned_return_and_offloads_ag
         moves = [kind for kind in engine.kinds() if kind != "hold"]
         assert moves[-2:] == ["prewarm", "offload"]
         assert plan._sessions["s"].phase is Phase.OFFLOADED
+
+    asyncio.run(run())
+
+
+def test_an_announced_return_prewarms_at_once_and_counts_as_announced() -> None:
+    async def run() -> None:
+        predictor = FixedPredictor(point_s=1000.0, lower_s=800.0)  # prewarm due ~0.8 s wall: too late here
+        plan, engine = planner(predictor, turn_hold_s=10.0, composing_hold_s=60.0)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.02)
+        assert engine.kinds() == ["offload"]
+        assert plan.composing("s") == {"state": "offloaded"}
+        await settle(0.01)
+        # The prewarm starts now, and holds the pages for the announced call (60 s -> 0.06 s wall).
+        # It loads as for an arrived call (idle sessions' holds give way).
+        assert engine.calls[1][:2] == ("prewarm", "s") and engine.calls[1][3:] == ("announced",)
+        assert engine.calls[1][2] == pytest.approx(0.06 * HOLD_SLACK, abs=0.005)
+        assert plan._sessions["s"].phase is Phase.PREWARMED
+        report = plan.arrive("s", "user")
+        assert report["state"] == "prewarmed"
+        counters = plan.counters
+        assert (counters.composing_hints, counters.announced_returns, counters.prewarm_hits) == (1, 1, 1)
+        await settle(0.9)  # the planned prewarm's timer is gone
+        assert engine.kinds() == ["offload", "prewarm"]
+        # The next turn end tells the predictor this session's returns come announced.
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.005)
+        assert predictor.asked[-1].announced_share == pytest.approx(1.0)
+
+    asyncio.run(run())
+
+
+def test_an_announced_call_keeps_held_pages_until_it_comes_or_the_hold_ends() -> None:
+    async def run() -> None:
+        # Short predicted idle: held for turn_hold_s (10 s -> 0.01 s wall), then a look.
+        predictor = FixedPredictor(point_s=3.0, lower_s=1.0)
+        plan, engine = planner(predictor, turn_hold_s=10.0, composing_hold_s=100.0)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=32, output_tokens=4)
+        await settle(0.005)
+        assert plan.composing("s") == {"state": "held"}
+        await settle(0.001)
+        assert engine.calls[-1] == ("hold", "s", round(0.1 * HOLD_SLACK, 6), "tool")
+        looks = plan.counters.looks
+        await settle(0.05)
+        assert plan.counters.looks == looks  # no look (and no offload) while the announced call is awaited
+        predictor.prediction = IdlePrediction(point_s=1000.0, lower_s=800.0)
+        await settle(0.1)
+        # The call did not come within the hold: the plan resumes, and the long prediction offloads.
+        assert plan.counters.looks > looks and engine.kinds()[-1] == "offload"
+
+    asyncio.run(run())
+
+
+def test_an_announcement_during_a_call_keeps_the_pages_when_it_ends() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=800.0), composing_hold_s=100.0)
+        assert plan.composing("nobody") == {"state": "unknown"}
+        plan.arrive("s", "user")
+        assert plan.composing("s") == {"state": "active"}  # the user types while the agent works
+        await settle(0.01)
+        assert engine.calls == []
+        plan.finish("s", "stop", None, prompt_tokens=32, output_tokens=4)
+        await settle(0.01)
+        # The turn is over, but the announced call is coming: held for it, not offloaded.
+        assert [call[0::3] for call in engine.calls] == [("hold", "tool")]
+        assert 0.1 < engine.calls[0][2] <= 0.1 * HOLD_SLACK  # for what is left of the announcement's hold
+        assert plan._sessions["s"].phase is Phase.HELD
+        report = plan.arrive("s", "user")
+        assert report["state"] == "held" and plan.counters.announced_returns == 1
+
+    asyncio.run(run())
+
+
+def test_an_announcement_after_an_abandoned_first_call_ends_in_a_release() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=800.0), composing_hold_s=20.0)
+        plan.arrive("s", "user")
+        plan.abandon("s")  # no turn ended: nothing to plan the gap from
+        assert plan.composing("s") == {"state": "held"}
+        await settle(0.05)  # past the announcement's hold (20 s -> 0.02 s wall)
+        assert plan._sessions["s"].phase is Phase.RELEASED
+        assert plan.next_activity_s() == math.inf
+        assert "offload" not in engine.kinds()
+
+    asyncio.run(run())
+
+
+def test_an_announcement_redoes_a_guessed_prewarm_as_an_announced_one() -> None:
+    async def run() -> None:
+        plan, engine = planner(FixedPredictor(point_s=1000.0, lower_s=800.0), turn_hold_s=10.0)
+        plan.arrive("s", "user")
+        plan.finish("s", "stop", None, prompt_tokens=160, output_tokens=16)
+        await settle(0.01)
+        assert engine.kinds() == ["offload"]
+        plan._sessions["s"].phase = Phase.PREWARMING  # as while a guessed prewarm is under way
+        assert plan.composing("s") == {"state": "prewarming"}
+        await settle(0.01)
+        # The announced prewarm follows it on the engine thread: it loads what the guess left out,
+        # as for an arrived call, and holds the pages as surely as a tool wait.
+        assert engine.calls[-1][0] == "prewarm" and engine.calls[-1][3:] == ("announced",)
+        assert plan._sessions["s"].phase is Phase.PREWARMED
+        assert plan.next_activity_s() <= plan.clock()  # the call is due any moment
+
+    asyncio.run(run())
+
+
+def test_a_new_session_starts_from_the_replicas_announced_share() -> None:
+    async def run() -> None:
+        predictor = FixedPredictor(point_s=3.0, lower_s=1.0)
+        plan, _ = planner(predictor, turn_hold_s=1000.0)
+        for session_id, announce in (("a", True), ("b", False)):
+            plan.arrive(session_id, "user")
+            plan.finish(session_id, "stop", None, prompt_tokens=32, output_tokens=4)
+            await settle(0.005)
+            if announce:
+                plan.composing(session_id)
+            plan.arrive(session_id, "user")
+        shares = {}
+        for session_id in ("a", "b", "c"):
+            if session_id == "c":
+                plan.arrive("c", "user")
+            plan.finish(session_id, "stop", None, prompt_tokens=32, output_tokens=4)
+            await settle(0.005)
+            shares[session_id] = predictor.asked[-1].announced_share
+        # "a": 1 announced of 1, with the replica's half as one more; "b": 0 of 1, likewise; "c": the replica's.
+        assert shares == {"a": pytest.approx(0.75), "b": pytest.approx(0.25), "c": pytest.approx(0.5)}
 
     asyncio.run(run())

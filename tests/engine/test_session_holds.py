@@ -331,6 +331,22 @@ def test_a_prewarm_leaves_a_quarter_of_the_pool_for_arrivals() -> None:
     assert engine.kv_cache.num_free_pages == 2
 
 
+def test_an_announced_prewarm_loads_as_for_an_arrived_call() -> None:
+    connector = DictConnector()
+    engine = make_engine(num_pages=8, connector=connector)
+    run(engine, tokens(0, 10), THREE_OUT, session_id="s")
+    engine.offload_session("s")
+    run(engine, tokens(100, 10), THREE_OUT, session_id="a")
+    run(engine, tokens(200, 10), THREE_OUT, session_id="b")  # 6 pages held by idle turn ends, 2 free
+    # The call is on its way: idle sessions' holds give way, and nothing is kept back.
+    move = engine.prewarm_session("s", ttl_s=60.0, announced=True)
+    assert (move.pages, move.resident_pages) == (3, 3)
+    assert engine.session_holds._holds["s"].kind == "tool"  # held as surely as a tool wait
+    # The third page came from an idle session whose hold gave way.
+    assert engine.session_residency("a")[0] + engine.session_residency("b")[0] == 5
+    assert engine.session_stats()["pressure_releases"] >= 1
+
+
 def test_early_return_after_offload_loads_on_demand() -> None:
     connector = DictConnector()
     engine = make_engine(num_pages=16, connector=connector, kv_load_min_tokens=0)

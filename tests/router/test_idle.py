@@ -397,3 +397,60 @@ def test_hazard_beats_the_log_normal_on_real_traces() -> None:
     hazard_capture, hazard_warm = point("hazard", warm_return_worth_s=700.0)
     session_capture, session_warm = point("session", lower_quantile=0.01)
     assert hazard_capture > session_capture and hazard_warm > session_warm
+
+
+def test_hazard_holds_less_for_sessions_whose_returns_come_announced() -> None:
+    predictor = hazard(100.0, 1.0, warm_return_worth_s=400.0)
+    features = TurnEndFeatures(idle_so_far_s=60.0)
+
+    def first_release_s(share: float) -> float:
+        return next(
+            t
+            for t in range(20, 100_000, 5)
+            if predictor.predict("s", replace(features, idle_so_far_s=t, announced_share=share)).lower_s > t
+        )
+
+    # A return within the next minutes is worth waiting for on the device; announced half the
+    # time, the wait is worth half as much, so the pages leave sooner.
+    assert predictor.predict("s", features).lower_s == 60.0
+    assert first_release_s(0.5) < first_release_s(0.0)
+    # A session that always announces need never wait on the device: its pages come back on the announcement.
+    assert predictor.predict("s", replace(features, announced_share=1.0)).lower_s == math.inf
+    assert predictor.predict("s", replace(features, idle_so_far_s=0.0, announced_share=1.0)).lower_s == math.inf
+    # The schedule cache keeps the shares apart.
+    assert predictor.predict("s", features).lower_s == 60.0
+
+
+def test_announced_returns_make_every_return_warm_offline() -> None:
+    conversations = [conversation(f"c{i}", [8.0, 30.0, 600.0, 5000.0, 45.0, 12.0]) for i in range(4)]
+    base = evaluate(conversations, lambda: hazard(100.0, 1.0), break_even_s=5.0, reload_s=0.5)["predictor"]
+    announced = evaluate(
+        conversations, lambda: hazard(100.0, 1.0), break_even_s=5.0, reload_s=0.5, announce_lead_s=2.0
+    )["predictor"]
+    assert announced["warm_return_rate"] == 1.0 and announced["early_returns"] == 0
+    assert announced["prewarm_hit_rate"] == 1.0
+    # Off from the turn end to 2 s before each return (a gap of 8 s: 5.5 s off would not pay, so it stays).
+    idle_s = 4 * sum([8.0, 30.0, 600.0, 5000.0, 45.0, 12.0])
+    assert announced["idle_capture"] == pytest.approx(
+        4 * sum(g - 2.0 for g in (30.0, 600.0, 5000.0, 45.0, 12.0)) / idle_s, abs=0.002
+    )
+    assert announced["idle_capture"] > base["idle_capture"] and announced["warm_return_rate"] > base["warm_return_rate"]
+    # Too short a lead for the reload: the announcement starts the prewarm, the user waits out the rest.
+    late = evaluate(conversations, lambda: hazard(100.0, 1.0), break_even_s=5.0, reload_s=0.5, announce_lead_s=0.2)[
+        "predictor"
+    ]
+    assert late["warm_return_rate"] < 0.2 and late["mean_stall_s"] == pytest.approx(0.3)
+    # A lead longer than the gap: the announcement comes at the turn end, and the pages stay for the call.
+    long_lead = evaluate(
+        [conversation("c", [8.0, 3000.0])], lambda: hazard(100.0, 1.0), break_even_s=5.0, reload_s=0.5,
+        announce_lead_s=10.0,
+    )["predictor"]  # fmt: skip
+    assert long_lead["warm_return_rate"] == 1.0
+    assert long_lead["idle_capture"] == pytest.approx((3000.0 - 10.0) / 3008.0)
+    with pytest.raises(ValueError, match="announce_lead_s"):
+        evaluate(conversations, lambda: hazard(), break_even_s=5.0, reload_s=0.5, announce_lead_s=-1.0)
+
+
+def test_announced_returns_on_real_traces() -> None:
+    summary = cross_validate(real_weka(), 4, 5.0, 0.5, announce_lead_s=2.0)["predictor"]
+    assert summary["idle_capture"] >= 0.95 and summary["warm_return_rate"] >= 0.99

@@ -13,7 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from rayturn.router.request_router import KVAwareRequestRouter, RoutingHints
-from rayturn.router.scoring import ReplicaStats, ScoringWeights, page_hash_key, preferred_replica
+from rayturn.router.scoring import ReplicaStats, ScoringWeights, page_hash_key, preferred_replica, session_key
 
 DEPLOYMENT = DeploymentID(name="decode", app_name="test")
 PAGES = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(4)]
@@ -27,7 +27,9 @@ class FakeReplica:
     routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
-def replica(name: str, held: list[str] | None = None, running_seqs: int = 0) -> FakeReplica:
+def replica(
+    name: str, held: list[str] | None = None, running_seqs: int = 0, sessions: dict[str, float] | None = None
+) -> FakeReplica:
     stats = ReplicaStats(
         replica_id=name,
         queued_prompt_tokens=0,
@@ -36,6 +38,7 @@ def replica(name: str, held: list[str] | None = None, running_seqs: int = 0) -> 
         free_pages=1000,
         total_pages=1000,
         cached_page_hashes=frozenset(page_hash_key(h) for h in held or []),
+        sessions={session_key(session_id): seen_s for session_id, seen_s in (sessions or {}).items()},
     )
     return FakeReplica(ReplicaID(unique_id=name, deployment_id=DEPLOYMENT), stats.to_dict())
 
@@ -137,6 +140,26 @@ def test_session_preference_gets_its_own_rank() -> None:
     ranks = choose(router(), replicas, {"session_id": "s-1", "prompt_tokens": 8})
     assert ranks[0] == [preferred]
     assert sorted(ranks[1]) == sorted({"a", "b", "c"} - {preferred})
+
+
+def test_an_announcement_goes_where_its_session_was_seen_last() -> None:
+    names = ["a", "b", "c"]
+    preferred = preferred_replica("s-1", names)
+    stale, follower = [name for name in names if name != preferred]
+    seen = {stale: {"s-1": 100.0}, follower: {"s-1": 200.0}}
+    replicas = [replica(name, sessions=seen.get(name)) for name in names]
+    # An announcement carries the session and no pages: the replicas following the session first, the
+    # one that saw it last before one it has left, whatever the session's rendezvous choice.
+    announcement = {"session_id": "s-1", "page_hashes": [], "prompt_tokens": 0, "prewarm": True}
+    ranks = choose(router(), replicas, announcement)
+    assert ranks[:3] == [[follower], [stale], [preferred]]
+    # A call, even one without pages, routes as before: by its pages, then load and affinity.
+    assert choose(router(), replicas, {"session_id": "s-1", "prompt_tokens": 8})[0] == [preferred]
+    holder = next(name for name in names if name != follower)
+    replicas = [replica(name, held=PAGES if name == holder else None, sessions=seen.get(name)) for name in names]
+    assert choose(router(), replicas, {"session_id": "s-1", "page_hashes": PAGES, "prompt_tokens": 64})[0] == [holder]
+    # A malformed flag drops the hints, as any malformed hint does.
+    assert hints_of({"session_id": "s-1", "prewarm": "yes"}) == RoutingHints()
 
 
 def test_busier_replicas_rank_later() -> None:

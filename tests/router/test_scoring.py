@@ -20,6 +20,7 @@ from rayturn.router.scoring import (
     ReplicaStats,
     ScoringWeights,
     affinity,
+    following_replicas,
     kv_overlap,
     load_penalty,
     page_hash_key,
@@ -27,6 +28,7 @@ from rayturn.router.scoring import (
     rank_replicas,
     score,
     scored_replicas,
+    session_key,
 )
 
 WEIGHTS = ScoringWeights()
@@ -315,3 +317,21 @@ def test_exact_ties_have_equal_rounded_scores() -> None:
     replicas = {"a": stats("a", running_seqs=1), "b": stats("b", running_seqs=1)}
     (_, first), (_, second) = scored_replicas([], None, 64, replicas, WEIGHTS)
     assert first == second
+
+
+def test_sessions_travel_in_the_stats_as_short_keys() -> None:
+    key = session_key("a session id that may be long / and private")
+    assert len(key) == PAGE_HASH_PREFIX_CHARS and key == session_key("a session id that may be long / and private")
+    stats = ReplicaStats("r", 0, 0, 8, 10, 10, frozenset(), sessions={key: 1700000000.5})
+    again = ReplicaStats.from_dict(stats.to_dict())
+    assert again == stats
+    assert ReplicaStats.from_dict({**stats.to_dict(), "sessions": {}}).sessions == {}
+    assert "sessions" not in ReplicaStats.from_dict({**stats.to_dict(), "sessions": {}}).to_dict()["sessions"]
+    older = ReplicaStats("q", 0, 0, 8, 10, 10, frozenset(), sessions={key: 1600000000.0})
+    by_replica = {"q": older, "r": stats, "s": ReplicaStats("s", 0, 0, 8, 10, 10, frozenset()), "none": None}
+    # Both follow the session; the one that saw it last comes first.
+    assert following_replicas("a session id that may be long / and private", by_replica) == ["r", "q"]
+    assert following_replicas("someone else", by_replica) == [] and following_replicas(None, by_replica) == []
+    for bad in ("abc", ["abc"], {"abc": "yesterday"}, {"abc": True}):
+        with pytest.raises(ValueError, match="sessions"):
+            ReplicaStats.from_dict({**stats.to_dict(), "sessions": bad})
