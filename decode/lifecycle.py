@@ -149,6 +149,7 @@ class _Session:
     offloaded_this_gap: bool = False
     composing_until_s: float = 0.0  # wall clock until which an announced call is waited for on the device
     seen_unix_s: float = 0.0  # when a call of the session last arrived or ended (epoch seconds, for routing)
+    routing_key: str = ""  # ``session_key`` of the id, as the routing stats name it
     returns: int = 0
     announced_returns: int = 0
     num_pages: int = 0
@@ -604,7 +605,7 @@ class SessionPlanner:
         await self._engine(fn)
 
     def _session(self, session_id: str) -> _Session:
-        session = self._sessions.pop(session_id, None) or _Session(session_id)
+        session = self._sessions.pop(session_id, None) or _Session(session_id, routing_key=session_key(session_id))
         self._sessions[session_id] = session  # most recently seen last
         session.seen_unix_s = time.time()
         while len(self._sessions) > MAX_SESSIONS:
@@ -619,7 +620,7 @@ class SessionPlanner:
         last, for the routing stats: announcements (which carry no pages to match) route to the replica
         that saw their session last."""
         recent = itertools.islice(reversed(self._sessions.values()), limit)
-        return {session_key(session.session_id): round(session.seen_unix_s, 3) for session in recent}
+        return {session.routing_key: round(session.seen_unix_s, 3) for session in recent}
 
     def stats(self) -> dict[str, Any]:
         counters = {spec_field.name: getattr(self.counters, spec_field.name) for spec_field in fields(self.counters)}

@@ -305,8 +305,9 @@ class HazardIdlePredictor:
     chance per second that a user who is still away returns now) decides: the
     pages belong on the device while the hazard is at least
     ``1 / warm_return_worth_s``, the worth scaled by ``1 - announced_share``
-    (a return the client announces is warm without residency). The hazard of real think times falls, rises
-    again near the gaps a session keeps repeating, and falls after them (a
+    (a return the client announces is warm without residency). The hazard of
+    real think times falls, rises again near the gaps a session keeps
+    repeating, and falls after them (a
     Laplace kernel's tail, unlike a normal one's, does not say "late, so surely
     back any second"), so one gap may hold, offload, prewarm before a likely
     return, and offload again when the user does not come. ``lower_s`` is when
@@ -704,10 +705,12 @@ def _replay(conversations: Sequence[Conversation], predictor: IdlePredictor, cos
         session_id = conversation.conversation_id
         for index, (features, gap) in enumerate(turn_end_samples(conversation)):
             if costs.announce_lead_s is not None:
-                # Every return of this replay is announced; the share is the planner's estimate of that.
+                # Every return of this replay is announced, in time to bring the pages back when the lead
+                # covers a reload; the share is the planner's estimate of that.
+                in_time = costs.announce_lead_s >= costs.reload_s
                 replica_share = announced / returns if returns else 0.0
-                features = replace(features, announced_share=(index + replica_share) / (index + 1))
-                announced += 1
+                features = replace(features, announced_share=(index * in_time + replica_share) / (index + 1))
+                announced += in_time
             returns += 1
             first = timed(session_id, features)
             gap_log_s = math.log(max(gap.duration_s, MIN_GAP_S))
