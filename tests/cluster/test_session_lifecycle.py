@@ -119,6 +119,16 @@ def next_prompt(previous: list[int], answer_tokens: int, seed: int) -> list[int]
     return previous + prompt(seed, answer_tokens) + prompt(seed + 1, 40)
 
 
+def first_turn_offloaded(client: openai.OpenAI, cluster: str, token_ids: list[int], session_id: str) -> None:
+    """One call that ends a turn, then wait until the replica has offloaded (the session's pages, here)."""
+    before = lifecycle(cluster)
+    call(client, token_ids, session_id, "user", "user")
+    deadline = time.monotonic() + 30
+    while lifecycle(cluster)["offloads"] <= before["offloads"]:
+        assert time.monotonic() < deadline, "no offload"
+        time.sleep(0.01)
+
+
 def full_pages(num_tokens: int) -> int:
     return (num_tokens - 1) // PAGE_SIZE * PAGE_SIZE
 
@@ -167,11 +177,7 @@ def test_an_early_return_loads_on_demand_and_answers_the_same(
 ) -> None:
     first = prompt(5, 400)
     before = lifecycle(cluster)
-    call(client, first, "hasty", "user", "user")
-    deadline = time.monotonic() + 30
-    while lifecycle(cluster)["offloads"] <= before["offloads"]:
-        assert time.monotonic() < deadline, "no offload"
-        time.sleep(0.01)
+    first_turn_offloaded(client, cluster, first, "hasty")
     second = next_prompt(first, 8, 6)
     text, usage, state = call(client, second, "hasty", "user", "user")
     assert text == offline(reference, second)
@@ -214,11 +220,7 @@ def test_an_announced_return_brings_the_pages_back_at_once(
 ) -> None:
     first = prompt(11, 400)
     before = lifecycle(cluster)
-    call(client, first, "typist/main", "user", "user")
-    deadline = time.monotonic() + 30
-    while lifecycle(cluster)["offloads"] <= before["offloads"]:
-        assert time.monotonic() < deadline, "no offload"
-        time.sleep(0.01)
+    first_turn_offloaded(client, cluster, first, "typist/main")
     answer = announce(cluster, "typist/main")  # a session id with a slash, as sub-agents have
     assert answer.status_code == 202
     assert answer.json() == {"object": "session.prewarm", "session_id": "typist/main", "state": "offloaded"}

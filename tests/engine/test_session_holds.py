@@ -315,14 +315,19 @@ def test_prewarmed_session_finds_its_pages_cached_not_loaded() -> None:
     assert again.token_ids == reference.token_ids
 
 
-def test_a_prewarm_leaves_a_quarter_of_the_pool_for_arrivals() -> None:
-    connector = DictConnector()
-    engine = make_engine(num_pages=8, connector=connector)
+def offloaded_beside_two_held_sessions() -> LLMEngine:
+    """8 pages: session "s" offloaded (3 pages in the store), "a" and "b" holding 3 each, 2 free."""
+    engine = make_engine(num_pages=8, connector=DictConnector())
     run(engine, tokens(0, 10), THREE_OUT, session_id="s")
     engine.offload_session("s")
     run(engine, tokens(100, 10), THREE_OUT, session_id="a")
-    run(engine, tokens(200, 10), THREE_OUT, session_id="b")  # 6 pages held, 2 free
+    run(engine, tokens(200, 10), THREE_OUT, session_id="b")
     assert engine.kv_cache.num_free_pages == 2
+    return engine
+
+
+def test_a_prewarm_leaves_a_quarter_of_the_pool_for_arrivals() -> None:
+    engine = offloaded_beside_two_held_sessions()
     move = engine.prewarm_session("s", ttl_s=60.0)
     assert (move.pages, move.resident_pages) == (0, 0)  # 2 of 8 pages must stay free: nothing to spare
     engine.release_session("b")  # 5 free now
@@ -332,12 +337,7 @@ def test_a_prewarm_leaves_a_quarter_of_the_pool_for_arrivals() -> None:
 
 
 def test_an_announced_prewarm_loads_as_for_an_arrived_call() -> None:
-    connector = DictConnector()
-    engine = make_engine(num_pages=8, connector=connector)
-    run(engine, tokens(0, 10), THREE_OUT, session_id="s")
-    engine.offload_session("s")
-    run(engine, tokens(100, 10), THREE_OUT, session_id="a")
-    run(engine, tokens(200, 10), THREE_OUT, session_id="b")  # 6 pages held by idle turn ends, 2 free
+    engine = offloaded_beside_two_held_sessions()  # "a" and "b" hold their pages as idle turn ends
     # The call is on its way: idle sessions' holds give way, and nothing is kept back.
     move = engine.prewarm_session("s", ttl_s=60.0, announced=True)
     assert (move.pages, move.resident_pages) == (3, 3)
