@@ -474,8 +474,8 @@ class Ingress:
                 raise oai.invalid_request(str(err), param="session_id") from err
             answer = await self._prewarm(session)
         except oai.APIError as err:
-            outcome = {401: "unauthorized", 429: "overloaded"}.get(err.status_code, "invalid")
-            self.telemetry.requests.labels("prewarm", "failed" if err.status_code >= 500 else outcome).inc()
+            outcome = {401: "unauthorized", 429: "overloaded", 503: "failed"}.get(err.status_code, "invalid")
+            self.telemetry.requests.labels("prewarm", outcome).inc()
             return _error_response(err)
         self.telemetry.requests.labels("prewarm", "ok").inc()
         headers = {REPLICA_HEADER: answer["replica_id"]} if answer["replica_id"] else {}

@@ -305,7 +305,8 @@ class DecodeServer:
 
     async def prewarm(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """A session's next call is announced (``SessionPlanner.composing``); ``request`` carries
-        ``session_id`` (and routes like the session's calls). Returns its state here and this replica."""
+        ``session_id`` (and routes to the replica that saw the session last). Returns its state here
+        and this replica."""
         session_id = request["session_id"]
         state = self.planner.composing(session_id)["state"] if self.planner is not None else "disabled"
         return {"state": state, "replica_id": self.replica_id}
