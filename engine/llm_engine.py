@@ -509,14 +509,13 @@ class LLMEngine:
         are held as for a tool wait.
         """
         self._require_connector("prewarm_session")
-        if announced:
-            return self.session_holds.prewarm(
-                session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0, reclaim=True), kind="tool"
-            )
-        # A prewarm is a guess: it leaves a share of the pool free for calls that have arrived.
-        keep_free = int(self.num_pages * PREWARM_FREE_FRACTION)
+        # An unannounced prewarm is a guess: it leaves a share of the pool free for calls that have arrived.
+        keep_free = 0 if announced else int(self.num_pages * PREWARM_FREE_FRACTION)
         return self.session_holds.prewarm(
-            session_id, ttl_s, lambda hashes: self._load_missing(hashes, 0, keep_free=keep_free)
+            session_id,
+            ttl_s,
+            lambda hashes: self._load_missing(hashes, 0, reclaim=announced, keep_free=keep_free),
+            kind="tool" if announced else "prewarm",
         )
 
     def session_residency(self, session_id: str) -> tuple[int, int]:
