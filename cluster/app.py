@@ -45,6 +45,7 @@ from rayturn.protos import SERVICER_FUNCTION
 
 from .config import ClusterConfig, PoolSpec, load_config
 from .ingress import Ingress
+from .listeners import proxy_env
 
 # ``serve.deployment`` is overloaded in ways type checkers do not follow for classes.
 _deployment: Any = serve.deployment
@@ -186,12 +187,17 @@ def build_app(config: ClusterConfig) -> Application:
             kvstore,
             kv.store_node_bytes,
         )
+    pools = ["ingress", "decode"] + (["prefill"] if prefill is not None else [])
     ingress_settings = {
         "model": model,
         "served_model_name": config.model.model_name,
         "page_size": config.model.page_size,
         "max_model_len": config.model.max_model_len,
-        "api_keys": list(config.server.api_keys),
+        # Digests of the keys, never the keys: Serve stores these arguments and shows them to its tools.
+        "keys": config.server.key_table(config.tenant).settings(),
+        "max_request_bytes": config.server.max_request_bytes,
+        "app_name": APP_NAME,
+        "pools": pools + (["kv-store"] if store_nodes is not None else []),
         "kvstore_master": {"name": kv.master_name, "namespace": KV_NAMESPACE},
     }
     return _bind(
@@ -209,11 +215,13 @@ def build_app(config: ClusterConfig) -> Application:
 
 
 def serve_start_options(config: ClusterConfig) -> dict[str, Any]:
-    """``serve.start`` options: HTTP host/port and the gRPC port with rayturn's servicer."""
+    """``serve.start`` options: HTTP host/port, the gRPC port with rayturn's servicer, and the proxies'
+    environment that binds gRPC at the same host and caps its messages (``listeners``)."""
     server = config.server
     return {
         "http_options": {"host": server.host, "port": server.http_port},
         "grpc_options": {"port": server.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+        "controller_options": {"runtime_env": {"env_vars": proxy_env(server.host, server.max_request_bytes)}},
     }
 
 

@@ -10,6 +10,7 @@ join one); ``rayturn generate`` runs the offline engine on prompts;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 import sys
@@ -65,6 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
         "server.host": args.host,
     }
     config = load_config(args.config, **{key: value for key, value in flags.items() if value is not None})
+    if args.api_key:
+        server = dataclasses.replace(config.server, api_keys=config.server.api_keys + tuple(args.api_key))
+        config = dataclasses.replace(config, server=server)
     return serve_forever(config, args.address)
 
 
@@ -108,7 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     serve.add_argument("--http-port", type=int, default=None)
     serve.add_argument("--grpc-port", type=int, default=None)
-    serve.add_argument("--host", default=None, help="HTTP bind address (default from config: 127.0.0.1)")
+    serve.add_argument("--host", default=None, help="HTTP and gRPC bind address (default from config: 127.0.0.1)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an API key callers must present (repeatable; each a tenant of its own; adds to server.api_keys)",
+    )
     # Every argument after `bench` is the benchmark's own (`rayturn bench --help` lists them).
     sub.add_parser("bench", help="run bench/agent_sessions.py: agent sessions, rayturn vs a baseline", add_help=False)
     # Likewise after `replay` (`rayturn replay --help`).

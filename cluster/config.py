@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .tenants import TENANT_NAME, KeyTable
+
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv_aware", "round_robin")
 IDLE_PREDICTORS = ("hazard", "session", "prior")  # rayturn.router.idle.PREDICTORS
@@ -51,6 +53,9 @@ _SIZE_UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+# A request body this small could not hold a chat request worth serving.
+MIN_REQUEST_BYTES = 1024
+_TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 
 _Spec = TypeVar("_Spec")
@@ -314,12 +319,18 @@ class ServerSpec:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 9000
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets stay out of logged reprs
+    # Secrets stay out of logged reprs.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    tenant_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False, repr=False)
+    max_request_bytes: int = field(default=8 << 20, metadata={"size": True})
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(
+            self, "tenant_keys", types.MappingProxyType({name: tuple(keys) for name, keys in self.tenant_keys.items()})
+        )
         _check_non_empty("host", self.host)
         _check_port("http_port", self.http_port)
         _check_port("grpc_port", self.grpc_port)
@@ -331,8 +342,22 @@ class ServerSpec:
         )
         for index, api_key in enumerate(self.api_keys):
             _check_non_empty(f"api_keys[{index}]", api_key)
+        for tenant, keys in self.tenant_keys.items():
+            _check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", _TENANT_NAME_RULE)
+            _check(bool(keys), f"tenant_keys.{tenant}", "must list at least one key")
+            for index, api_key in enumerate(keys):
+                _check_non_empty(f"tenant_keys.{tenant}[{index}]", api_key)
+        try:
+            KeyTable.build(self.api_keys, self.tenant_keys)
+        except ValueError:
+            raise _FieldError("api_keys", "must not hold a key twice (api_keys, tenant_keys, --api-key)") from None
+        _check_at_least("max_request_bytes", self.max_request_bytes, MIN_REQUEST_BYTES)
         _check_at_least("ingress_replicas", self.ingress_replicas, 1)
         _check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
+
+    def key_table(self, default_tenant: str) -> KeyTable:
+        """API key digests -> tenants, for the ingress."""
+        return KeyTable.build(self.api_keys, self.tenant_keys, default_tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +373,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_non_empty("tenant", self.tenant)
+        _check(TENANT_NAME.fullmatch(self.tenant) is not None, "tenant", _TENANT_NAME_RULE)
         _check(self.decode.max_replicas >= 1, "decode.max_replicas", f"must be >= 1, got {self.decode.max_replicas}")
         _check(
             self.kvstore.enabled or self.prefill.max_replicas == 0,
@@ -513,7 +539,7 @@ def _to_plain(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {spec_field.name: _to_plain(getattr(value, spec_field.name)) for spec_field in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return dict(value)
+        return {name: _to_plain(item) for name, item in value.items()}
     if isinstance(value, tuple):
         return list(value)
     return value

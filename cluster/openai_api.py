@@ -106,7 +106,7 @@ def unsupported(message: str, *, param: str) -> APIError:
 
 
 def authentication_failed() -> APIError:
-    message = "Invalid or missing API key; send it as 'Authorization: Bearer <key>'."
+    message = "Invalid or missing API key; send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
     return APIError(401, message, type="authentication_error", code="invalid_api_key")
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from .config import ClusterConfig
+from .listeners import check_listening_only_at, check_ports_free
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
 
     from .app import APP_NAME, KV_NAMESPACE, build_app, serve_start_options
 
+    server = config.server
+    ports = {"server.http_port": server.http_port, "server.grpc_port": server.grpc_port}
+    # Before anything starts: Serve's proxies would share ports another server holds. A caller that
+    # started Serve in its own Ray already (with options of its own) owns the ports it listens on.
+    if not (ray.is_initialized() and _serve_running()):
+        check_ports_free(server.host, ports)
     app = build_app(config)  # validates the model before anything starts
     started_ray = False
     if not ray.is_initialized():
@@ -59,7 +66,7 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
     try:
         serve.start(**serve_start_options(config))
         serve.run(app, name=APP_NAME, route_prefix="/")
-        server = config.server
+        check_listening_only_at(server.host, ray.util.get_node_ip_address(), ports.items())
         yield Endpoints(http=f"http://{server.host}:{server.http_port}", grpc=f"{server.host}:{server.grpc_port}")
     finally:
         try:
@@ -71,6 +78,18 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
             ray.kill(ray.get_actor(config.kvstore.master_name, namespace=KV_NAMESPACE))
         if started_ray:
             ray.shutdown()
+
+
+def _serve_running() -> bool:
+    """Whether Serve runs in the connected Ray (its controller actor exists)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 class _StopDuringStartup(Exception):

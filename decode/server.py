@@ -213,7 +213,7 @@ class DecodeServer:
         if uncached < self.threshold or connector is None or local == len(hashes):
             return uncached  # short enough, whatever the store holds
         try:
-            in_store = await asyncio.to_thread(connector.longest_prefix, hashes[local:])
+            in_store = await asyncio.to_thread(connector.longest_prefix, hashes[local:], request["cache_salt"])
         except Exception as err:
             logger.warning("KV store lookup failed: %s", err)
             return uncached
@@ -317,6 +317,12 @@ class DecodeServer:
         if self.planner is not None:
             stats["sessions"] = self.planner.followed_sessions()
         return stats
+
+    def check_health(self) -> None:
+        """Serve's periodic probe (and the ingress's ``/health``): a replica whose engine thread died fails it,
+        and Serve replaces the replica."""
+        if not self.engine.healthy:
+            raise RuntimeError("the decode replica's engine has stopped")
 
     async def health(self) -> dict[str, Any]:
         engine = self.engine.engine

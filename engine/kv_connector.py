@@ -4,10 +4,15 @@ The engine names pages by their chained hashes (``page_hash.py``); so does
 the store. A connector moves whole pages, each one contiguous block of the
 engine's cache (``[layers, 2, page_size, kv_heads, head_dim]``):
 
-- ``longest_prefix(keys)``: how many leading pages the store holds;
-- ``load(keys, pages)``: land pages straight in the engine's cache pages;
-- ``save(keys, pages)``: publish pages (a key the store has already counts
-  as saved).
+- ``longest_prefix(keys, tenant)``: how many leading pages the store holds;
+- ``load(keys, pages, tenant)``: land pages straight in the engine's cache pages;
+- ``save(keys, pages, tenant)``: publish pages (a key the store has already
+  counts as saved).
+
+``tenant`` is the owner of the pages: a sequence's ``cache_salt``, which the
+serving layer sets to the caller's tenant ("" for a server without tenants:
+the store client's own). A tenant's pages are invisible to every other
+tenant, in the store as in the engine's own cache.
 
 ``StoreConnector`` adapts a ``rayturn.kvstore.KVStoreClient``. On a CPU the
 store reads into and writes from the cache pages themselves (no staging
@@ -23,22 +28,27 @@ import torch
 
 
 class KVConnector(Protocol):
-    def longest_prefix(self, keys: Sequence[bytes]) -> int: ...
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int: ...
 
-    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]: ...
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]: ...
 
-    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]: ...
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]: ...
 
 
 class _StoreClient(Protocol):
-    """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses."""
+    """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses (``tenant=None``: the client's own)."""
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int: ...
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int: ...
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[bool]: ...
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object], tenant: str | None = None) -> list[bool]: ...
 
     def put_batch(
-        self, keys: Sequence[bytes], values: Sequence[object], replicas: int = 1, pin_ttl_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[object],
+        replicas: int = 1,
+        pin_ttl_s: float | None = None,
+        tenant: str | None = None,
     ) -> list[bool]: ...
 
 
@@ -51,28 +61,28 @@ class StoreConnector:
         self.client = client
         self.replicas = replicas
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.client.longest_prefix(keys) if keys else 0
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        return self.client.longest_prefix(keys, tenant or None) if keys else 0
 
-    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
         if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
-            return self.client.get_into(keys, list(pages))
+            return self.client.get_into(keys, list(pages), tenant or None)
         staging = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, pin_memory=_can_pin())
-        landed = self.client.get_into(keys, list(staging.unbind(0)))
+        landed = self.client.get_into(keys, list(staging.unbind(0)), tenant or None)
         for page, host, ok in zip(pages, staging, landed):
             if ok:
                 page.copy_(host)
         return landed
 
-    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
         if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
-            return self.client.put_batch(keys, list(pages), replicas=self.replicas)
+            return self.client.put_batch(keys, list(pages), replicas=self.replicas, tenant=tenant or None)
         host = torch.stack([page.to("cpu") for page in pages])
-        return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas)
+        return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas, tenant=tenant or None)
 
 
 def _can_pin() -> bool:

@@ -287,10 +287,13 @@ class LLMEngine:
         max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
         hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
         # The request needs these pages now: idle sessions' holds give way, as for any allocation.
-        seq.num_loaded_prompt_tokens = self._load_missing(hashes, min_tokens, reclaim=True) * self.page_size
+        loaded = self._load_missing(hashes, min_tokens, reclaim=True, tenant=seq.cache_salt)
+        seq.num_loaded_prompt_tokens = loaded * self.page_size
 
-    def _load_missing(self, hashes: list[PageHash], min_tokens: int, reclaim: bool = False, keep_free: int = 0) -> int:
-        """Load the pages of the prefix ``hashes`` missing here from the connector; returns how many landed.
+    def _load_missing(
+        self, hashes: list[PageHash], min_tokens: int, reclaim: bool = False, keep_free: int = 0, tenant: str = ""
+    ) -> int:
+        """Load ``tenant``'s pages of the prefix ``hashes`` missing here from the connector; returns how many landed.
 
         They enter the prefix cache as free, cached pages at the tail of the
         free queue (evicted last), so admission finds them like any other hit.
@@ -306,7 +309,7 @@ class LLMEngine:
         if not missing or len(missing) * self.page_size < min_tokens:
             return 0
         try:
-            available = self.kv_connector.longest_prefix(missing)
+            available = self.kv_connector.longest_prefix(missing, tenant)
         except Exception as err:  # the store is an optimisation: never fail a request over it
             logger.warning("KV store lookup failed, computing instead: %s", err)
             return 0
@@ -317,7 +320,7 @@ class LLMEngine:
         pages = pool.allocate(max(0, min(available, pool.num_free_pages - keep_free)))
         try:
             cache = self.runner.kv_cache
-            landed = self.kv_connector.load(missing[: len(pages)], [cache[page.page_id] for page in pages])
+            landed = self.kv_connector.load(missing[: len(pages)], [cache[page.page_id] for page in pages], tenant)
         except Exception as err:
             logger.warning("KV store load failed, computing instead: %s", err)
             landed = [False] * len(pages)
@@ -339,14 +342,15 @@ class LLMEngine:
         later step, so a decode loop never waits on the store.
         """
         hashes = self._computed_hashes(seq)
-        self._publish(f"request {seq.request_id}", hashes, seq.pages[: len(hashes)], wait=self._saver is None)
+        owner = f"request {seq.request_id}"
+        self._publish(owner, hashes, seq.pages[: len(hashes)], seq.cache_salt, wait=self._saver is None)
 
     def _computed_hashes(self, seq: Sequence) -> list[PageHash]:
         """The hashes of the full pages among ``seq``'s computed tokens."""
         num_full = seq.num_computed_tokens // self.page_size
         return self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
 
-    def _store_now(self, hashes: list[PageHash], pages: list[Page]) -> tuple[int, int]:
+    def _store_now(self, hashes: list[PageHash], pages: list[Page], tenant: str) -> tuple[int, int]:
         """Make sure the store holds these pages: (how many leading ones it holds afterwards, how many were written).
 
         Asks the store rather than trusting what this engine remembers giving
@@ -355,21 +359,23 @@ class LLMEngine:
         assert self.kv_connector is not None
         self.flush_saves()
         try:
-            held = self.kv_connector.longest_prefix(hashes)
+            held = self.kv_connector.longest_prefix(hashes, tenant)
         except Exception as err:  # the store is an optimisation: keep the pages instead
             logger.warning("KV store lookup failed, keeping the pages: %s", err)
             return 0, 0
         if held == len(hashes):
             return held, 0
-        written = self._publish("an offload", hashes[held:], pages[held:], wait=True, resend=True)
+        written = self._publish("an offload", hashes[held:], pages[held:], tenant, wait=True, resend=True)
         try:
-            return self.kv_connector.longest_prefix(hashes), written
+            return self.kv_connector.longest_prefix(hashes, tenant), written
         except Exception as err:
             logger.warning("KV store lookup failed, keeping the pages: %s", err)
             return held, written
 
-    def _publish(self, owner: str, hashes: list[PageHash], pages: list[Page], wait: bool, resend: bool = False) -> int:
-        """Send the pages the store lacks to the connector, now or in the background; returns how many.
+    def _publish(
+        self, owner: str, hashes: list[PageHash], pages: list[Page], tenant: str, wait: bool, resend: bool = False
+    ) -> int:
+        """Send ``tenant``'s pages the store lacks to the connector, now or in the background; returns how many.
 
         ``resend``: also those this engine remembers giving the store already.
         """
@@ -385,11 +391,11 @@ class LLMEngine:
         cache = self.runner.kv_cache
         views = [cache[page.page_id] for page in fresh_pages]
         if wait:
-            self._save(owner, keys, views)
+            self._save(owner, keys, views, tenant)
             return len(keys)
         assert self._saver is not None
         self.kv_cache.pool.touch(fresh_pages)
-        future = self._saver.submit(self._save, owner, keys, views)
+        future = self._saver.submit(self._save, owner, keys, views, tenant)
         future.add_done_callback(lambda _: self._saved.put(fresh_pages))
         return len(keys)
 
@@ -400,11 +406,11 @@ class LLMEngine:
         while len(self._stored) > 4 * self.num_pages:  # a bounded memory of what the store has
             self._stored.popitem(last=False)
 
-    def _save(self, owner: str, keys: list[PageHash], views: list[torch.Tensor]) -> None:
+    def _save(self, owner: str, keys: list[PageHash], views: list[torch.Tensor], tenant: str) -> None:
         """Write pages (on the saver thread, or inline); keys that did not make it are forgotten as stored."""
         assert self.kv_connector is not None
         try:
-            landed = self.kv_connector.save(keys, views)
+            landed = self.kv_connector.save(keys, views, tenant)
         except Exception as err:  # the store is an optimisation: never fail a request over it
             logger.warning("KV store save failed for %s: %s", owner, err)
             landed = [False] * len(keys)
@@ -514,7 +520,7 @@ class LLMEngine:
         return self.session_holds.prewarm(
             session_id,
             ttl_s,
-            lambda hashes: self._load_missing(hashes, 0, reclaim=announced, keep_free=keep_free),
+            lambda hashes, tenant: self._load_missing(hashes, 0, reclaim=announced, keep_free=keep_free, tenant=tenant),
             kind="tool" if announced else "prewarm",
         )
 
@@ -583,7 +589,8 @@ class LLMEngine:
                     self._save_pages(seq)
                 if request.session_id is not None and seq.completion_index == 0:
                     # Held before the sequence frees its pages, so none is evictable in between.
-                    self.session_holds.record(request.session_id, self._computed_hashes(seq), self.session_hold_s)
+                    hashes = self._computed_hashes(seq)
+                    self.session_holds.record(request.session_id, hashes, self.session_hold_s, seq.cache_salt)
                 self.scheduler.finish(seq, *verdict)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()]

@@ -47,10 +47,11 @@ HOLD_KINDS = ("tool", "turn", "prewarm")
 _RELEASE_RANK = {"turn": 0, "prewarm": 0, "tool": 1}
 MAX_RECORDED_SESSIONS = 4096
 
-# Makes sure the store has these cached pages: (how many leading ones it holds afterwards, how many were written).
-SavePages = Callable[[list[PageHash], list[Page]], tuple[int, int]]
-# Loads from the store the pages of this prefix missing here; returns how many landed.
-LoadPages = Callable[[list[PageHash]], int]
+# Makes sure the store has these cached pages of a tenant (the session's ``cache_salt``):
+# (how many leading ones it holds afterwards, how many were written).
+SavePages = Callable[[list[PageHash], list[Page], str], tuple[int, int]]
+# Loads from the store the tenant's pages of this prefix missing here; returns how many landed.
+LoadPages = Callable[[list[PageHash], str], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class SessionHolds:
         self.max_sessions = max_sessions
         self.clock = clock
         self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # least recently used first
+        self._tenants: dict[str, str] = {}  # session -> the cache salt its pages were hashed with
         self._sharers: Counter[PageHash] = Counter()  # recorded sessions per page hash
         self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest hold first
         self._next_expiry_s = math.inf  # no hold lapses before this
@@ -95,14 +97,17 @@ class SessionHolds:
         self.offloaded_pages = 0
         self.prewarmed_pages = 0
 
-    def record(self, session_id: str, hashes: Sequence[PageHash], ttl_s: float) -> int:
-        """A session's request finished with these full pages: remember them and hold them (kind "turn")."""
+    def record(self, session_id: str, hashes: Sequence[PageHash], ttl_s: float, tenant: str = "") -> int:
+        """A session's request finished with these full pages (hashed with ``tenant``'s salt): remember them and
+        hold them (kind "turn")."""
         self._forget_hashes(self._hashes.get(session_id, ()))
         self._hashes[session_id] = list(hashes)
+        self._tenants[session_id] = tenant
         self._sharers.update(set(hashes))
         self._hashes.move_to_end(session_id)
         while len(self._hashes) > self.max_sessions:
             forgotten, forgotten_hashes = self._hashes.popitem(last=False)
+            self._tenants.pop(forgotten, None)
             self._forget_hashes(forgotten_hashes)
             self.release(forgotten)
         return self.hold(session_id, ttl_s, "turn")
@@ -168,7 +173,7 @@ class SessionHolds:
             page = self.pool.lookup(page_hash)
             if page is not None:
                 cached[page_hash] = page
-        num_stored, num_saved = save(list(cached), list(cached.values()))
+        num_stored, num_saved = save(list(cached), list(cached.values()), self._tenants.get(session_id, ""))
         self.release(session_id)
         stored = list(cached.items())[:num_stored]
         unreferenced = [page for page_hash, page in stored if page.ref_count == 0 and self._sharers[page_hash] <= 1]
@@ -187,7 +192,7 @@ class SessionHolds:
         _check_hold(ttl_s, kind)
         started_s = time.perf_counter()
         hashes = self._recorded(session_id)
-        num_loaded = load(hashes) if hashes else 0
+        num_loaded = load(hashes, self._tenants.get(session_id, "")) if hashes else 0
         self.prewarmed_pages += num_loaded
         num_held = self.hold(session_id, ttl_s, kind)
         return SessionMove(

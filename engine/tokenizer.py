@@ -74,7 +74,7 @@ class TokenizerConfig:
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special tokens and chat templates of its model."""
 
-    __slots__ = ("_backend", "_chat_templates", "special_tokens")
+    __slots__ = ("_backend", "_chat_templates", "_max_token_chars", "special_tokens")
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self._chat_templates = dict(chat_templates or {})
         _register_special_tokens(backend, self.special_tokens.values())
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -107,6 +108,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (``len(tokenizer)`` in transformers)."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token stands for more characters of text.
+
+        A byte-level entry has one character per byte it stands for, a
+        SentencePiece entry one per character; either way a text of ``n``
+        characters holds at least ``n / max_token_chars`` tokens (short of a
+        normalizer that merges characters).
+        """
+        if self._max_token_chars is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(token) for token in vocab), default=1)
+        return self._max_token_chars
 
     @property
     def bos_token(self) -> str | None:
@@ -135,7 +150,9 @@ class Tokenizer:
         return None if token_id is None else int(token_id)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # A batch of one: the same ids as ``encode``, but tokenizers releases the GIL while it works,
+        # so a long prompt tokenized in a worker thread does not stall the thread's event loop.
+        ids: list[int] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

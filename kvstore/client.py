@@ -13,8 +13,14 @@ segment, a same-node segment straight out of shared memory, or over UCX.
 ``transport="ucx"`` forces UCX for everything not in the client's own segment.
 
 A heartbeat thread keeps the segment registered; when the master's epoch
-changes (it restarted), the client registers again and re-advertises what its
-segment holds.
+changes (it restarted), the client fetches the store secret again, registers
+again and re-advertises what its segment holds.
+
+Every call acts for one tenant (the client's own unless ``tenant=`` names
+another, as a server does for each call's tenant): puts store objects as
+that tenant's, and reads and lookups see only that tenant's objects. Reads
+and writes of other owners' segments carry the master's grants for exactly
+their ranges (``access``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -33,18 +40,23 @@ from typing import Any
 import numpy as np
 import ray
 
+from .access import ReadGrant, SegmentGate, WriteGrant
 from .connection import MasterConnection, RayMaster, RemoteClient, RemoteServer, WriteCallback
 from .held_index import HeldIndex
-from .master_state import Location, PutPlan, parse_address
+from .master_state import Location, parse_address
+from .master_types import PutStart
 from .metrics import KVMetrics
 from .segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments, owner_alive
-from .ucx_transport import TransportError, UcxClient, UcxServer, init_ucx
+from .ucx_transport import PeerUnreachable, TransportError, UcxClient, UcxServer, init_ucx
 
-ServerFactory = Callable[[memoryview, WriteCallback], RemoteServer]
+ServerFactory = Callable[[memoryview, WriteCallback, SegmentGate], RemoteServer]
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "ucx")
+# A segment whose owner could not be reached is not asked again for this long (the master drops a
+# silent owner's segment within its heartbeat timeout): each try would cost a connect timeout.
+UNREACHABLE_REST_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +91,12 @@ class KVStoreClient:
         self.segment_id = f"{node_id[:12]}-{uuid.uuid4().hex[:12]}"
         self.held = HeldIndex()
         self.metrics = KVMetrics(self.segment_id, tenant)
-        make_server = server_factory or (lambda buffer, on_write: UcxServer(buffer, on_write=on_write))
-        self._server = make_server(segment.buffer, self._on_remote_write)
+        make_server = server_factory or (lambda buffer, on_write, gate: UcxServer(buffer, gate=gate, on_write=on_write))
+        self._server = make_server(segment.buffer, self._on_remote_write, SegmentGate(master.auth, self.segment_id))
         self.ucx_address = self._server.start()
-        self._remote: RemoteClient = remote_client or UcxClient()
+        self._remote: RemoteClient = remote_client or UcxClient(auth=master.auth)
         self._peers: dict[str, _Peer] = {}
+        self._unreachable: dict[str, float] = {}  # segment id -> monotonic time to try it again
         self._attached: dict[str, Segment] = {}
         self._page_bytes = page_bytes
         self._epoch = self._register()
@@ -132,7 +145,9 @@ class KVStoreClient:
             transport=transport,
             page_bytes=page_bytes,
             heartbeat_interval_s=heartbeat_interval_s,
-            server_factory=lambda buffer, on_write: UcxServer(buffer, host=ucx_host, port=ucx_port, on_write=on_write),
+            server_factory=lambda buffer, on_write, gate: UcxServer(
+                buffer, gate=gate, host=ucx_host, port=ucx_port, on_write=on_write
+            ),
         )
 
     # -- membership -------------------------------------------------------
@@ -153,16 +168,17 @@ class KVStoreClient:
         while not self._stop.wait(interval_s):
             try:
                 epoch = self.master.call("heartbeat", self.segment_id, timeout_s=30)
-                if epoch is None or epoch != self._epoch:  # master restarted
+                if epoch is None or epoch != self._epoch:  # master restarted, perhaps re-created
+                    self.master.refresh_auth()
                     self._epoch = self._register()
                     adopted = self.master.call("advertise", self.segment_id, self.held.items())
                     logger.info("kv master restarted; re-advertised %d objects", adopted)
             except Exception as err:  # the master may be restarting: keep trying
                 logger.debug("kv heartbeat failed: %s", err)
 
-    def _on_remote_write(self, keys: list[bytes], ranges: list[tuple[int, int]]) -> None:
+    def _on_remote_write(self, keys: list[bytes], ranges: list[tuple[int, int]], tenant: str) -> None:
         for key, (offset, num_bytes) in zip(keys, ranges):
-            self.held.record(key, self.tenant, offset, num_bytes)
+            self.held.record(key, tenant, offset, num_bytes)
         self.metrics.bytes_in(sum(n for _, n in ranges))
 
     def _peer(self, segment_id: str) -> _Peer | None:
@@ -174,20 +190,28 @@ class KVStoreClient:
 
     # -- puts -------------------------------------------------------------
 
-    def put(self, key: bytes, value: Any) -> bool:
-        return self.put_batch([key], [value])[0]
+    def put(self, key: bytes, value: Any, tenant: str | None = None) -> bool:
+        return self.put_batch([key], [value], tenant=tenant)[0]
 
     def put_batch(
-        self, keys: Sequence[bytes], values: Sequence[Any], replicas: int = 1, pin_ttl_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        replicas: int = 1,
+        pin_ttl_s: float | None = None,
+        tenant: str | None = None,
     ) -> list[bool]:
-        """Store values (bytes-like, numpy or CPU tensors); True per key stored (or already there)."""
+        """Store values (bytes-like, numpy or CPU tensors) as ``tenant``'s (default: the client's); True per
+        key stored (or already there)."""
         _check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        owner = tenant or self.tenant
         views = [as_bytes_view(v) for v in values]
-        plans: list[PutPlan] = self.master.call(
-            "put_start", list(keys), [v.nbytes for v in views], self.tenant, replicas, self.segment_id, pin_ttl_s
+        started: PutStart = self.master.call(
+            "put_start", list(keys), [v.nbytes for v in views], owner, replicas, self.segment_id, pin_ttl_s
         )
+        plans = started.plans
         to_write = [i for i, plan in enumerate(plans) if plan.status == "write"]
         written: list[bytes] = []
         failed: list[bytes] = []
@@ -198,7 +222,8 @@ class KVStoreClient:
         failed_indices: set[int] = set()
         for segment_id, items in by_segment.items():
             try:
-                self._write_segment(segment_id, [keys[i] for i, _ in items], items, views)
+                grant = WriteGrant.from_wire(started.grants[segment_id])
+                self._write_segment(segment_id, [keys[i] for i, _ in items], items, views, owner, grant)
             except (TransportError, OSError, ValueError) as err:
                 logger.warning("kv put to segment %s failed: %s", segment_id, err)
                 failed_indices.update(i for i, _ in items)
@@ -216,34 +241,41 @@ class KVStoreClient:
         return result
 
     def _write_segment(
-        self, segment_id: str, keys: list[bytes], items: list[tuple[int, Location]], views: list[memoryview]
+        self,
+        segment_id: str,
+        keys: list[bytes],
+        items: list[tuple[int, Location]],
+        views: list[memoryview],
+        tenant: str,
+        grant: WriteGrant,
     ) -> None:
         if segment_id == self.segment_id:
             for key, (i, location) in zip(keys, items):
                 self.segment.write(location.offset, views[i])
-                self.held.record(key, self.tenant, location.offset, location.num_bytes)
+                self.held.record(key, tenant, location.offset, location.num_bytes)
             return
         peer = self._peer(segment_id)
         if peer is None or peer.ucx_address is None:
             raise TransportError(f"segment {segment_id} is unknown or has no UCX address")
         ranges = [(location.offset, location.num_bytes) for _, location in items]
-        self._remote.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items])
+        self._remote.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items], tenant, grant)
         self.metrics.bytes_out(sum(n for _, n in ranges))
 
     # -- gets -------------------------------------------------------------
 
-    def get(self, key: bytes) -> bytes | None:
-        return self.get_batch([key])[0]
+    def get(self, key: bytes, tenant: str | None = None) -> bytes | None:
+        return self.get_batch([key], tenant)[0]
 
-    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_batch(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bytes | None]:
+        """The values of ``tenant``'s objects (default: the client's); None for a miss."""
         _check_keys(keys)
-        located = self._locate(keys)
+        located = self._locate(keys, tenant)
         buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
-        landed = self._read(located, _Targets(buffers, len(keys)))
+        landed = self._read(keys, tenant, located, _Targets(buffers, len(keys)))
         return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
 
-    def get_into(self, keys: Sequence[bytes], buffers: Any) -> list[bool]:
-        """Land each object in the caller's buffer; False for a miss.
+    def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str | None = None) -> list[bool]:
+        """Land each of ``tenant``'s objects (default: the client's) in the caller's buffer; False for a miss.
 
         ``buffers``: one writable buffer per key (numpy arrays, CPU tensors,
         bytearrays), or one C-contiguous array or CPU tensor whose first
@@ -252,32 +284,43 @@ class KVStoreClient:
         """
         _check_keys(keys)
         targets = _Targets(buffers, len(keys))
-        located = self._locate(keys)
+        located = self._locate(keys, tenant)
         best = located.best
         wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
         if wrong.size:
             i = int(wrong[0])
             raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
-        return self._read(located, targets)
+        return self._read(keys, tenant, located, targets)
 
-    def _locate(self, keys: Sequence[bytes]) -> _Located:
-        segment_ids, best, more = self.master.call("get_locations", list(keys), self.node_id, self.tenant)
+    def _locate(self, keys: Sequence[bytes], tenant: str | None) -> _Located:
+        segment_ids, best, more, grants = self.master.call(
+            "get_locations", list(keys), self.node_id, tenant or self.tenant
+        )
         rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
-        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more})
+        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, grants)
 
-    def _read(self, located: _Located, targets: _Targets) -> list[bool]:
-        """Try each object's replicas in order until one read lands; one batch per segment and attempt.
+    def _read(self, keys: Sequence[bytes], tenant: str | None, located: _Located, targets: _Targets) -> list[bool]:
+        """Land every object the master located; asks once more, for what is left, when the attempts outlived
+        the grants (a dead owner costs a connect timeout), so the other replicas are read under fresh ones."""
+        done = np.zeros(len(keys), dtype=bool)
+        self._read_replicas(located, targets, done)
+        if not done.all() and located.expired() and (located.best[~done, 0] >= 0).any():
+            self._read_replicas(self._locate(keys, tenant), targets, done)
+        return done.tolist()
+
+    def _read_replicas(self, located: _Located, targets: _Targets, done: np.ndarray) -> None:
+        """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
+        attempt.
 
         The first attempt (every key's best replica) is grouped and
         coalesced with numpy, so a thousand-page batch costs a few
         Python-level steps, not a thousand.
         """
         best = located.best
-        done = np.zeros(len(best), dtype=bool)
-        segments = best[:, 0]
+        segments = np.where(done, -1, best[:, 0])
         for segment_index in np.unique(segments[segments >= 0]).tolist():
             indices = np.flatnonzero(segments == segment_index)
-            if self._read_segment(located.segment_ids[segment_index], best[indices, 1:], indices, targets):
+            if self._read_segment(located, segment_index, best[indices, 1:], indices, targets):
                 done[indices] = True
         column = 0  # where the attempt's replica sits in ``located.more`` entries
         while True:
@@ -286,20 +329,25 @@ class KVStoreClient:
                 if not done[i] and column < len(entry):
                     by_segment[entry[column]].append(i)
             if not by_segment:
-                return done.tolist()
+                return
             for segment_index, retry in by_segment.items():
                 ranges = np.array([located.more[i][column + 1 : column + 3] for i in retry], dtype=np.int64)
                 indices = np.array(retry, dtype=np.int64)
-                if self._read_segment(located.segment_ids[segment_index], ranges, indices, targets):
+                if self._read_segment(located, segment_index, ranges, indices, targets):
                     done[indices] = True
             column += 3
 
-    def _read_segment(self, segment_id: str, ranges: np.ndarray, indices: np.ndarray, targets: _Targets) -> bool:
+    def _read_segment(
+        self, located: _Located, segment_index: int, ranges: np.ndarray, indices: np.ndarray, targets: _Targets
+    ) -> bool:
         """Land ``ranges`` ([n, 2] offset, num_bytes) of one segment in the targets ``indices``.
 
         False if that segment cannot serve them.
         """
+        segment_id = located.segment_ids[segment_index]
         num_bytes = int(ranges[:, 1].sum())
+        if self._unreachable.get(segment_id, 0.0) > time.monotonic():
+            return False
         try:
             if not np.array_equal(ranges[:, 1], targets.sizes[indices]):
                 raise ValueError("a replica's size differs from its buffer's")
@@ -318,9 +366,16 @@ class KVStoreClient:
             if peer.ucx_address is None:
                 return False
             pairs = [(offset, size) for offset, size in ranges.tolist()]
-            self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()])
+            grant = ReadGrant.from_wire(located.grants[segment_index])
+            self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
             self.metrics.bytes_in(num_bytes)
             return True
+        except PeerUnreachable as err:
+            logger.warning(
+                "kv read from segment %s failed, not asking it for %.0f s: %s", segment_id, UNREACHABLE_REST_S, err
+            )
+            self._unreachable[segment_id] = time.monotonic() + UNREACHABLE_REST_S
+            return False
         except (TransportError, OSError, ValueError) as err:
             logger.warning("kv read from segment %s failed: %s", segment_id, err)
             return False
@@ -337,14 +392,16 @@ class KVStoreClient:
 
     # -- the rest ---------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bool]:
+        """Whether each key is a stored object of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        result: list[bool] = self.master.call("exists", list(keys))
+        result: list[bool] = self.master.call("exists", list(keys), tenant or self.tenant)
         return result
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        """How many leading keys are stored objects of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        count: int = self.master.call("longest_prefix", list(keys))
+        count: int = self.master.call("longest_prefix", list(keys), tenant or self.tenant)
         return count
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -444,6 +501,11 @@ class _Located:
     segment_ids: list[str]
     best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
     more: dict[int, list[int]]  # key index -> further replicas, flat triples
+    grants: list[Any]  # per segment index: the read grant for its ranges, as on the wire
+
+    def expired(self) -> bool:
+        """Whether a grant of this answer has run out (its leases are then about to)."""
+        return any(grant[0] < time.time() for grant in self.grants)
 
 
 class _Targets:

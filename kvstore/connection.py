@@ -19,21 +19,27 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
+from .access import AccessDenied, ReadGrant, SegmentGate, StoreAuth, WriteGrant
 from .master import KVMaster
 from .master_lookup import LOOKUP_METHODS, LookupClient, LookupFailed
 from .segment import as_bytes_view
-from .ucx_transport import TransportError
+from .ucx_transport import PeerUnreachable, TransportError
 
 Address = tuple[str, int]
-WriteCallback = Callable[[list[bytes], list[tuple[int, int]]], None]
+WriteCallback = Callable[[list[bytes], list[tuple[int, int]], str], None]
 
 
 class MasterConnection(Protocol):
+    auth: StoreAuth  # the store secret's keys: proofs for the store's sockets, grant checks for the segment
+
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Run a master method and return its result."""
 
     def notify(self, method: str, *args: Any) -> None:
         """Run a master method without waiting for it."""
+
+    def refresh_auth(self) -> None:
+        """Fetch the store secret again (the master was re-created, perhaps with a new one)."""
 
 
 class RemoteServer(Protocol):
@@ -43,10 +49,18 @@ class RemoteServer(Protocol):
 
 
 class RemoteClient(Protocol):
-    def read(self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any]) -> None: ...
+    def read(
+        self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any], grant: ReadGrant
+    ) -> None: ...
 
     def write(
-        self, address: Address, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]], sources: Sequence[Any]
+        self,
+        address: Address,
+        keys: Sequence[bytes],
+        ranges: Sequence[tuple[int, int]],
+        sources: Sequence[Any],
+        tenant: str,
+        grant: WriteGrant,
     ) -> None: ...
 
     def close(self) -> None: ...
@@ -57,7 +71,15 @@ class RayMaster:
 
     def __init__(self, handle: Any, lookups: bool = True) -> None:
         self.handle = handle
-        self.lookup = LookupClient(self._lookup_address) if lookups else None
+        self.auth = StoreAuth(self._secret())
+        self.lookup = LookupClient(self._lookup_address, self.auth) if lookups else None
+
+    def _secret(self) -> bytes:
+        secret: bytes = ray.get(self.handle.store_secret.remote(), timeout=30)
+        return secret
+
+    def refresh_auth(self) -> None:
+        self.auth.update(self._secret())
 
     def _lookup_address(self) -> tuple[str, int] | None:
         address = ray.get(self.handle.lookup_address.remote(), timeout=5)
@@ -66,7 +88,11 @@ class RayMaster:
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         if self.lookup is not None and method in LOOKUP_METHODS:
             try:
-                return self.lookup.call(method, *args)
+                if method == "get_locations":
+                    keys, node_id, tenant = args
+                    return self.lookup.call(method, keys, tenant, node_id)
+                keys, tenant = args
+                return self.lookup.call(method, keys, tenant)
             except LookupFailed:
                 pass  # answered through Ray below
         return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
@@ -80,6 +106,7 @@ class LocalMaster:
 
     def __init__(self, master: KVMaster | None = None) -> None:
         self.master = master or KVMaster()
+        self.auth = StoreAuth(self.master.secret)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-local-master", daemon=True)
         self._thread.start()
@@ -90,6 +117,9 @@ class LocalMaster:
 
     def notify(self, method: str, *args: Any) -> None:
         asyncio.run_coroutine_threadsafe(getattr(self.master, method)(*args), self._loop)
+
+    def refresh_auth(self) -> None:
+        self.auth.update(self.master.secret)
 
     def close(self) -> None:
         """Cancel the master's housekeeping and stop the loop thread."""
@@ -110,10 +140,12 @@ _ports = itertools.count(1)
 
 
 class InProcessServer:
-    """Serves a segment buffer to ``InProcessClient`` in the same process (unit tests)."""
+    """Serves a segment buffer to ``InProcessClient`` in the same process (unit tests), with the UCX server's
+    grant checks (``SegmentGate``)."""
 
-    def __init__(self, buffer: memoryview, *, on_write: WriteCallback | None = None) -> None:
+    def __init__(self, buffer: memoryview, *, gate: SegmentGate, on_write: WriteCallback | None = None) -> None:
         self.array: np.ndarray = np.frombuffer(buffer, dtype=np.uint8)
+        self.gate = gate
         self.on_write = on_write
         self.address: Address | None = None
 
@@ -136,9 +168,10 @@ class InProcessServer:
 class InProcessClient:
     """Reads and writes ``InProcessServer`` segments by address, with the UCX client's checks."""
 
-    def read(self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any]) -> None:
+    def read(self, address: Address, ranges: Sequence[tuple[int, int]], dests: Sequence[Any], grant: ReadGrant) -> None:
         server = _server_at(address)
         server.check(ranges)
+        _gate(lambda: server.gate.check_read(grant, ranges))
         for (offset, length), dest in zip(ranges, dests):
             target = np.frombuffer(dest, dtype=np.uint8) if not isinstance(dest, np.ndarray) else dest.view(np.uint8)
             if target.nbytes != length:
@@ -146,24 +179,38 @@ class InProcessClient:
             np.copyto(target.reshape(-1), server.array[offset : offset + length])
 
     def write(
-        self, address: Address, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]], sources: Sequence[Any]
+        self,
+        address: Address,
+        keys: Sequence[bytes],
+        ranges: Sequence[tuple[int, int]],
+        sources: Sequence[Any],
+        tenant: str,
+        grant: WriteGrant,
     ) -> None:
         server = _server_at(address)
         server.check(ranges)
+        _gate(lambda: server.gate.check_write(tenant, grant, keys, ranges))
         for (offset, length), source in zip(ranges, sources):
             data = np.frombuffer(as_bytes_view(source), dtype=np.uint8)
             if data.nbytes != length:
                 raise ValueError(f"source holds {data.nbytes} bytes but the range has {length}")
             server.array[offset : offset + length] = data
         if server.on_write is not None:
-            server.on_write(list(keys), list(ranges))
+            server.on_write(list(keys), list(ranges), tenant)
 
     def close(self) -> None:
         pass
 
 
+def _gate(check: Callable[[], None]) -> None:
+    try:
+        check()
+    except AccessDenied as err:  # what a UCX client sees: the server refused the request
+        raise TransportError(f"refused by the server: {err}") from err
+
+
 def _server_at(address: Address) -> InProcessServer:
     server = _in_process_servers.get(tuple(address))  # type: ignore[arg-type]
     if server is None:
-        raise TransportError(f"no in-process server at {address}")
+        raise PeerUnreachable(f"no in-process server at {address}")
     return server

@@ -20,8 +20,10 @@ import msgpack
 import numpy as np
 import ray
 
+from .access import StoreAuth, new_secret
 from .master_lookup import LookupServer
-from .master_state import MasterConfig, MasterState, PutPlan
+from .master_state import MasterConfig, MasterState
+from .master_types import PutStart
 from .metrics import MasterMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,8 +38,12 @@ class KVMaster:
         config: MasterConfig | None = None,
         snapshot_dir: str | None = None,
         snapshot_interval_s: float = 2.0,
+        secret: bytes | None = None,
     ) -> None:
         self.state = MasterState(config)
+        # The store secret (``access``): given by ``start_master``, so a restart in place keeps it.
+        self._secret = secret or new_secret()
+        self.auth = StoreAuth(self._secret)
         self.snapshot_path = Path(snapshot_dir) / SNAPSHOT_FILE if snapshot_dir else None
         self.snapshot_interval_s = snapshot_interval_s
         if self.snapshot_path is not None and self.snapshot_path.exists():
@@ -99,6 +105,14 @@ class KVMaster:
     async def segment_directory(self) -> dict[str, dict[str, Any]]:
         return {sid: s.public() for sid, s in self.state.segments.items()}
 
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+    async def store_secret(self) -> bytes:
+        """The store secret, for members joining through Ray (the store's own sockets only carry proofs of it)."""
+        return self._secret
+
     async def put_start(
         self,
         keys: Sequence[bytes],
@@ -107,9 +121,20 @@ class KVMaster:
         replicas: int = 1,
         preferred_segment_id: str | None = None,
         pin_ttl_s: float | None = None,
-    ) -> list[PutPlan]:
+    ) -> PutStart:
+        """Placements for each key, and per segment a grant to write exactly those ranges (``access``)."""
         self._ensure_started()
-        return self.state.put_start(keys, sizes, tenant, replicas, preferred_segment_id, pin_ttl_s)
+        plans = self.state.put_start(keys, sizes, tenant, replicas, preferred_segment_id, pin_ttl_s)
+        entries: dict[str, list[tuple[bytes, int, int]]] = {}
+        for key, plan in zip(keys, plans):
+            for location in plan.locations:
+                entries.setdefault(location.segment_id, []).append((key, location.offset, location.num_bytes))
+        ttl_s = self.state.config.put_timeout_s / 2
+        grants = {
+            segment_id: self.auth.write_grant(segment_id, tenant, placed, ttl_s).to_wire()
+            for segment_id, placed in entries.items()
+        }
+        return PutStart(plans, grants)
 
     async def put_end(self, keys: Sequence[bytes]) -> list[bool]:
         return self.state.put_end(keys)
@@ -117,44 +142,54 @@ class KVMaster:
     async def put_revoke(self, keys: Sequence[bytes]) -> None:
         self.state.put_revoke(keys)
 
-    async def get_locations(
-        self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str = "default"
-    ) -> list[Any]:
+    async def get_locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
         self._ensure_started()
         return self._locations(keys, reader_node_id, reader_tenant)
 
     def _locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
-        """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more]``.
+        """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more, grants]``.
 
         ``segment ids`` is a table the rest indexes; ``best`` packs the best
         replica of every key as int64 rows ``(segment index, offset,
         num_bytes)`` in bytes (segment index -1 for a miss); ``more`` lists,
         for keys with further replicas, ``[key index, segment index, offset,
-        num_bytes, ...]``. Bytes and few objects cross Ray, or a socket,
-        several times faster than a list per key.
+        num_bytes, ...]``; ``grants`` holds, per segment id, the read grant
+        (``access.ReadGrant`` on the wire) for every range listed on it.
+        Bytes and few objects cross Ray, or a socket, several times faster
+        than a list per key.
         """
         table: dict[str, int] = {}
         best: list[int] = []
         more: list[list[int]] = []
+        granted: list[list[int]] = []  # per segment index: offset, num_bytes, ...
         for i, replicas in enumerate(self.state.get_locations(keys, reader_node_id, reader_tenant)):
             if replicas is None:
                 best += (-1, -1, -1)
                 continue
             segment_id, offset, num_bytes = replicas[0]
-            best += (table.setdefault(segment_id, len(table)), offset, num_bytes)
+            index = table.setdefault(segment_id, len(table))
+            best += (index, offset, num_bytes)
+            _grant_range(granted, index, offset, num_bytes)
             if len(replicas) > 1:
                 entry = [i]
                 for segment_id, offset, num_bytes in replicas[1:]:
-                    entry += (table.setdefault(segment_id, len(table)), offset, num_bytes)
+                    index = table.setdefault(segment_id, len(table))
+                    entry += (index, offset, num_bytes)
+                    _grant_range(granted, index, offset, num_bytes)
                 more.append(entry)
-        return [list(table), np.array(best, dtype=np.int64).tobytes(), more]
+        ttl_s = self.state.config.lease_ttl_s / 2
+        grants = [
+            self.auth.read_grant(segment_id, np.array(granted[index], dtype=np.int64), ttl_s).to_wire()
+            for segment_id, index in table.items()
+        ]
+        return [list(table), np.array(best, dtype=np.int64).tobytes(), more, grants]
 
     async def lookup_address(self) -> tuple[str, int] | None:
         """Where the lookup socket listens (started on first ask); None if it cannot listen."""
         self._ensure_started()
         async with self._lookup_start:  # concurrent first askers: one server
             if self._lookup is None:
-                server = LookupServer(self._answer_lookup)
+                server = LookupServer(self._answer_lookup, self.auth)
                 try:
                     await server.start(ray.util.get_node_ip_address())
                 except OSError as err:
@@ -166,16 +201,16 @@ class KVMaster:
     def _answer_lookup(self, method: str, keys: list[bytes], node_id: str | None, tenant: str) -> Any:
         self._ensure_started()
         if method == "get_locations":
-            return self._locations(keys, node_id, tenant or "default")
+            return self._locations(keys, node_id, tenant)
         if method == "exists":
-            return self.state.exists(keys)
-        return self.state.longest_prefix(keys)
+            return self.state.exists(keys, tenant)
+        return self.state.longest_prefix(keys, tenant)
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.state.exists(keys)
+    async def exists(self, keys: Sequence[bytes], tenant: str) -> list[bool]:
+        return self.state.exists(keys, tenant)
 
-    async def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.state.longest_prefix(keys)
+    async def longest_prefix(self, keys: Sequence[bytes], tenant: str) -> int:
+        return self.state.longest_prefix(keys, tenant)
 
     async def remove(self, keys: Sequence[bytes]) -> int:
         return self.state.remove(keys)
@@ -197,6 +232,12 @@ class KVMaster:
         return True
 
 
+def _grant_range(granted: list[list[int]], index: int, offset: int, num_bytes: int) -> None:
+    if index == len(granted):
+        granted.append([])
+    granted[index] += (offset, num_bytes)
+
+
 def start_master(
     name: str = "rayturn-kv",
     snapshot_dir: str | None = None,
@@ -216,6 +257,7 @@ def start_master(
         num_cpus=0,
         max_concurrency=1000,
     )
-    handle = options.remote(config, snapshot_dir, snapshot_interval_s)
+    # The secret only counts when this call creates the master; Ray keeps it for the master's restarts.
+    handle = options.remote(config, snapshot_dir, snapshot_interval_s, new_secret())
     ray.get(handle.ready.remote())
     return handle

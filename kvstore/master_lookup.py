@@ -17,8 +17,10 @@ lives in ``RayMaster``: it asks the actor for the address once, keeps one
 connection (calls from several threads take turns), and on any failure (the
 master restarted elsewhere, a frame it refused) answers that call through Ray
 and tries the socket again after a pause that grows while failures repeat.
-The socket has no authentication of its own: like Ray's ports, it belongs on
-the cluster's private network.
+Every connection starts with the store's challenge-response (``access``):
+a peer that cannot prove the store secret gets a refusal and a hang-up, and
+never a lookup. Every lookup names the tenant it is for, and the master
+answers only with that tenant's objects.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import wire
+from .access import AccessDenied, StoreAuth
 from .wire import WireError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ _LENGTH = struct.Struct(">I")
 CONNECT_TIMEOUT_S = 0.5
 CALL_TIMEOUT_S = 2.0
 LOCK_WAIT_S = 0.05
+# How long a new connection may take to prove the store secret.
+HANDSHAKE_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 
@@ -55,8 +60,8 @@ def _request_fields(message: dict[str, Any]) -> None:
 
 wire.register(
     "master_lookup",
-    {"request_id": int, "method": str, "keys": list},
-    optional={"node_id": str, "tenant": str},
+    {"request_id": int, "method": str, "keys": list, "tenant": str},
+    optional={"node_id": str},
     validators=[_request_fields],
 )
 wire.register(
@@ -75,10 +80,12 @@ def frame(message: dict[str, Any]) -> bytes:
 
 
 class LookupServer:
-    """Answers lookups with ``answer(method, keys, node_id, tenant)`` on the running event loop."""
+    """Answers lookups with ``answer(method, keys, node_id, tenant)`` on the running event loop, to peers
+    that proved the store secret on connect."""
 
-    def __init__(self, answer: Callable[[str, list[bytes], str | None, str], Any]) -> None:
+    def __init__(self, answer: Callable[[str, list[bytes], str | None, str], Any], auth: StoreAuth) -> None:
         self.answer = answer
+        self.auth = auth
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None
 
@@ -94,6 +101,8 @@ class LookupServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if not await self._authenticate(reader, writer):
+                return
             while True:
                 try:
                     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
@@ -111,6 +120,26 @@ class LookupServer:
         finally:
             writer.close()
 
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Challenge the peer; whether it proved the secret (if not, it was told why, and is hung up on)."""
+        nonce = self.auth.challenge()
+        writer.write(frame({"type": "challenge", "nonce": nonce}))
+        await writer.drain()
+        try:
+            (length,) = _LENGTH.unpack(await asyncio.wait_for(reader.readexactly(_LENGTH.size), HANDSHAKE_TIMEOUT_S))
+            if length == 0 or length > wire.MAX_CONTROL_BYTES:
+                raise WireError(f"frame of {length} bytes refused")
+            answer = wire.decode(await asyncio.wait_for(reader.readexactly(length), HANDSHAKE_TIMEOUT_S), "auth")
+            self.auth.check_proof(nonce, answer["proof"])
+        except (WireError, AccessDenied, asyncio.TimeoutError) as err:
+            reason = "no proof of the store secret in time" if isinstance(err, asyncio.TimeoutError) else str(err)
+            writer.write(frame(_refusal(0, f"authentication refused: {reason}")))
+            await writer.drain()
+            return False
+        writer.write(frame({"type": "master_lookup_reply", "request_id": 0, "ok": True}))
+        await writer.drain()
+        return True
+
     def _reply(self, body: bytes) -> dict[str, Any]:
         try:
             request = wire.decode(body, "master_lookup")
@@ -118,7 +147,7 @@ class LookupServer:
             return _refusal(0, str(err))
         request_id = request["request_id"]
         try:
-            result = self.answer(request["method"], request["keys"], request.get("node_id"), request.get("tenant", ""))
+            result = self.answer(request["method"], request["keys"], request.get("node_id"), request["tenant"])
             reply = {"type": "master_lookup_reply", "request_id": request_id, "ok": True, "result": result}
             wire.encode(reply)  # an answer too large for one frame is refused, and the client asks Ray
             return reply
@@ -149,8 +178,9 @@ class LookupClient:
     timeout once a minute, not every second); a success resets it.
     """
 
-    def __init__(self, resolve: Callable[[], tuple[str, int] | None]) -> None:
+    def __init__(self, resolve: Callable[[], tuple[str, int] | None], auth: StoreAuth) -> None:
         self._resolve = resolve
+        self._auth = auth
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._next_id = 0
@@ -159,7 +189,7 @@ class LookupClient:
         self.calls = 0  # answered over the socket
         self.fallbacks = 0  # answered through Ray instead
 
-    def call(self, method: str, keys: list[bytes], node_id: str | None = None, tenant: str | None = None) -> Any:
+    def call(self, method: str, keys: list[bytes], tenant: str, node_id: str | None = None) -> Any:
         """The master's answer over the socket; LookupFailed when Ray must answer instead."""
         if not self._lock.acquire(timeout=LOCK_WAIT_S):
             self.fallbacks += 1
@@ -174,11 +204,10 @@ class LookupClient:
                 "request_id": self._next_id,
                 "method": method,
                 "keys": keys,
+                "tenant": tenant,
             }
             if node_id is not None:
                 request["node_id"] = node_id
-            if tenant is not None:
-                request["tenant"] = tenant
             try:
                 payload = frame(request)
             except WireError as err:  # too many keys for one frame: this call goes to Ray, the socket is fine
@@ -206,16 +235,29 @@ class LookupClient:
             self._sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
             self._sock.settimeout(CALL_TIMEOUT_S)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._authenticate()
         self._sock.sendall(payload)
-        (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
-        if length == 0 or length > wire.MAX_CONTROL_BYTES:
-            raise WireError(f"reply frame of {length} bytes refused")
-        reply = wire.decode(self._read(length), "master_lookup_reply")
+        reply = self._read_frame("master_lookup_reply")
         if reply["request_id"] != self._next_id:
             raise WireError(f"reply to request {reply['request_id']}, expected {self._next_id}")
         if not reply["ok"]:
             return False, reply.get("error", "refused")
         return True, reply.get("result")
+
+    def _authenticate(self) -> None:
+        """Answer the master's challenge on a new connection; LookupFailed if it refuses the proof."""
+        assert self._sock is not None
+        challenge = self._read_frame("challenge")
+        self._sock.sendall(frame({"type": "auth", "proof": self._auth.proof(challenge["nonce"])}))
+        reply = self._read_frame("master_lookup_reply")
+        if not reply["ok"]:
+            raise LookupFailed(reply.get("error", "authentication refused"))
+
+    def _read_frame(self, expected_type: str) -> dict[str, Any]:
+        (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
+        if length == 0 or length > wire.MAX_CONTROL_BYTES:
+            raise WireError(f"reply frame of {length} bytes refused")
+        return wire.decode(self._read(length), expected_type)
 
     def _read(self, num_bytes: int) -> bytes:
         assert self._sock is not None

@@ -155,6 +155,10 @@ class MasterState:
             if num_bytes <= 0:
                 raise ValueError(f"object size must be > 0, got {num_bytes}")
             meta = self.objects.get(key)
+            if meta is not None and meta.tenant != tenant:  # another tenant's key: never shared, never replaced
+                self._count("put_failures", tenant)
+                plans.append(PutPlan("conflict"))
+                continue
             if meta is not None:  # duplicate put: a success, nothing to write
                 meta.last_access_s = now
                 plans.append(PutPlan("exists"))
@@ -246,23 +250,22 @@ class MasterState:
     def get_locations(
         self, keys: Sequence[bytes], reader_node_id: str | None = None, reader_tenant: str = "default"
     ) -> list[list[Location] | None]:
-        """Replicas of each complete object (same-node first), each read under a fresh lease.
+        """Replicas of each complete object of ``reader_tenant`` (same-node first), each read under a fresh lease.
 
-        Hits count for the object's tenant, misses for the reader's.
+        Another tenant's object is a miss, as if absent: a tenant never reads, nor learns of, another's pages.
         """
         now = self.clock()
         lease_until_s = now + self.config.lease_ttl_s
         objects, complete = self.objects, ObjectState.COMPLETE
         out: list[list[Location] | None] = []
-        hits: dict[str, int] = {}
-        misses = 0
+        hits = misses = 0
         for key in keys:  # a thousand keys a call: kept lean
             meta = objects.get(key)
-            if meta is None or meta.state is not complete or not meta.replicas:
+            if meta is None or meta.state is not complete or not meta.replicas or meta.tenant != reader_tenant:
                 misses += 1
                 out.append(None)
                 continue
-            hits[meta.tenant] = hits.get(meta.tenant, 0) + 1
+            hits += 1
             meta.last_access_s = now
             if meta.lease_until_s < lease_until_s:
                 meta.lease_until_s = lease_until_s
@@ -270,26 +273,28 @@ class MasterState:
             if len(replicas) > 1:
                 replicas = sorted(replicas, key=lambda loc: self.segments[loc.segment_id].node_id != reader_node_id)
             out.append(list(replicas))
-        for tenant, count in hits.items():
-            self._count("hits", tenant, count)
+        if hits:
+            self._count("hits", reader_tenant, hits)
         if misses:
             self._count("misses", reader_tenant, misses)
         return out
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [self._complete(key) for key in keys]
+    def exists(self, keys: Sequence[bytes], tenant: str) -> list[bool]:
+        """Whether each key is a complete object of ``tenant`` (another tenant's object: False)."""
+        return [self._complete(key, tenant) for key in keys]
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str) -> int:
+        """How many leading keys are complete objects of ``tenant``."""
         count = 0
         for key in keys:
-            if not self._complete(key):
+            if not self._complete(key, tenant):
                 break
             count += 1
         return count
 
-    def _complete(self, key: bytes) -> bool:
+    def _complete(self, key: bytes, tenant: str) -> bool:
         meta = self.objects.get(key)
-        return meta is not None and meta.state is ObjectState.COMPLETE and bool(meta.replicas)
+        return meta is not None and meta.state is ObjectState.COMPLETE and bool(meta.replicas) and meta.tenant == tenant
 
     # -- removal, pins ----------------------------------------------------
 

@@ -87,8 +87,18 @@ class SegmentInfo:
 class PutPlan:
     """What a writer must do for one key: write ``locations``, or nothing if ``status`` says so."""
 
-    status: str  # "write", "exists" (already stored or being stored), "no_space", "quota"
+    # "write", "exists" (already stored or being stored), "no_space", "quota", "conflict" (another tenant's key)
+    status: str
     locations: tuple[Location, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PutStart:
+    """The master's answer to a put's first phase: a plan per key, and per segment the write grant
+    (``access.WriteGrant`` on the wire) for the ranges placed on it."""
+
+    plans: list[PutPlan]
+    grants: dict[str, list[object]]
 
 
 @dataclass(slots=True)

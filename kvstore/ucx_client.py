@@ -1,7 +1,8 @@
 """The UCX client: reads ranges from and writes ranges into the segments of remote UcxServers.
 
-Life cycle of a request, client side (it mirrors the server's, see :mod:`rayturn.kvstore.ucx_server`):
-IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE.
+Life cycle of a connection and its requests, client side (it mirrors the server's, see
+:mod:`rayturn.kvstore.ucx_server`): CONNECT -> WAIT_CHALLENGE -> SEND_PROOF -> WAIT_OK -> IDLE, then per
+request IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE.
 A refusal (``ok=False``) leaves the connection usable and becomes a :class:`TransportError`
 carrying the server's message; anything else that goes wrong (timeout, broken connection,
 malformed reply) also raises TransportError and drops the cached endpoint, so the next call
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import numpy as np
 
 from rayturn.kvstore import wire
+from rayturn.kvstore.access import ReadGrant, StoreAuth, WriteGrant
 from rayturn.kvstore.segment import as_bytes_view, as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
@@ -44,7 +46,7 @@ from rayturn.kvstore.ucx_runtime import (
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "TransportError", "UcxClient"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "PeerUnreachable", "TransportError", "UcxClient"]
 
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 # A blocking call waits this long past its request's own timeout (enforced on the loop, where the
@@ -56,6 +58,10 @@ _Operation: TypeAlias = Callable[[Channel], Awaitable[None]]
 
 class TransportError(RuntimeError):
     """A transfer failed: the server refused it (its message is included) or the connection broke."""
+
+
+class PeerUnreachable(TransportError):
+    """The server could not be reached, or accepted this peer, or answered in time: not worth asking again soon."""
 
 
 class _ProtocolError(Exception):
@@ -73,8 +79,9 @@ class _ConnectionFailed(Exception):
 class _ClientConnection:
     """The cached endpoint to one server, with the lock that keeps its requests one at a time."""
 
-    def __init__(self, address: Address, connect_timeout_s: float) -> None:
+    def __init__(self, address: Address, connect_timeout_s: float, auth: StoreAuth) -> None:
         self.address = address
+        self._auth = auth
         self.lock = asyncio.Lock()
         self._connect_timeout_s = connect_timeout_s
         self._channel: Channel | None = None
@@ -104,8 +111,22 @@ class _ClientConnection:
             raise _ConnectionFailed(f"no UCX handshake from {host}:{port} within {self._connect_timeout_s} s") from None
         except Exception as error:
             raise _ConnectionFailed(f"cannot connect to {host}:{port}: {describe_error(error)}") from error
-        self._channel = Channel(endpoint)
-        return self._channel
+        channel = Channel(endpoint)
+        try:
+            await asyncio.wait_for(self._authenticate(channel), self._connect_timeout_s)
+        except BaseException:
+            abort_endpoint(endpoint)
+            raise
+        self._channel = channel
+        return channel
+
+    async def _authenticate(self, channel: Channel) -> None:
+        """Answer the server's challenge with the proof of the store secret; _ConnectionFailed if refused."""
+        challenge = await channel.recv_control(expected_type="challenge")
+        await channel.send_control(wire.encode({"type": "auth", "proof": self._auth.proof(challenge["nonce"])}))
+        reply = await channel.recv_control(expected_type="reply")
+        if not reply["ok"]:
+            raise _ConnectionFailed(reply.get("error") or "the server refused this peer")
 
     def drop(self) -> None:
         if self._channel is not None:
@@ -169,8 +190,13 @@ class UcxClient:
     """
 
     def __init__(
-        self, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+        self,
+        *,
+        auth: StoreAuth,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
+        self._auth = auth
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._request_ids = itertools.count(1)
@@ -182,18 +208,27 @@ class UcxClient:
         address: Address,
         ranges: Sequence[tuple[int, int]],
         dests: Sequence[Any],
+        grant: ReadGrant,
         *,
         timeout_s: float | None = None,
     ) -> None:
         """Copy each range of the server's segment into the destination at the same index.
 
-        Each destination is a writable, C-contiguous buffer (bytearray, numpy array, memoryview)
-        of exactly its range's length; ValueError naming the index, before any traffic, if not.
+        ``grant`` is the master's for these ranges. Each destination is a writable, C-contiguous
+        buffer (bytearray, numpy array, memoryview) of exactly its range's length; ValueError
+        naming the index, before any traffic, if not.
         """
         checked = wire.validate_ranges(list(ranges))
         views = _buffer_views(dests, checked, "dests", as_writable_view)
         request_id = next(self._request_ids)
-        body = wire.encode({"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]})
+        body = wire.encode(
+            {
+                "type": "read_request",
+                "request_id": request_id,
+                "ranges": [list(r) for r in checked],
+                "grant": grant.to_wire(),
+            }
+        )
         self._run(
             address,
             lambda channel: _read_exchange(channel, request_id, body, views),
@@ -207,13 +242,16 @@ class UcxClient:
         keys: Sequence[bytes],
         ranges: Sequence[tuple[int, int]],
         sources: Sequence[Any],
+        tenant: str,
+        grant: WriteGrant,
         *,
         timeout_s: float | None = None,
     ) -> None:
         """Copy each source into the server's segment at the range of the same index; the server's
-        ``on_write(keys, ranges)`` has run when this returns.
+        ``on_write(keys, ranges, tenant)`` has run when this returns.
 
-        Each source is a C-contiguous bytes-like object of exactly its range's length.
+        ``grant`` is the master's for exactly these keys at these ranges, for ``tenant``. Each
+        source is a C-contiguous bytes-like object of exactly its range's length.
         """
         checked = wire.validate_ranges(list(ranges))
         views = _buffer_views(sources, checked, "sources", as_bytes_view)
@@ -224,6 +262,8 @@ class UcxClient:
                 "request_id": request_id,
                 "ranges": [list(r) for r in checked],
                 "keys": wire.validate_keys(list(keys)),
+                "tenant": tenant,
+                "grant": grant.to_wire(),
             }
         )
         self._run(
@@ -273,15 +313,15 @@ class UcxClient:
     async def _request(self, address: Address, operation: _Operation, what: str, timeout_s: float) -> None:
         connection = self._connections.get(address)
         if connection is None:
-            connection = self._connections[address] = _ClientConnection(address, self._connect_timeout_s)
+            connection = self._connections[address] = _ClientConnection(address, self._connect_timeout_s, self._auth)
         try:
             await asyncio.wait_for(connection.run(operation), timeout_s)
         except _ServerRefused as error:
             raise TransportError(f"{what} {address} refused by the server: {error}") from None
         except _ConnectionFailed as error:
-            raise TransportError(f"{what} {address} failed: {error}") from error.__cause__
+            raise PeerUnreachable(f"{what} {address} failed: {error}") from error.__cause__
         except asyncio.TimeoutError:
-            raise TransportError(f"{what} {address} timed out after {timeout_s} s") from None
+            raise PeerUnreachable(f"{what} {address} timed out after {timeout_s} s") from None
 
 
 def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:

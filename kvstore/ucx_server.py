@@ -20,15 +20,21 @@ any number of connections at once)::
          +-- unusable frame, UCX error, peer gone, I/O timeout
                  --> REPLY error (if still possible) --> CLOSED (this connection only)
 
+Before its first request, a connection proves the store secret (``access``: the server sends a
+challenge, the client's answer must carry the proof, else a refusal and the connection closes), and
+every request carries the master's grant for its ranges: a read may touch only ranges the master
+just leased to a reader, a write only the ranges the master placed those keys at.
+
 "invalid" is a message that is not msgpack or breaks its schema (the reply carries request_id -1),
-a range outside the segment, or a request over the staging limit: the connection stays in step.
+a range outside the segment, a range its grant does not cover, or a request over the staging limit:
+the connection stays in step.
 The reply and the data of a read are posted back to back, as are the "ready" reply and the data
 receive of a write, so neither waits for the other's completion to reach Python.
 
 The server does no locking of ranges: a read racing a write of the same bytes sees either, as with
-any shared memory; who may touch which range is the store's business, not the transport's.
+any shared memory; which ranges are whose is the master's business, told through the grants.
 The UCX listener binds every interface (ucxx offers no bind address); ``host`` is the address the
-server advertises.
+server advertises. A peer elsewhere can connect, and gets a challenge it cannot answer.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import numpy as np
 
 from rayturn.kvstore import wire
+from rayturn.kvstore.access import AccessDenied, ReadGrant, SegmentGate, WriteGrant
 from rayturn.kvstore.segment import as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
@@ -75,11 +82,14 @@ __all__ = ["DEFAULT_MAX_STAGING_BYTES", "UcxServer", "WriteCallback"]
 
 logger = logging.getLogger(__name__)
 
-WriteCallback: TypeAlias = Callable[[list[bytes], list[tuple[int, int]]], None]
+WriteCallback: TypeAlias = Callable[[list[bytes], list[tuple[int, int]], str], None]
 
 DEFAULT_MAX_STAGING_BYTES: Final = 1 << 30
 """Largest non-contiguous request a server stages by default; contiguous requests need no staging."""
 _STOP_WAIT_S: Final = 5.0
+HANDSHAKE_TIMEOUT_S: Final = 5.0
+"""How long a new connection may take to prove the store secret."""
+HANDSHAKE_REQUEST_ID: Final = 0
 
 
 class _RequestRefused(Exception):
@@ -91,7 +101,8 @@ class UcxServer:
 
     ``buffer`` is the segment: any writable, C-contiguous buffer (memoryview, numpy array,
     bytearray) of ``capacity`` bytes; the server keeps a view of it, so it must outlive the
-    server. ``on_write(keys, ranges)`` runs on the UCX loop thread after a write's bytes have
+    server. ``gate`` authenticates each connection and checks each request's grant.
+    ``on_write(keys, ranges, tenant)`` runs on the UCX loop thread after a write's bytes have
     fully landed; if it raises, the client gets a TransportError saying so. Non-contiguous
     requests over ``max_staging_bytes`` are refused; once a request has been accepted, each of
     its data and body transfers must arrive within ``io_timeout_s`` or the connection closes.
@@ -101,6 +112,7 @@ class UcxServer:
         self,
         buffer: memoryview | bytearray | np.ndarray,
         *,
+        gate: SegmentGate,
         host: str = "127.0.0.1",
         port: int = 0,
         on_write: WriteCallback | None = None,
@@ -110,6 +122,7 @@ class UcxServer:
         if not 0 <= port <= 0xFFFF:
             raise ValueError(f"port must be in 0..65535, got {port}")
         self._segment = as_writable_view(buffer)
+        self._gate = gate
         self._host = host
         self._port = port
         self._on_write = on_write
@@ -216,11 +229,22 @@ class UcxServer:
             )
         return total_bytes
 
-    def _notify_write(self, keys: list[bytes], ranges: list[Range]) -> None:
+    def _check_grant(self, request: dict[str, Any]) -> None:
+        """_RequestRefused unless the request's grant covers its ranges (and, for a write, its keys)."""
+        try:
+            if request["type"] == "read_request":
+                self._gate.check_read(ReadGrant.from_wire(request["grant"]), request["ranges"])
+            else:
+                grant = WriteGrant.from_wire(request["grant"])
+                self._gate.check_write(request["tenant"], grant, request["keys"], request["ranges"])
+        except AccessDenied as error:
+            raise _RequestRefused(str(error)) from None
+
+    def _notify_write(self, keys: list[bytes], ranges: list[Range], tenant: str) -> None:
         if self._on_write is None:
             return
         try:
-            self._on_write(keys, ranges)
+            self._on_write(keys, ranges, tenant)
         except Exception as error:
             logger.exception("on_write callback failed")
             raise _RequestRefused(f"bytes landed but the server's on_write failed: {describe_error(error)}") from error
@@ -234,10 +258,30 @@ class _ServerConnection:
         self._server = server
 
     async def serve(self) -> None:
+        await self._authenticate()
         while True:
             request = await self._next_request()
             if request is not None:
                 await self._handle(request)
+
+    async def _authenticate(self) -> None:
+        """The challenge-response every connection starts with; raises (closing it) unless the peer proves
+        the store secret in time."""
+        gate = self._server._gate
+        nonce = gate.auth.challenge()
+        try:
+            await self._channel.send_control(wire.encode({"type": "challenge", "nonce": nonce}))
+            answer = await asyncio.wait_for(self._channel.recv_control(expected_type="auth"), HANDSHAKE_TIMEOUT_S)
+            gate.auth.check_proof(nonce, answer["proof"])
+        except (AccessDenied, wire.WireError, FramingError, asyncio.TimeoutError) as error:
+            reason = "no proof of the store secret in time" if isinstance(error, asyncio.TimeoutError) else error
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=False, error=f"authentication refused: {reason}"),
+                    timeout=1.0,
+                )
+            raise
+        await self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True)
 
     async def _next_request(self) -> dict[str, Any] | None:
         try:
@@ -259,12 +303,13 @@ class _ServerConnection:
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             request_id = UNPARSED_REQUEST_ID  # another module's message type, without an id
         try:
+            if request["type"] not in ("read_request", "write_request"):
+                raise _RequestRefused(f"this server does not handle {request['type']!r} messages")
+            self._server._check_grant(request)
             if request["type"] == "read_request":
                 await self._serve_read(request_id, request["ranges"])
-            elif request["type"] == "write_request":
-                await self._serve_write(request_id, request["keys"], request["ranges"])
             else:
-                raise _RequestRefused(f"this server does not handle {request['type']!r} messages")
+                await self._serve_write(request_id, request["keys"], request["ranges"], request["tenant"])
         except _RequestRefused as error:
             await self._channel.send_reply(request_id, ok=False, error=str(error))
 
@@ -287,7 +332,7 @@ class _ServerConnection:
             self._channel.send_data(data, self._server._io_timeout_s),
         )
 
-    async def _serve_write(self, request_id: int, keys: list[bytes], ranges: list[Range]) -> None:
+    async def _serve_write(self, request_id: int, keys: list[bytes], ranges: list[Range], tenant: str) -> None:
         total_bytes = self._server._check_request(ranges)
         segment = self._server._segment
         span = contiguous_span(ranges)
@@ -297,7 +342,7 @@ class _ServerConnection:
             with staging_pool.borrow(total_bytes) as data:
                 await self._recv_write(request_id, data)
                 scatter(data, ranges, segment)
-        self._server._notify_write(keys, ranges)
+        self._server._notify_write(keys, ranges, tenant)
         await self._channel.send_reply(request_id, ok=True, total_bytes=total_bytes)  # "done"
 
     async def _recv_write(self, request_id: int, into: memoryview) -> None:

@@ -270,10 +270,30 @@ def _reply_fields(message: dict[str, Any]) -> None:
         raise WireError(f"reply field 'error' is {len(error)} characters, over the limit of {MAX_ERROR_CHARS}")
 
 
+def _nonce_field(message: dict[str, Any]) -> None:
+    if len(message["nonce"]) != 32:
+        raise WireError(f"challenge nonce must be 32 bytes, got {len(message['nonce'])}")
+
+
+def _proof_field(message: dict[str, Any]) -> None:
+    if len(message["proof"]) != 32:
+        raise WireError(f"auth proof must be 32 bytes, got {len(message['proof'])}")
+
+
+# -- peer authentication, on every store socket (see rayturn.kvstore.access) ------------------
+
+register("challenge", {"nonce": bytes}, validators=[_nonce_field])
+register("auth", {"proof": bytes}, validators=[_proof_field])
+
 # -- the transport's message types -------------------------------------------------------------
 
-register("read_request", {"request_id": int, "ranges": list}, validators=[_ranges_field])
-register("write_request", {"request_id": int, "ranges": list, "keys": list}, validators=[_ranges_field, _keys_field])
+# ``grant``: the master's grant for these ranges (``access.ReadGrant`` / ``WriteGrant`` on the wire).
+register("read_request", {"request_id": int, "ranges": list, "grant": list}, validators=[_ranges_field])
+register(
+    "write_request",
+    {"request_id": int, "ranges": list, "keys": list, "tenant": str, "grant": list},
+    validators=[_ranges_field, _keys_field],
+)
 register(
     "reply", {"request_id": int, "ok": bool, "total_bytes": int}, optional={"error": str}, validators=[_reply_fields]
 )

@@ -67,6 +67,12 @@ class PrefillServer:
     def record_routing_stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def check_health(self) -> None:
+        """Serve's periodic probe (and the ingress's ``/health``): a replica whose engine thread died fails it,
+        and Serve replaces the replica."""
+        if not self.engine.healthy:
+            raise RuntimeError("the prefill replica's engine has stopped")
+
     async def health(self) -> dict[str, Any]:
         engine = self.engine.engine
         return {

@@ -33,6 +33,9 @@ HTTP_PORT, GRPC_PORT = 18431, 19431
 API_KEY = "test-key"
 THRESHOLD = 48  # uncached prompt tokens from which a prefill replica computes the prompt
 OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.api_keys": [API_KEY]})
+# gRPC metadata: Serve's application, and the key (gRPC checks it on every method, as HTTP does).
+GRPC_METADATA = (("application", "rayturn"), ("authorization", f"Bearer {API_KEY}"))
+AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,7 @@ def test_grpc_generate_matches_offline_engine(cluster: str, reference: LLMEngine
         )
         tokens: list[int] = []
         last = None
-        for response in stub.Generate(request, metadata=(("application", "rayturn"), ("session_id", "g1"))):
+        for response in stub.Generate(request, metadata=(*GRPC_METADATA, ("session_id", "g1"))):
             tokens.extend(response.token_ids)
             last = response
         assert tokens == expected
@@ -116,12 +119,13 @@ def test_grpc_generate_matches_offline_engine(cluster: str, reference: LLMEngine
 
         bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**7]))
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(bad, metadata=(("application", "rayturn"),)))
+            list(stub.Generate(bad, metadata=GRPC_METADATA))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "vocabulary" in (err.value.details() or "")
 
-        health = stub.Health(pb.HealthRequest(), metadata=(("application", "rayturn"),))
+        health = stub.Health(pb.HealthRequest(), metadata=GRPC_METADATA)
         assert health.status == "ok" and health.details["decode.backend"] == "cpu"
+        assert health.details["decode.replicas"] == "1" and health.details["prefill.target_replicas"] == "1"
 
 
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(cluster: str, client: openai.OpenAI) -> None:
@@ -146,9 +150,10 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(cluster: str, cl
 
 def test_health_and_metrics(cluster: str, client: openai.OpenAI) -> None:
     client.chat.completions.create(model="tiny", messages=SHORT, max_tokens=2)  # type: ignore[arg-type]
-    health = requests.get(f"{cluster}/health").json()
+    health = requests.get(f"{cluster}/health", headers=AUTH_HEADERS).json()
     assert health["status"] == "ok"
     assert health["details"]["decode.backend"] == "cpu" and health["details"]["prefill.backend"] == "cpu"
+    assert [state["state"] for state in health["pools"]["decode"]["replica_states"]] == ["RUNNING"]
     metrics = requests.get(f"{cluster}/metrics").text
     assert "rayturn_time_to_first_token_seconds_bucket" in metrics
     assert "rayturn_prompt_tokens_total" in metrics

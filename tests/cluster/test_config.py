@@ -48,7 +48,7 @@ def test_defaults() -> None:
     assert (config.kvstore.high_watermark, config.kvstore.low_watermark) == (0.90, 0.80)
     assert config.kvstore.ucx == UCXSpec(None, None, 0)
     assert dataclasses.astuple(config.router) == ("kv_aware", 1.0, 1.0, 0.5, 512, 1.0)
-    assert config.server == ServerSpec("127.0.0.1", 8000, 9000, (), 1, 0.25)
+    assert config.server == ServerSpec("127.0.0.1", 8000, 9000, (), {}, 8 << 20, 1, 0.25)
     assert config.tenant == "default"
     assert load_config() == ClusterConfig.from_dict({}) == config
 
@@ -159,6 +159,17 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"server": {"ingress_replicas": 0}}, r"server\.ingress_replicas must be >= 1"),
         ({"server": {"ingress_num_cpus": -1}}, r"server\.ingress_num_cpus must be >= 0"),
         ({"tenant": ""}, r"tenant must not be empty"),
+        ({"tenant": "team/a"}, r"tenant must be 1-64 letters, digits"),
+        ({"server": {"tenant_keys": {"team a": ["sk-1"]}}}, r"server\.tenant_keys\.team a must be 1-64 letters"),
+        ({"server": {"tenant_keys": {"team": []}}}, r"server\.tenant_keys\.team must list at least one key"),
+        ({"server": {"tenant_keys": {"team": ["sk-1", " "]}}}, r"server\.tenant_keys\.team\[1\] must not be empty"),
+        ({"server": {"tenant_keys": {"team": "sk-1"}}}, r"server\.tenant_keys\.team must be a list"),
+        (
+            {"server": {"api_keys": ["sk-1"], "tenant_keys": {"team": ["sk-1"]}}},
+            r"server\.api_keys must not hold a key twice",
+        ),
+        ({"server": {"max_request_bytes": 100}}, r"server\.max_request_bytes must be >= 1024, got 100"),
+        ({"server": {"max_request_bytes": "lots"}}, r"server\.max_request_bytes must be a byte count"),
     ],
 )
 def test_invalid_values_raise_naming_the_key(data: dict[str, Any], match: str) -> None:
@@ -197,7 +208,18 @@ def test_config_is_frozen_and_owns_its_mappings() -> None:
 
 
 def test_api_keys_stay_out_of_the_repr() -> None:
-    assert "sk-secret" not in repr(ClusterConfig.from_dict({"server": {"api_keys": ["sk-secret"]}}))
+    config = ClusterConfig.from_dict({"server": {"api_keys": ["sk-secret"], "tenant_keys": {"team": ["sk-team"]}}})
+    assert "sk-secret" not in repr(config) and "sk-team" not in repr(config)
+
+
+def test_keys_become_tenants_for_the_ingress() -> None:
+    config = ClusterConfig.from_dict(
+        {"server": {"api_keys": ["sk-a"], "tenant_keys": {"team": ["sk-t1", "sk-t2"]}, "max_request_bytes": "2MiB"}}
+    )
+    keys = config.server.key_table(config.tenant)
+    assert keys.tenant_of("sk-t1") == keys.tenant_of("sk-t2") == "team" and keys.tenant_of("sk-a") != "team"
+    assert keys.tenant_of("sk-nope") is None and config.server.max_request_bytes == 2 << 20
+    assert ClusterConfig().server.key_table("default").tenant_of(None) == "default"  # no keys: one tenant
 
 
 # -- files -------------------------------------------------------------------

@@ -10,10 +10,12 @@ import pytest
 
 pytest.importorskip("ray")
 
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RaySystemError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from rayturn.cluster import openai_api as oai
-from rayturn.cluster.ingress import _NO_STEP, _announced, _chain, _first_step
+from rayturn.cluster.failures import client_error, refused_reason
+from rayturn.cluster.pipeline import _NO_STEP, _announced, _chain, _first_step
 
 
 async def failing(error: BaseException) -> AsyncIterator[list[dict[str, Any]]]:
@@ -64,9 +66,40 @@ def test_a_lost_announcement_is_an_openai_error() -> None:
         asyncio.run(_announced(raising(BackPressureError(num_queued_requests=8, max_queued_requests=8))))
     assert err.value.status_code == 429
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_announced(raising(RuntimeError("replica died"))))
-    assert err.value.status_code == 503 and "replica died" in err.value.message
+        asyncio.run(_announced(raising(ActorDiedError())))
+    assert err.value.status_code == 503 and err.value.code == "replica_unavailable"
     assert err.value.to_dict()["error"]["type"] == "server_error"
+
+
+# What Ray says when a replica died mid-call: its class, actor id, pid, node and name.
+RAY_DETAILS = (
+    "The actor died unexpectedly before finishing this task. class_name: ServeReplica:rayturn:decode "
+    "actor_id: 5c1f0a7e9b3d2c1a0f000000 pid: 48213 name: SERVE_REPLICA::rayturn#decode#n01v5jvs "
+    "namespace: serve ip: 10.0.0.7"
+)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ActorDiedError(), ActorUnavailableError(RAY_DETAILS, None), RaySystemError(RAY_DETAILS)],
+    ids=["died", "unavailable", "system"],
+)
+def test_a_failed_replica_is_a_clean_retryable_503(error: Exception) -> None:
+    with pytest.raises(oai.APIError) as err:
+        asyncio.run(_first_step(failing(error), "req-1"))
+    assert err.value.status_code == 503 and err.value.code == "replica_unavailable"
+    for internal in ("48213", "5c1f0a7e", "SERVE_REPLICA", "10.0.0.7", "actor_id", "pid"):
+        assert internal not in err.value.message
+
+
+def test_a_replicas_refusal_keeps_its_reason_and_a_bug_names_only_the_request() -> None:
+    refusal = RayTaskError(
+        "generate", "Traceback ... pid=48213", ValueError("prompt needs 40 KV pages; the cache has 32")
+    )
+    assert refused_reason(refusal) == "prompt needs 40 KV pages; the cache has 32"
+    assert client_error(refusal, "req-2").status_code == 400
+    bug = client_error(KeyError("deltas"), "req-3")
+    assert bug.status_code == 500 and "req-3" in bug.message and "deltas" not in bug.message
 
 
 def test_an_announcement_passes_the_replicas_answer_through() -> None:

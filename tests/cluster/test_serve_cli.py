@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
 HTTP_PORT, GRPC_PORT = 18451, 19451
+API_KEY = "sk-from-the-command-line-7e2d"
 STARTUP_TIMEOUT_S = 180.0
 SHUTDOWN_TIMEOUT_S = 90.0
 # Small pools, as the other cluster tests use, so the command starts quickly on a laptop or CI runner.
@@ -107,7 +109,7 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
-def start_serve(tmp_path: Path, config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def start_serve(tmp_path: Path, config: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """``rayturn serve`` in its own session (so its process group is its own); killed if a test fails."""
     log = tmp_path / "serve.log"
     command = [
@@ -119,6 +121,7 @@ def start_serve(tmp_path: Path, config: Path) -> Iterator[tuple[subprocess.Popen
         str(HTTP_PORT),
         "--grpc-port",
         str(GRPC_PORT),
+        *extra,
     ]
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -135,7 +138,7 @@ def start_serve(tmp_path: Path, config: Path) -> Iterator[tuple[subprocess.Popen
 
 @pytest.fixture
 def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    yield from start_serve(tmp_path, small_config)
+    yield from start_serve(tmp_path, small_config, "--api-key", API_KEY)
 
 
 @pytest.fixture
@@ -185,7 +188,10 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Po
     process, log = server
     wait_for(healthy, process, log, "healthy /health")
     wait_for(lambda: "rayturn is serving" in log.read_text(), process, log, "serving banner")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+    stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):  # --api-key made keys required
+        stranger.models.list()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     response = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "hi"}],
@@ -195,6 +201,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Po
     assert response.choices[0].finish_reason in ("length", "stop")
     assert response.usage is not None and response.usage.completion_tokens > 0
     stop_and_check_nothing_is_left(process, log)
+    assert API_KEY not in log.read_text()  # nor anywhere the command printed or logged
 
 
 def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
@@ -225,3 +232,17 @@ def test_serve_names_an_unknown_config_key_and_exits_2(tmp_path: Path) -> None:
     result = run_rayturn("serve", "--config", str(bad))
     assert result.returncode == 2, result.stderr
     assert "decode.min_replica" in result.stderr
+
+
+def test_serve_refuses_a_port_another_server_holds_before_starting_anything() -> None:
+    """A port held the way Serve's proxies hold theirs (SO_REUSEPORT): a second cluster must not share it."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", GRPC_PORT))
+        holder.listen()
+        started = time.monotonic()
+        result = run_rayturn("serve", "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT))
+    assert result.returncode == 2, result.stderr
+    assert f"address already in use: 127.0.0.1:{GRPC_PORT} (server.grpc_port)" in result.stderr
+    assert "Ray" not in result.stderr + result.stdout  # refused before Ray started
+    assert time.monotonic() - started < 60

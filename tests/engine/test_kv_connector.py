@@ -12,45 +12,60 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from rayturn.engine import LLMEngine, SamplingParams
+from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
 from rayturn.engine.kv_connector import StoreConnector
 
 PAGE = 16
 
 
+OWN_TENANT = "default"
+
+
 class DictStore:
-    """The slice of KVStoreClient a StoreConnector uses, in one dictionary."""
+    """The slice of KVStoreClient a StoreConnector uses, in one dictionary; each object belongs to a tenant, and
+    a call sees only its tenant's (``tenant=None``: the client's own, ``OWN_TENANT``)."""
 
     def __init__(self) -> None:
         self.objects: dict[bytes, bytes] = {}
+        self.tenants: dict[bytes, str] = {}
         self.fail = False
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def _has(self, key: bytes, tenant: str | None) -> bool:
+        return key in self.objects and self.tenants[key] == (tenant or OWN_TENANT)
+
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
         if self.fail:
             raise ConnectionError("store unreachable")
         count = 0
         for key in keys:
-            if key not in self.objects:
+            if not self._has(key, tenant):
                 break
             count += 1
         return count
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[object], tenant: str | None = None) -> list[bool]:
         landed = []
         for key, buffer in zip(keys, buffers):
             assert isinstance(buffer, torch.Tensor)
-            data = self.objects.get(key)
-            if data is not None:
-                buffer.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            landed.append(data is not None)
+            found = self._has(key, tenant)
+            if found:
+                data = bytearray(self.objects[key])
+                buffer.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(data, dtype=torch.uint8))
+            landed.append(found)
         return landed
 
     def put_batch(
-        self, keys: Sequence[bytes], values: Sequence[object], replicas: int = 1, pin_ttl_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[object],
+        replicas: int = 1,
+        pin_ttl_s: float | None = None,
+        tenant: str | None = None,
     ) -> list[bool]:
         for key, value in zip(keys, values):
             assert isinstance(value, torch.Tensor)
             self.objects.setdefault(key, value.contiguous().view(torch.uint8).numpy().tobytes())
+            self.tenants.setdefault(key, tenant or OWN_TENANT)
         return [True] * len(keys)
 
 
@@ -171,3 +186,24 @@ def test_short_misses_are_computed_unless_a_remote_prefill_made_them(reference: 
     while fresh.has_unfinished_requests():
         outputs.extend(fresh.step())
     assert outputs[-1].num_loaded_prompt_tokens == 64 and outputs[-1].token_ids == reference
+
+
+def test_a_tenants_pages_are_stored_as_its_own_and_never_load_for_another() -> None:
+    store = DictStore()
+    writer, reader = make_engine(store), make_engine(store)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    expected = writer.generate([PROMPT], params)[0].token_ids  # no tenant: the client's own
+    writer.add_request(PROMPT, params, "alice-1", cache_salt="alice")
+    while writer.has_unfinished_requests():
+        writer.step()
+    alice_keys = {key for key, tenant in store.tenants.items() if tenant == "alice"}
+    assert len(alice_keys) == len(PROMPT) // PAGE and set(store.tenants.values()) == {OWN_TENANT, "alice"}
+    for salt in ("bob", "alice"):
+        reader.add_request(PROMPT, params, f"{salt}-read", cache_salt=salt)
+        outputs: list[RequestOutput] = []
+        while reader.has_unfinished_requests():
+            outputs += reader.step()
+        (final,) = [output for output in outputs if output.finished]
+        assert final.completions[0].token_ids == expected
+        # bob's salt names other pages, and the store would not hand alice's to bob anyway.
+        assert final.num_loaded_prompt_tokens == (0 if salt == "bob" else len(alice_keys) * PAGE)

@@ -35,22 +35,25 @@ class DictConnector:
     def __init__(self) -> None:
         self.pages: dict[bytes, torch.Tensor] = {}
         self.saved: list[bytes] = []
+        self.tenants: dict[bytes, str] = {}  # the tenant each page was saved for
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
         count = 0
-        while count < len(keys) and keys[count] in self.pages:
+        while count < len(keys) and keys[count] in self.pages and self.tenants[keys[count]] == tenant:
             count += 1
         return count
 
-    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         for key, page in zip(keys, pages):
+            assert self.tenants[key] == tenant
             page.copy_(self.pages[key])
         return [True] * len(keys)
 
-    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         for key, page in zip(keys, pages):
             self.saved.append(key)
             self.pages.setdefault(key, page.clone())
+            self.tenants.setdefault(key, tenant)
         return [True] * len(keys)
 
 
@@ -279,7 +282,7 @@ def test_offload_keeps_what_the_store_cannot_take_and_pages_other_sessions_share
     engine.release_session("b")  # "b" holds nothing now, but still shares pages 0 and 1 with "a"
     refused: list[bytes] = []
 
-    def refuse(keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def refuse(keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         refused.extend(keys)
         return [False] * len(keys)
 
@@ -482,3 +485,16 @@ def test_aborting_a_request_that_finished_on_arrival_leaves_the_engine_working()
     engine.abort(done)
     assert engine.step() == []
     assert run(engine, tokens(0, 5), ONE_OUT).finished
+
+
+def test_a_tenants_session_goes_to_the_store_and_comes_back_as_that_tenants() -> None:
+    connector = DictConnector()
+    engine = make_engine(num_pages=16, connector=connector)
+    request_id = engine.add_request(tokens(0, 10), THREE_OUT, session_id="alice/s", cache_salt="alice")
+    while engine.has_unfinished_requests():
+        engine.step()
+    move = engine.offload_session("alice/s")
+    assert move.pages == 3 and request_id
+    assert set(connector.tenants.values()) == {"alice"}  # offloaded as alice's pages
+    move = engine.prewarm_session("alice/s", ttl_s=60.0)
+    assert (move.pages, move.resident_pages) == (3, 3)  # loaded back as alice's (the double checks the tenant)

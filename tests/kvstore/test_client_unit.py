@@ -38,16 +38,18 @@ def master() -> Iterator[LocalMaster]:
 def make_client(master: LocalMaster) -> Iterator[Callable[..., KVStoreClient]]:
     clients: list[KVStoreClient] = []
 
-    def make(node_id: str, transport: str = "auto", connection: LocalMaster | None = None) -> KVStoreClient:
+    def make(
+        node_id: str, transport: str = "auto", connection: LocalMaster | None = None, tenant: str = "default"
+    ) -> KVStoreClient:
         client = KVStoreClient(
             connection or master,
             Segment.create(SEGMENT),
-            "default",
+            tenant,
             node_id,
             transport=transport,
             page_bytes=PAGE,
             heartbeat_interval_s=0.2,
-            server_factory=lambda buffer, on_write: InProcessServer(buffer, on_write=on_write),
+            server_factory=lambda buffer, on_write, gate: InProcessServer(buffer, gate=gate, on_write=on_write),
             remote_client=InProcessClient(),
         )
         clients.append(client)
@@ -128,3 +130,19 @@ def test_owner_readvertises_after_a_master_restart(
         assert time.monotonic() < deadline, "owner did not re-advertise"
         time.sleep(0.1)
     assert owner.get_batch([b"a", b"b"]) == [page(8), page(9)]
+
+
+def test_each_call_sees_only_its_tenants_pages(make_client: Callable[..., KVStoreClient]) -> None:
+    alice, same_node, far = make_client("node-a", tenant="alice"), make_client("node-a"), make_client("node-b")
+    assert alice.put_batch([b"shared-prompt"], [page(10)]) == [True]
+    for reader in (same_node, far):  # shared memory and the remote transport alike
+        assert reader.get(b"shared-prompt") is None
+        assert reader.exists([b"shared-prompt"]) == [False] and reader.longest_prefix([b"shared-prompt"]) == 0
+        assert reader.get(b"shared-prompt", tenant="alice") == page(10)  # a server acting for alice's call
+        assert reader.longest_prefix([b"shared-prompt"], tenant="alice") == 1
+    assert far.put_batch([b"shared-prompt"], [page(11)]) == [False]  # alice's key: not the default tenant's to take
+    assert far.put_batch([b"bob-page"], [page(12)], replicas=2, tenant="bob") == [True]
+    # The copy placed on another owner's segment (on node-a) is recorded there as bob's, for re-advertising.
+    held_on_a = {(key, tenant) for owner in (alice, same_node) for key, tenant, *_ in owner.held.items()}
+    assert (b"bob-page", "bob") in held_on_a
+    assert alice.get(b"bob-page") is None and alice.get(b"bob-page", tenant="bob") == page(12)

@@ -22,8 +22,10 @@ from rayturn.kvstore import (  # noqa: E402
     start_store_nodes,
     wire,
 )
+from rayturn.kvstore.access import StoreAuth  # noqa: E402
 from rayturn.kvstore.connection import RayMaster  # noqa: E402
 from rayturn.kvstore.master_lookup import LookupClient, frame  # noqa: E402
+from rayturn.kvstore.ucx_transport import TransportError, UcxClient  # noqa: E402
 
 PAGE = 32 << 10
 SEGMENT = 4 << 20
@@ -154,8 +156,8 @@ def test_interrupted_put_is_reclaimed() -> None:
     master = start_master(master_name, config=CONFIG)
     worker = StoreWorker.remote(master_name)
     ray.get(worker.pid.remote())
-    plans = ray.get(master.put_start.remote([b"orphan"], [PAGE], "default"))
-    assert plans[0].status == "write"  # a writer that dies before put_end
+    started = ray.get(master.put_start.remote([b"orphan"], [PAGE], "default"))
+    assert started.plans[0].status == "write"  # a writer that dies before put_end
     until(lambda: ray.get(master.stats.remote())["reclaimed_puts"] == 1)
     assert ray.get(worker.call.remote("exists", [b"orphan"])) == [False]
     assert ray.get(worker.call.remote("put", b"orphan", page(5)))  # the key is free again
@@ -255,7 +257,9 @@ def test_lookups_take_the_masters_socket_and_answer_as_ray_does() -> None:
     assert (calls, fallbacks) == (3, 0)  # all three went over the socket
     socket_answer = RayMaster(master).call("get_locations", keys, None, "default")
     ray_answer = RayMaster(master, lookups=False).call("get_locations", keys, None, "default")
-    assert socket_answer == ray_answer and socket_answer[0]  # same segments, offsets, misses
+    assert socket_answer[:3] == ray_answer[:3] and socket_answer[0]  # same segments, offsets, misses
+    # The same grants too, but for their expiry (each signed when asked).
+    assert [grant[1] for grant in socket_answer[3]] == [grant[1] for grant in ray_answer[3]]
 
 
 def test_lookup_socket_refuses_bad_frames_and_stays_up() -> None:
@@ -264,26 +268,27 @@ def test_lookup_socket_refuses_bad_frames_and_stays_up() -> None:
 
     def ask(payload: bytes, conn: socket.socket) -> dict[str, Any]:
         conn.sendall(payload)
-        (length,) = struct.unpack(">I", _recv(conn, 4))
-        return wire.decode(_recv(conn, length), "master_lookup_reply")
+        return _read_frame(conn, "master_lookup_reply")
 
     with socket.create_connection(address, timeout=10) as conn:
+        _prove(conn, ray.get(master.store_secret.remote()))
         garbage = b"\xc1not msgpack"
         reply = ask(struct.pack(">I", len(garbage)) + garbage, conn)
         assert not reply["ok"] and "not valid msgpack" in reply["error"]
-        bad_method = {"type": "master_lookup", "request_id": 7, "method": "put_start", "keys": [b"k"]}
+        bad_method = {"type": "master_lookup", "request_id": 7, "method": "put_start", "keys": [b"k"], "tenant": "t"}
         body = msgpack.packb(bad_method)
         reply = ask(struct.pack(">I", len(body)) + body, conn)
         assert not reply["ok"] and "lookup method must be one of" in reply["error"]
-        good = {"type": "master_lookup", "request_id": 8, "method": "exists", "keys": [b"k"]}
+        good = {"type": "master_lookup", "request_id": 8, "method": "exists", "keys": [b"k"], "tenant": "t"}
         reply = ask(frame(good), conn)  # the same connection still answers
         assert reply == {"type": "master_lookup_reply", "request_id": 8, "ok": True, "result": [False]}
     with socket.create_connection(address, timeout=10) as conn:
+        _prove(conn, ray.get(master.store_secret.remote()))
         reply = ask(struct.pack(">I", 1 << 30), conn)  # a length no frame may have: refused, then hung up
         assert not reply["ok"] and "refused" in reply["error"]
         assert conn.recv(1) == b""
     # The master is still up for everyone else.
-    assert RayMaster(master).call("exists", [b"k"]) == [False]
+    assert RayMaster(master).call("exists", [b"k"], "t") == [False]
 
 
 def test_lookups_fall_back_to_ray_when_the_socket_is_gone() -> None:
@@ -292,9 +297,88 @@ def test_lookups_fall_back_to_ray_when_the_socket_is_gone() -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # nothing listens here once this closes
-    gone.lookup = LookupClient(lambda: ("127.0.0.1", port))
-    assert gone.call("longest_prefix", [b"a", b"b"]) == 0
+    gone.lookup = LookupClient(lambda: ("127.0.0.1", port), gone.auth)
+    assert gone.call("longest_prefix", [b"a", b"b"], "t") == 0
     assert gone.lookup is not None and (gone.lookup.calls, gone.lookup.fallbacks) == (0, 1)
+
+
+def _read_frame(conn: socket.socket, expected_type: str) -> dict[str, Any]:
+    (length,) = struct.unpack(">I", _recv(conn, 4))
+    return wire.decode(_recv(conn, length), expected_type)
+
+
+def _prove(conn: socket.socket, secret: bytes) -> dict[str, Any]:
+    """Answer the lookup socket's challenge with a proof of ``secret``; the master's verdict."""
+    challenge = _read_frame(conn, "challenge")
+    conn.sendall(frame({"type": "auth", "proof": StoreAuth(secret).proof(challenge["nonce"])}))
+    return _read_frame(conn, "master_lookup_reply")
+
+
+def _lookup(conn: socket.socket, request_id: int, method: str, keys: list[bytes], tenant: str) -> dict[str, Any]:
+    conn.sendall(
+        frame({"type": "master_lookup", "request_id": request_id, "method": method, "keys": keys, "tenant": tenant})
+    )
+    return _read_frame(conn, "master_lookup_reply")
+
+
+def test_the_stores_sockets_refuse_strangers_and_answer_each_tenant_only_about_its_own_pages() -> None:
+    """What an attacker on the network tries with a plain socket and a plain UCX client, and a
+    member asking on behalf of the wrong tenant."""
+    master_name = "kv-doors"
+    master = start_master(master_name, config=CONFIG)
+    owner = StoreWorker.remote(master_name)
+    keys = keys_for("alices-prompt", 4)
+    assert ray.get(owner.call.remote("put_batch", keys, [page(i) for i in range(4)], tenant="alice")) == [True] * 4
+    address = tuple(ray.get(master.lookup_address.remote()))
+    secret = ray.get(master.store_secret.remote())
+    # A plain socket that skips the proof, or proves another secret, learns nothing and is hung up on.
+    for proof in (None, b"another cluster's store secret!!"):
+        with socket.create_connection(address, timeout=10) as conn:
+            if proof is None:
+                _read_frame(conn, "challenge")
+                reply = _lookup(conn, 1, "exists", keys, "alice")
+            else:
+                reply = _prove(conn, proof)
+            assert not reply["ok"] and reply["error"].startswith("authentication refused")
+            assert "result" not in reply and conn.recv(1) == b""
+    # A member proving the secret hears about alice's pages only when asking for alice.
+    with socket.create_connection(address, timeout=10) as conn:
+        assert _prove(conn, secret)["ok"]
+        assert _lookup(conn, 2, "exists", keys, "alice")["result"] == [True] * 4
+        assert _lookup(conn, 3, "exists", keys, "bob")["result"] == [False] * 4
+        assert _lookup(conn, 4, "longest_prefix", keys, "bob")["result"] == 0
+        segment_ids, best, _, grants = _lookup(conn, 5, "get_locations", keys, "bob")["result"]
+        assert (segment_ids, grants) == ([], []) and set(np.frombuffer(best, dtype=np.int64)) == {-1}
+    # The owner's segment over UCX: no secret, no bytes; the secret but no grant from the master, no bytes.
+    directory = ray.get(master.segment_directory.remote())
+    (segment_id,) = [sid for sid, info in directory.items() if info["ucx_address"]]
+    ucx_address = tuple(directory[segment_id]["ucx_address"])
+    stolen = bytearray(1 << 20)
+    stranger = StoreAuth(b"another cluster's store secret!!")
+    with UcxClient(auth=stranger, timeout_s=10) as outsider:
+        grant = stranger.read_grant(segment_id, np.array([[0, 1 << 20]]), 60)
+        with pytest.raises(TransportError, match="authentication refused"):
+            outsider.read(ucx_address, [(0, 1 << 20)], [stolen], grant)
+        with pytest.raises(TransportError, match="authentication refused"):
+            outsider.write(
+                ucx_address,
+                [b"evil"],
+                [(0, 8)],
+                [b"overwrit"],
+                "alice",
+                stranger.write_grant(segment_id, "alice", [(b"evil", 0, 8)], 60),
+            )
+    member = StoreAuth(secret)
+    with UcxClient(auth=member, timeout_s=10) as insider:
+        unsigned = StoreAuth(b"a grant signed without the key!!").read_grant(segment_id, np.array([[0, 1 << 20]]), 60)
+        with pytest.raises(TransportError, match="read refused"):
+            insider.read(ucx_address, [(0, 1 << 20)], [stolen], unsigned)
+        elsewhere = member.read_grant("some-other-segment", np.array([[0, 1 << 20]]), 60)
+        with pytest.raises(TransportError, match="read refused"):
+            insider.read(ucx_address, [(0, 1 << 20)], [stolen], elsewhere)
+    assert stolen == bytearray(1 << 20)
+    # The owner's pages are intact and still served to alice.
+    assert ray.get(owner.call.remote("get_batch", keys, tenant="alice")) == [page(i) for i in range(4)]
 
 
 def _recv(conn: socket.socket, num_bytes: int) -> bytes:

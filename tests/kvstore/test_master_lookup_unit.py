@@ -10,7 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from rayturn.kvstore import master_lookup
+from rayturn.kvstore.access import StoreAuth
 from rayturn.kvstore.master_lookup import LookupClient, LookupFailed
+
+AUTH = StoreAuth(b"test-store-secret-of-32-bytes...")
 
 
 @pytest.fixture
@@ -44,21 +47,21 @@ def test_a_silent_socket_costs_one_short_timeout_then_rests_longer_each_time(
 ) -> None:
     monkeypatch.setattr(master_lookup, "CALL_TIMEOUT_S", 0.2)
     monkeypatch.setattr(master_lookup, "RETRY_AFTER_S", 0.3)
-    client = LookupClient(lambda: silent_listener)
+    client = LookupClient(lambda: silent_listener, AUTH)
     started = time.monotonic()
     with pytest.raises(LookupFailed):
-        client.call("exists", [b"k"])
+        client.call("exists", [b"k"], "t")
     assert 0.15 < time.monotonic() - started < 1.0  # the call timeout, not longer
     started = time.monotonic()
     with pytest.raises(LookupFailed, match="failed recently"):
-        client.call("exists", [b"k"])  # resting: straight to Ray, no wait
+        client.call("exists", [b"k"], "t")  # resting: straight to Ray, no wait
     assert time.monotonic() - started < 0.05
     time.sleep(0.35)
     with pytest.raises(LookupFailed):
-        client.call("exists", [b"k"])  # tried again, failed again: now it rests twice as long
+        client.call("exists", [b"k"], "t")  # tried again, failed again: now it rests twice as long
     time.sleep(0.35)
     with pytest.raises(LookupFailed, match="failed recently"):
-        client.call("exists", [b"k"])
+        client.call("exists", [b"k"], "t")
     assert (client.calls, client.fallbacks) == (0, 4)
 
 
@@ -66,12 +69,12 @@ def test_a_thread_does_not_queue_behind_a_stuck_call(
     silent_listener: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(master_lookup, "CALL_TIMEOUT_S", 1.0)
-    client = LookupClient(lambda: silent_listener)
+    client = LookupClient(lambda: silent_listener, AUTH)
     failures: list[Exception] = []
 
     def stuck_call() -> None:
         try:
-            client.call("exists", [b"k"])
+            client.call("exists", [b"k"], "t")
         except LookupFailed as err:
             failures.append(err)
 
@@ -80,7 +83,7 @@ def test_a_thread_does_not_queue_behind_a_stuck_call(
     time.sleep(0.2)  # the first call now holds the connection, waiting for an answer that never comes
     started = time.monotonic()
     with pytest.raises(LookupFailed, match="busy"):
-        client.call("exists", [b"k"])
+        client.call("exists", [b"k"], "t")
     assert time.monotonic() - started < 0.5
     stuck.join()
     assert len(failures) == 1  # the stuck call itself timed out and went to Ray
@@ -88,12 +91,12 @@ def test_a_thread_does_not_queue_behind_a_stuck_call(
 
 def test_a_request_too_large_for_a_frame_goes_to_ray_without_resting_the_socket() -> None:
     resolved: list[int] = []
-    client = LookupClient(lambda: resolved.append(1) or None)  # type: ignore[func-returns-value]
+    client = LookupClient(lambda: resolved.append(1) or None, AUTH)  # type: ignore[func-returns-value]
     with pytest.raises(LookupFailed, match="control message limit"):
-        client.call("exists", [b"k" * 4096] * 300)  # 1.2 MB of keys
+        client.call("exists", [b"k" * 4096] * 300, "t")  # 1.2 MB of keys
     assert resolved == []  # nothing was sent, nothing resolved
     with pytest.raises(LookupFailed, match="no lookup socket"):
-        client.call("exists", [b"k"])  # the next call still tries the socket
+        client.call("exists", [b"k"], "t")  # the next call still tries the socket
     assert resolved == [1]
 
 
@@ -101,6 +104,6 @@ def test_a_resolver_error_is_a_fallback_not_a_crash() -> None:
     def broken() -> tuple[str, int]:
         raise AttributeError("this master has no lookup_address")
 
-    client = LookupClient(broken)
+    client = LookupClient(broken, AUTH)
     with pytest.raises(LookupFailed, match="no lookup_address"):
-        client.call("longest_prefix", [b"k"])
+        client.call("longest_prefix", [b"k"], "t")

@@ -36,11 +36,11 @@ def test_two_phase_put_then_get() -> None:
     state, _ = make()
     (plan,) = state.put_start([b"a"], [PAGE], "t")
     assert plan.status == "write" and plan.locations == (Location("seg0", 0, PAGE),)
-    assert state.exists([b"a"]) == [False]  # pending is not readable
-    assert state.get_locations([b"a"]) == [None]
+    assert state.exists([b"a"], "t") == [False]  # pending is not readable
+    assert state.get_locations([b"a"], reader_tenant="t") == [None]
     assert state.put_end([b"a"]) == [True]
-    assert state.exists([b"a"]) == [True]
-    assert state.get_locations([b"a"], "node0") == [[Location("seg0", 0, PAGE)]]
+    assert state.exists([b"a"], "t") == [True]
+    assert state.get_locations([b"a"], "node0", "t") == [[Location("seg0", 0, PAGE)]]
 
 
 def test_duplicate_put_is_a_success_and_writes_nothing() -> None:
@@ -74,24 +74,24 @@ def test_watermark_eviction_runs_before_a_put_would_fail() -> None:
         put(state, [bytes([i])])
     # Past 90%: the 10th put already brought usage back to the 80% watermark.
     assert state.segments["seg0"].allocator.usage <= 0.8
-    assert state.exists([bytes([0]), bytes([1])]) == [False, False]  # least recently used went first
-    assert all(state.exists([bytes([i]) for i in range(2, 10)]))
+    assert state.exists([bytes([0]), bytes([1])], "t") == [False, False]  # least recently used went first
+    assert all(state.exists([bytes([i]) for i in range(2, 10)], "t"))
 
 
 def test_leased_and_pinned_objects_are_not_evicted() -> None:
     state, clock = make(capacity=4 * PAGE, high_watermark=0.9, low_watermark=0.5)
     put(state, [b"leased", b"soft", b"hard", b"plain"])
-    state.get_locations([b"leased"])  # lease for lease_ttl_s
+    state.get_locations([b"leased"], reader_tenant="t")  # lease for lease_ttl_s
     state.pin([b"soft"], ttl_s=30.0)
     state.pin([b"hard"], ttl_s=None)
     clock.now_s += 1
     assert put(state, [b"new"]) == ["write"]  # needs room: only "plain" may go
-    assert state.exists([b"leased", b"soft", b"hard", b"plain", b"new"]) == [True, True, True, False, True]
+    assert state.exists([b"leased", b"soft", b"hard", b"plain", b"new"], "t") == [True, True, True, False, True]
     clock.now_s += 60  # lease and soft pin over; the hard pin holds
     state.tick()
-    assert state.exists([b"hard"]) == [True]
+    assert state.exists([b"hard"], "t") == [True]
     assert put(state, [b"x", b"y"]) == ["write", "write"]
-    assert state.exists([b"hard"]) == [True]
+    assert state.exists([b"hard"], "t") == [True]
     state.unpin([b"hard"])
     assert state.segments["seg0"].allocator.used_bytes <= 4 * PAGE
 
@@ -99,9 +99,9 @@ def test_leased_and_pinned_objects_are_not_evicted() -> None:
 def test_remove_of_a_leased_object_frees_space_when_the_lease_ends() -> None:
     state, clock = make(lease_ttl_s=10.0)
     put(state, [b"a"])
-    state.get_locations([b"a"])
+    state.get_locations([b"a"], reader_tenant="t")
     assert state.remove([b"a"]) == 1
-    assert state.exists([b"a"]) == [False]
+    assert state.exists([b"a"], "t") == [False]
     assert state.segments["seg0"].allocator.used_bytes == PAGE  # a reader may still be copying
     clock.now_s += 11
     state.tick()
@@ -116,7 +116,7 @@ def test_replicas_go_to_different_segments_preferring_other_nodes() -> None:
     assert [loc.segment_id for loc in plan.locations] == ["seg0", "seg2"]
     state.put_end([b"a"])
     # A reader on node2 is sent to its own node's replica first.
-    (locations,) = state.get_locations([b"a"], "node2")
+    (locations,) = state.get_locations([b"a"], "node2", "t")
     assert locations is not None and [loc.segment_id for loc in locations] == ["seg2", "seg0"]
 
 
@@ -130,8 +130,8 @@ def test_silent_segment_loses_its_replicas() -> None:
     clock.now_s += 2
     state.tick()  # seg1 silent for 4 s
     assert "seg1" not in state.segments
-    assert state.get_locations([b"a"]) == [[Location("seg0", 0, PAGE)]]
-    assert state.get_locations([b"only"]) == [None]
+    assert state.get_locations([b"a"], reader_tenant="t") == [[Location("seg0", 0, PAGE)]]
+    assert state.get_locations([b"only"], reader_tenant="t") == [None]
     assert state.heartbeat("seg1") is None  # the owner is told to register again
 
 
@@ -144,7 +144,7 @@ def test_tenant_quota_evicts_own_objects_then_refuses() -> None:
     clock.now_s += 1
     assert state.put_start([b"c"], [PAGE], "small")[0].status == "write"
     state.put_end([b"c"])
-    assert state.exists([b"a", b"b", b"c"]) == [False, True, True]
+    assert state.exists([b"a", b"b", b"c"], "small") == [False, True, True]
     assert state.put_start([b"big"], [3 * PAGE], "small")[0].status == "quota"
     assert state.put_start([b"other"], [PAGE], "unlimited")[0].status == "write"
 
@@ -160,8 +160,8 @@ def test_no_space_when_everything_is_pinned() -> None:
 def test_longest_prefix_and_bad_arguments() -> None:
     state, _ = make()
     put(state, [b"k0", b"k1", b"k3"])
-    assert state.longest_prefix([b"k0", b"k1", b"k2", b"k3"]) == 2
-    assert state.longest_prefix([b"k2"]) == 0
+    assert state.longest_prefix([b"k0", b"k1", b"k2", b"k3"], "t") == 2
+    assert state.longest_prefix([b"k2"], "t") == 0
     with pytest.raises(ValueError, match="2 keys but 1 sizes"):
         state.put_start([b"x", b"y"], [PAGE], "t")
     with pytest.raises(ValueError, match="replicas must be >= 1"):
@@ -178,7 +178,7 @@ def test_snapshot_restore_and_readvertise_after_restart() -> None:
     restarted, _ = make(segments=0)
     restarted.restore(snapshot)
     assert restarted.epoch != state.epoch
-    assert restarted.exists([b"a", b"b", b"p"]) == [True, True, False]
+    assert restarted.exists([b"a", b"b", b"p"], "t") == [True, True, False]
     assert restarted.segments["seg0"].allocator.used_bytes == 2 * PAGE  # the pending put's space is free again
     # An owner re-advertises: known objects are kept, an object the snapshot missed is adopted,
     # and a stale entry overlapping space already in use is skipped.
@@ -186,7 +186,7 @@ def test_snapshot_restore_and_readvertise_after_restart() -> None:
         "seg0", [(b"a", "t", 0, PAGE), (b"stale", "t", 0, PAGE)]
     )
     assert adopted == 1
-    assert restarted.exists([b"late", b"stale"]) == [True, False]
+    assert restarted.exists([b"late", b"stale"], "t") == [True, False]
     assert pending.status == "write"
     assert restarted.objects[b"a"].state is ObjectState.COMPLETE
 
@@ -197,7 +197,8 @@ def test_counters_are_kept_per_tenant() -> None:
     state.put_end([b"a"])
     state.put_start([b"b"], [PAGE], "bob")
     state.put_end([b"b"])
-    state.get_locations([b"a", b"missing"], reader_tenant="bob")  # a hit for alice's object, bob's miss
+    state.get_locations([b"a"], reader_tenant="alice")  # alice's hit (and lease)
+    state.get_locations([b"a", b"missing"], reader_tenant="bob")  # two misses: alice's object is not bob's
     state.remove([b"a"])  # leased: its space waits for the lease
     clock.now_s += 2
     state.tick()
@@ -206,7 +207,7 @@ def test_counters_are_kept_per_tenant() -> None:
     assert state.put_start([b"d"], [PAGE], "carol")[0].status == "write"  # evicts bob's object
     tenants = state.stats()["tenants"]
     assert (tenants["alice"]["hits"], tenants["alice"]["lease_expiries"], tenants["alice"]["puts"]) == (1, 1, 1)
-    assert (tenants["bob"]["misses"], tenants["bob"]["evictions"]) == (1, 1)
+    assert (tenants["bob"]["misses"], tenants["bob"]["evictions"]) == (2, 1)
     assert state.stats()["hits"] == 1 and state.stats()["evictions"] == 1
 
 
@@ -218,4 +219,19 @@ def test_a_full_writer_spills_to_a_segment_with_room_before_evicting() -> None:
     where = {key: state.objects[key].replicas[0].segment_id for key in keys}
     assert [where[k] for k in keys[:9]] == ["seg0"] * 9  # up to the high watermark at home
     assert [where[k] for k in keys[9:]] == ["seg1"] * 3  # then on the segment with room
-    assert state.counters.evictions == 0 and all(state.exists(keys))
+    assert state.counters.evictions == 0 and all(state.exists(keys, "t"))
+
+
+def test_a_tenant_neither_reads_nor_learns_of_nor_overwrites_another_tenants_objects() -> None:
+    state, _ = make()
+    state.put_start([b"a0", b"a1"], [PAGE, PAGE], "alice")
+    state.put_end([b"a0", b"a1"])
+    assert state.exists([b"a0", b"a1"], "alice") == [True, True]
+    assert state.exists([b"a0", b"a1"], "bob") == [False, False]
+    assert (state.longest_prefix([b"a0", b"a1"], "alice"), state.longest_prefix([b"a0", b"a1"], "bob")) == (2, 0)
+    assert state.get_locations([b"a0"], reader_tenant="bob") == [None]
+    assert state.objects[b"a0"].lease_until_s == 0.0  # bob's miss leased nothing
+    assert state.get_locations([b"a0"], reader_tenant="alice") == [[Location("seg0", 0, PAGE)]]
+    (plan,) = state.put_start([b"a0"], [PAGE], "bob")
+    assert plan.status == "conflict" and state.objects[b"a0"].tenant == "alice"
+    assert state.tenant_counters["bob"].put_failures == 1

@@ -3,7 +3,9 @@
 The server process is this very file, run with ``runpy.run_path`` under a private ``__name__``: a
 spawn child cannot import test modules by name (pytest's importlib mode), but it can run a file.
 It owns a numpy segment filled with a seeded random pattern, serves it, and answers commands on a
-pipe: the bytes at a range, the on_write calls so far, stop.
+pipe: the bytes at a range, the on_write calls so far, stop. Both sides hold the same test store
+secret: the client proves it on connect, and signs the grants its requests carry (as the master
+would), through the ``read`` / ``write`` helpers below.
 
 Every blocking call has a timeout (client calls, pipe polls, joins), so a hang fails a test.
 """
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 from rayturn.kvstore import wire
+from rayturn.kvstore.access import ReadGrant, SegmentGate, StoreAuth, WriteGrant
 from rayturn.kvstore.ucx_transport import (
     CONTROL_HEADER,
     CONTROL_MAGIC,
@@ -46,6 +49,11 @@ PATTERN_SEED = 1234
 CALL_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 60.0
 FAILING_KEY = b"make-on_write-fail"
+SECRET = b"test-store-secret-of-32-bytes..."
+SEGMENT_ID = "segment-under-test"
+TENANT = "t"
+AUTH = StoreAuth(SECRET)
+GRANT_TTL_S = 60.0
 
 
 def pattern() -> np.ndarray:
@@ -59,14 +67,16 @@ def _serve(conn: Connection) -> None:
     """Body of the server process: serve a patterned segment until told to stop."""
     segment = np.zeros(SEGMENT_BYTES, dtype=np.uint8)
     segment[:] = pattern()
-    writes: list[tuple[list[bytes], list[tuple[int, int]]]] = []
+    writes: list[tuple[list[bytes], list[tuple[int, int]], str]] = []
 
-    def on_write(keys: list[bytes], ranges: list[tuple[int, int]]) -> None:
+    def on_write(keys: list[bytes], ranges: list[tuple[int, int]], tenant: str) -> None:
         if FAILING_KEY in keys:
             raise RuntimeError("refusing this key on purpose")
-        writes.append((keys, ranges))
+        writes.append((keys, ranges, tenant))
 
-    server = UcxServer(segment.data, on_write=on_write, io_timeout_s=5.0)
+    server = UcxServer(
+        segment.data, gate=SegmentGate(StoreAuth(SECRET), SEGMENT_ID), on_write=on_write, io_timeout_s=5.0
+    )
     conn.send(server.start())
     while True:
         command, *args = conn.recv()
@@ -132,8 +142,30 @@ def remote() -> Iterator[RemoteServer]:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[UcxClient]:
-    with UcxClient(timeout_s=CALL_TIMEOUT_S) as ucx_client:
+    with UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S) as ucx_client:
         yield ucx_client
+
+
+def read_grant(ranges: list[tuple[int, int]], segment_id: str = SEGMENT_ID, ttl_s: float = GRANT_TTL_S) -> ReadGrant:
+    """What the master hands a reader for these ranges."""
+    return AUTH.read_grant(segment_id, np.array(ranges, dtype=np.int64), ttl_s)
+
+
+def write_grant(keys: list[bytes], ranges: list[tuple[int, int]], tenant: str = TENANT) -> WriteGrant:
+    """What the master hands a writer it placed these keys for (one range per key)."""
+    entries = [(key, offset, length) for key, (offset, length) in zip(keys, ranges)]
+    return AUTH.write_grant(SEGMENT_ID, tenant, entries, GRANT_TTL_S)
+
+
+def read(client: UcxClient, address: Address, ranges: list[tuple[int, int]], dests: list[Any], **kwargs: Any) -> None:
+    client.read(address, ranges, dests, read_grant(ranges), **kwargs)
+
+
+def write(
+    client: UcxClient, address: Address, keys: list[bytes], ranges: list[tuple[int, int]], sources: list[Any]
+) -> None:
+    signed = [key if isinstance(key, bytes) else b"" for key in keys]  # a bad key must fail in the client, not here
+    client.write(address, keys, ranges, sources, TENANT, write_grant(signed, ranges))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +178,7 @@ def expected() -> np.ndarray:
 
 def test_read_single_range_into_bytearray(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
     dest = bytearray(4096)
-    client.read(remote.address, [(12345, 4096)], [dest])
+    read(client, remote.address, [(12345, 4096)], [dest])
     assert dest == expected[12345 : 12345 + 4096].tobytes()
 
 
@@ -166,7 +198,7 @@ def test_read_many_non_contiguous_ranges_into_mixed_destinations(
             dests.append(bytearray(length))
         else:
             dests.append(memoryview(bytearray(length)))
-    client.read(remote.address, ranges, dests)
+    read(client, remote.address, ranges, dests)
     for dest, (offset, length) in zip(dests, ranges):
         assert bytes(dest) == expected[offset : offset + length].tobytes()
 
@@ -179,14 +211,14 @@ def test_read_adjacent_ranges_into_typed_arrays(remote: RemoteServer, client: Uc
         np.empty((3, 3, 3), dtype=np.uint8),
     ]
     ranges = [(1000, 256), (1256, 200), (1456, 27)]
-    client.read(remote.address, ranges, dests)
+    read(client, remote.address, ranges, dests)
     assert b"".join(dest.tobytes() for dest in dests) == expected[1000:1483].tobytes()
 
 
 def test_read_large_range(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
     """16 MiB in one message: UCX's rendezvous path, straight into the destination."""
     dest = np.zeros(16 << 20, dtype=np.uint8)
-    client.read(remote.address, [(1 << 20, 16 << 20)], [dest])
+    read(client, remote.address, [(1 << 20, 16 << 20)], [dest])
     assert np.array_equal(dest, expected[1 << 20 : 17 << 20])
 
 
@@ -196,8 +228,8 @@ def test_read_many_ranges_with_a_spilled_control_message(
     """Enough ranges that the request outgrows the inline control slot and travels as a second message."""
     ranges = [(index * 97, 13) for index in range(0, 20000, 2)]
     dest = np.empty((len(ranges), 13), dtype=np.uint8)
-    client.read(remote.address, ranges, list(dest))
-    assert len(wire.encode({"type": "read_request", "request_id": 1, "ranges": ranges})) > CONTROL_SLOT_BYTES
+    read(client, remote.address, ranges, list(dest))
+    assert len(_read_request(1, ranges)) > CONTROL_SLOT_BYTES
     for row, (offset, length) in zip(dest, ranges):
         assert row.tobytes() == expected[offset : offset + length].tobytes()
 
@@ -210,7 +242,7 @@ def test_concurrent_reads_from_threads(remote: RemoteServer, client: UcxClient, 
             for step in range(8):
                 offset = seed * 100_000 + step * 1000
                 dests: list[Any] = [bytearray(100), np.empty(300, dtype=np.uint8)]
-                client.read(remote.address, [(offset, 100), (offset + 500, 300)], dests)
+                read(client, remote.address, [(offset, 100), (offset + 500, 300)], dests)
                 assert bytes(dests[0]) == expected[offset : offset + 100].tobytes()
                 assert bytes(dests[1]) == expected[offset + 500 : offset + 800].tobytes()
         except BaseException as error:
@@ -237,11 +269,12 @@ def test_write_scattered_ranges_lands_and_calls_on_write(remote: RemoteServer, c
     before = len(remote.ask("writes"))
     ranges = [(WRITE_AREA + 5000, 3), (WRITE_AREA, 4), (WRITE_AREA + 70_000, 100_000)]
     sources: list[Any] = [b"xyz", bytearray(b"abcd"), np.arange(100_000, dtype=np.uint32).astype(np.uint8)]
-    client.write(remote.address, [b"object-1", b"object-2"], ranges, sources)
+    keys = [b"object-1", b"object-2", b"object-3"]
+    write(client, remote.address, keys, ranges, sources)
     assert remote.segment_bytes(WRITE_AREA + 5000, 3) == b"xyz"
     assert remote.segment_bytes(WRITE_AREA, 4) == b"abcd"
     assert remote.segment_bytes(WRITE_AREA + 70_000, 100_000) == sources[2].tobytes()
-    assert _writes_since(remote, before) == [([b"object-1", b"object-2"], ranges)]
+    assert _writes_since(remote, before) == [(keys, ranges, TENANT)]
 
 
 def test_write_contiguous_ranges_then_read_back(remote: RemoteServer, client: UcxClient) -> None:
@@ -249,18 +282,18 @@ def test_write_contiguous_ranges_then_read_back(remote: RemoteServer, client: Uc
     before = len(remote.ask("writes"))
     payload = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
     ranges = [(WRITE_AREA + (1 << 20), 1 << 20), (WRITE_AREA + (2 << 20), 2 << 20)]
-    client.write(remote.address, [b"big"], ranges, [payload[: 1 << 20], payload[1 << 20 :]])
+    write(client, remote.address, [b"big-0", b"big-1"], ranges, [payload[: 1 << 20], payload[1 << 20 :]])
     back = np.empty(3 << 20, dtype=np.uint8)
-    client.read(remote.address, [(WRITE_AREA + (1 << 20), 3 << 20)], [back])
+    read(client, remote.address, [(WRITE_AREA + (1 << 20), 3 << 20)], [back])
     assert np.array_equal(back, payload)
-    assert _writes_since(remote, before) == [([b"big"], ranges)]
+    assert _writes_since(remote, before) == [([b"big-0", b"big-1"], ranges, TENANT)]
 
 
 def test_failing_on_write_is_reported_and_the_connection_survives(remote: RemoteServer, client: UcxClient) -> None:
     with pytest.raises(TransportError, match="on_write failed: RuntimeError: refusing this key on purpose"):
-        client.write(remote.address, [FAILING_KEY], [(WRITE_AREA + 9000, 2)], [b"hi"])
+        write(client, remote.address, [FAILING_KEY], [(WRITE_AREA + 9000, 2)], [b"hi"])
     assert remote.segment_bytes(WRITE_AREA + 9000, 2) == b"hi"  # the bytes had landed
-    client.write(remote.address, [b"fine"], [(WRITE_AREA + 9000, 2)], [b"ok"])
+    write(client, remote.address, [b"fine"], [(WRITE_AREA + 9000, 2)], [b"ok"])
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -272,16 +305,16 @@ def test_out_of_bounds_read_is_refused_and_the_server_keeps_serving(
 ) -> None:
     dests = [bytearray(length) for _, length in ranges]
     with pytest.raises(TransportError, match=f"beyond the {SEGMENT_BYTES}-byte segment"):
-        client.read(remote.address, ranges, dests)
+        read(client, remote.address, ranges, dests)
     dest = bytearray(8)
-    client.read(remote.address, [(64, 8)], [dest])
+    read(client, remote.address, [(64, 8)], [dest])
     assert dest == expected[64:72].tobytes()
 
 
 def test_out_of_bounds_write_is_refused_and_lands_nothing(remote: RemoteServer, client: UcxClient) -> None:
     before = len(remote.ask("writes"))
     with pytest.raises(TransportError, match=r"range 1 .* beyond"):
-        client.write(remote.address, [b"k"], [(WRITE_AREA + 100, 2), (SEGMENT_BYTES - 1, 2)], [b"no", b"pe"])
+        write(client, remote.address, [b"k0", b"k1"], [(WRITE_AREA + 100, 2), (SEGMENT_BYTES - 1, 2)], [b"no", b"pe"])
     assert remote.segment_bytes(WRITE_AREA + 100, 2) != b"no"
     assert _writes_since(remote, before) == []
 
@@ -289,23 +322,23 @@ def test_out_of_bounds_write_is_refused_and_lands_nothing(remote: RemoteServer, 
 def test_bad_arguments_raise_before_any_traffic() -> None:
     """Nothing listens on port 1: reaching the network would raise TransportError, not ValueError."""
     nowhere = ("127.0.0.1", 1)
-    with UcxClient(timeout_s=CALL_TIMEOUT_S) as ucx_client:
+    with UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S) as ucx_client:
         with pytest.raises(ValueError, match=r"dests\[1\] holds 5 bytes but range 1 has length 4"):
-            ucx_client.read(nowhere, [(0, 4), (10, 4)], [bytearray(4), bytearray(5)])
+            read(ucx_client, nowhere, [(0, 4), (10, 4)], [bytearray(4), bytearray(5)])
         with pytest.raises(ValueError, match=r"dests\[0\]: .*read-only"):
-            ucx_client.read(nowhere, [(0, 4)], [b"abcd"])
+            read(ucx_client, nowhere, [(0, 4)], [b"abcd"])
         with pytest.raises(ValueError, match="2 ranges but 1 dests"):
-            ucx_client.read(nowhere, [(0, 4), (10, 4)], [bytearray(4)])
+            read(ucx_client, nowhere, [(0, 4), (10, 4)], [bytearray(4)])
         with pytest.raises(ValueError, match=r"ranges\[0\] length 0 must be positive"):
-            ucx_client.read(nowhere, [(0, 0)], [bytearray(0)])
+            read(ucx_client, nowhere, [(0, 0)], [bytearray(0)])
         with pytest.raises(ValueError, match=r"sources\[0\] holds 3 bytes but range 0 has length 2"):
-            ucx_client.write(nowhere, [b"k"], [(0, 2)], [b"abc"])
+            write(ucx_client, nowhere, [b"k"], [(0, 2)], [b"abc"])
         with pytest.raises(ValueError, match=r"keys\[0\] must be bytes"):
-            ucx_client.write(nowhere, ["k"], [(0, 2)], [b"ab"])  # type: ignore[list-item]
+            write(ucx_client, nowhere, ["k"], [(0, 2)], [b"ab"])  # type: ignore[list-item]
         with pytest.raises(ValueError, match=r"dests\[0\]: .*not C-contiguous"):
-            ucx_client.read(nowhere, [(0, 4)], [np.zeros((4, 2), dtype=np.uint8)[:, 0]])
+            read(ucx_client, nowhere, [(0, 4)], [np.zeros((4, 2), dtype=np.uint8)[:, 0]])
         with pytest.raises(ValueError, match="more than the limit of 65536"):
-            ucx_client.read(nowhere, [(0, 1)] * 65537, [bytearray(1)] * 65537)
+            read(ucx_client, nowhere, [(0, 1)] * 65537, [bytearray(1)] * 65537)
 
 
 # -- misbehaving peers, spoken to through a raw ucxx endpoint -----------------------------------
@@ -316,22 +349,26 @@ def _frame(body: bytes, *, magic: bytes = CONTROL_MAGIC, flags: int = 0, announc
     return CONTROL_HEADER.pack(magic, CONTROL_VERSION, flags, size) + body
 
 
+async def _recv_frame(endpoint: Any, expected_type: str) -> dict[str, Any]:
+    slot = bytearray(CONTROL_SLOT_BYTES)
+    await endpoint.recv(slot)
+    magic, _, _, body_bytes = CONTROL_HEADER.unpack_from(slot)
+    assert magic == CONTROL_MAGIC
+    return wire.decode(slot[CONTROL_HEADER.size : CONTROL_HEADER.size + body_bytes], expected_type)
+
+
 async def _raw_session(address: Address, messages: list[bytes], replies: int) -> list[dict[str, Any]]:
-    """Send ``messages`` as they are on a fresh endpoint, then decode ``replies`` reply frames."""
+    """Prove the secret on a fresh endpoint, send ``messages`` as they are, then decode ``replies`` reply frames."""
     import ucxx
 
     endpoint = await ucxx.create_endpoint(*address)
     try:
+        challenge = await _recv_frame(endpoint, "challenge")
+        await endpoint.send(_frame(wire.encode({"type": "auth", "proof": AUTH.proof(challenge["nonce"])})))
+        assert (await _recv_frame(endpoint, "reply"))["ok"]
         for message in messages:
             await endpoint.send(message)
-        decoded = []
-        for _ in range(replies):
-            slot = bytearray(CONTROL_SLOT_BYTES)
-            await endpoint.recv(slot)
-            magic, _, _, body_bytes = CONTROL_HEADER.unpack_from(slot)
-            assert magic == CONTROL_MAGIC
-            decoded.append(wire.decode(slot[CONTROL_HEADER.size : CONTROL_HEADER.size + body_bytes], "reply"))
-        return decoded
+        return [await _recv_frame(endpoint, "reply") for _ in range(replies)]
     finally:
         endpoint.abort()
 
@@ -340,9 +377,14 @@ def _raw(address: Address, messages: list[bytes], replies: int) -> list[dict[str
     return run_in_ucx_loop(asyncio.wait_for(_raw_session(address, messages, replies), 10.0), timeout_s=CALL_TIMEOUT_S)
 
 
+def _read_request(request_id: int, ranges: list[tuple[int, int]]) -> bytes:
+    message = {"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in ranges]}
+    return wire.encode({**message, "grant": read_grant(ranges).to_wire()})
+
+
 def _still_serves(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
     dest = bytearray(16)
-    client.read(remote.address, [(4096, 16)], [dest])
+    read(client, remote.address, [(4096, 16)], [dest])
     assert dest == expected[4096:4112].tobytes()
 
 
@@ -359,7 +401,7 @@ def _still_serves(remote: RemoteServer, client: UcxClient, expected: np.ndarray)
 def test_malformed_control_message_gets_an_error_and_the_connection_keeps_serving(
     remote: RemoteServer, client: UcxClient, expected: np.ndarray, body: bytes, complaint: str
 ) -> None:
-    good = wire.encode({"type": "read_request", "request_id": 5, "ranges": [[0, 8]]})
+    good = _read_request(5, [(0, 8)])
     refusal, answer = _raw(remote.address, [_frame(body), _frame(good)], replies=2)
     assert refusal["ok"] is False
     assert complaint in refusal["error"]
@@ -369,7 +411,7 @@ def test_malformed_control_message_gets_an_error_and_the_connection_keeps_servin
 
 def test_frame_shorter_than_announced_is_refused(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
     """A body cut short leaves zeros behind it, which the decoder reports as trailing bytes."""
-    good = wire.encode({"type": "read_request", "request_id": 5, "ranges": [[0, 8]]})
+    good = _read_request(5, [(0, 8)])
     (refusal,) = _raw(remote.address, [_frame(good[:-3], announced_bytes=len(good) + 10)], replies=1)
     assert refusal["ok"] is False
     assert "malformed request" in refusal["error"]
@@ -397,6 +439,116 @@ def test_unusable_frame_closes_only_that_connection(
     _still_serves(remote, client, expected)
 
 
+# -- who may connect, and which bytes a request may touch ---------------------------------------
+
+
+async def _refused(address: Address, proof: bytes | None) -> tuple[dict[str, Any], bool]:
+    """A connection that answers the challenge with ``proof`` (None: sends a read request instead): the server's
+    reply, and whether the connection was closed after it."""
+    import ucxx
+
+    endpoint = await ucxx.create_endpoint(*address)
+    try:
+        await _recv_frame(endpoint, "challenge")
+        first = wire.encode({"type": "auth", "proof": proof}) if proof is not None else _read_request(1, [(0, 1 << 20)])
+        await endpoint.send(_frame(first))
+        refusal = await _recv_frame(endpoint, "reply")
+        try:
+            await endpoint.send(_frame(_read_request(2, [(0, 8)])))
+            await asyncio.wait_for(_recv_frame(endpoint, "reply"), 3.0)
+        except Exception:  # the endpoint is gone (UCX says so in its own words), or nothing answers
+            return refusal, True
+        return refusal, False
+    finally:
+        endpoint.abort()
+
+
+@pytest.mark.parametrize("proof", [None, b"\x00" * 32, StoreAuth(b"another-cluster's-secret-32bytes").proof(b"n" * 32)])
+def test_a_peer_that_cannot_prove_the_secret_is_refused_and_hung_up_on(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray, proof: bytes | None
+) -> None:
+    """No answer to the challenge (a plain UCX client sending a request straight away), or a wrong one."""
+    (refusal, closed) = run_in_ucx_loop(
+        asyncio.wait_for(_refused(remote.address, proof), 10.0), timeout_s=CALL_TIMEOUT_S
+    )
+    assert refusal["ok"] is False and refusal["error"].startswith("authentication refused")
+    assert closed  # hung up on: the request sent after the refusal got no answer on that connection
+    _still_serves(remote, client, expected)
+
+
+def test_a_wrong_secret_cannot_read_through_the_client_either(remote: RemoteServer) -> None:
+    stranger = StoreAuth(b"another-cluster's-secret-32bytes")
+    with UcxClient(auth=stranger, timeout_s=CALL_TIMEOUT_S) as outsider:
+        ranges = [(0, 4096)]
+        with pytest.raises(TransportError, match="authentication refused"):
+            outsider.read(
+                remote.address, ranges, [bytearray(4096)], stranger.read_grant(SEGMENT_ID, np.array(ranges), 60)
+            )
+
+
+@pytest.mark.parametrize(
+    ("grant", "complaint"),
+    [
+        (lambda ranges: read_grant([(0, 4096)]), r"range 0 \(8192, 4096\) is not granted"),
+        (lambda ranges: read_grant(ranges + [(0, 1)]), None),  # a grant may cover more than one request asks
+        (lambda ranges: read_grant(ranges, segment_id="another-segment"), "not for this segment"),
+        (lambda ranges: read_grant(ranges, ttl_s=-1.0), "grant expired"),
+        (lambda ranges: ReadGrant(time.time() + 60, read_grant(ranges).ranges, b"\x00" * 32), "not the master's"),
+        (
+            lambda ranges: ReadGrant(time.time() + 60, read_grant([(0, 1 << 20)]).ranges, read_grant(ranges).mac),
+            "not the master's",
+        ),
+    ],
+    ids=["other-ranges", "wider-grant", "other-segment", "expired", "forged", "swapped-ranges"],
+)
+def test_a_read_gets_only_the_ranges_its_grant_covers(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray, grant: Any, complaint: str | None
+) -> None:
+    ranges = [(8192, 4096)]
+    dest = bytearray(4096)
+    if complaint is None:
+        client.read(remote.address, ranges, [dest], grant(ranges))
+        assert dest == expected[8192 : 8192 + 4096].tobytes()
+        return
+    with pytest.raises(TransportError, match=complaint):
+        client.read(remote.address, ranges, [dest], grant(ranges))
+    assert dest == bytearray(4096)  # nothing arrived
+    _still_serves(remote, client, expected)
+
+
+@pytest.mark.parametrize(
+    ("keys", "tenant", "grant_keys", "grant_ranges", "grant_tenant"),
+    [
+        ([b"mine"], TENANT, [b"mine"], [(WRITE_AREA + 4096, 4)], TENANT),  # granted elsewhere
+        ([b"mine"], TENANT, [b"theirs"], [(WRITE_AREA + 300, 4)], TENANT),  # granted for another key
+        ([b"mine"], "intruder", [b"mine"], [(WRITE_AREA + 300, 4)], TENANT),  # granted to another tenant
+    ],
+    ids=["other-range", "other-key", "other-tenant"],
+)
+def test_a_write_lands_only_where_the_master_placed_its_keys(
+    remote: RemoteServer,
+    client: UcxClient,
+    keys: list[bytes],
+    tenant: str,
+    grant_keys: list[bytes],
+    grant_ranges: list[tuple[int, int]],
+    grant_tenant: str,
+) -> None:
+    before = len(remote.ask("writes"))
+    original = remote.segment_bytes(WRITE_AREA + 300, 4)
+    with pytest.raises(TransportError, match="write refused"):
+        client.write(
+            remote.address,
+            keys,
+            [(WRITE_AREA + 300, 4)],
+            [b"evil"],
+            tenant,
+            write_grant(grant_keys, grant_ranges, grant_tenant),
+        )
+    assert remote.segment_bytes(WRITE_AREA + 300, 4) == original != b"evil"
+    assert _writes_since(remote, before) == []
+
+
 # -- connections, timeouts, lifecycle -----------------------------------------------------------
 
 
@@ -405,46 +557,49 @@ def test_timeout_drops_the_endpoint_and_the_next_call_reconnects(
 ) -> None:
     _still_serves(remote, client, expected)
     with pytest.raises(TransportError, match="timed out"):
-        client.read(remote.address, [(0, 8 << 20)], [np.empty(8 << 20, dtype=np.uint8)], timeout_s=1e-4)
+        read(client, remote.address, [(0, 8 << 20)], [np.empty(8 << 20, dtype=np.uint8)], timeout_s=1e-4)
     _still_serves(remote, client, expected)
 
 
 def test_unreachable_server_raises_transport_error() -> None:
     """Refused outright, or no handshake within connect_timeout_s: UCX does either, by timing."""
     with (
-        UcxClient(timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client,
+        UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client,
         pytest.raises(TransportError, match=r"read \('127\.0\.0\.1', 1\) failed: (cannot connect|no UCX handshake)"),
     ):
-        ucx_client.read(("127.0.0.1", 1), [(0, 4)], [bytearray(4)])
+        read(ucx_client, ("127.0.0.1", 1), [(0, 4)], [bytearray(4)])
 
 
 def test_server_in_this_process_and_clean_stop() -> None:
     """A process can serve and read at once (one UCX loop); a stopped server breaks its clients' calls."""
     segment = bytearray(range(256)) * 16
-    with UcxServer(segment) as server, UcxClient(timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client:
+    with (
+        UcxServer(segment, gate=SegmentGate(AUTH, SEGMENT_ID)) as server,
+        UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client,
+    ):
         address = server.start()  # idempotent while running
         assert server.address == address
         dest = bytearray(6)
-        ucx_client.read(address, [(250, 6)], [dest])
+        read(ucx_client, address, [(250, 6)], [dest])
         assert dest == bytes([250, 251, 252, 253, 254, 255])
-        ucx_client.write(address, [b"k"], [(0, 2)], [b"\xff\xee"])
+        write(ucx_client, address, [b"k"], [(0, 2)], [b"\xff\xee"])
         assert segment[:2] == b"\xff\xee"
         server.stop()
         server.stop()
         assert server.address is None
         with pytest.raises(TransportError):
-            ucx_client.read(address, [(0, 1)], [bytearray(1)])
+            read(ucx_client, address, [(0, 1)], [bytearray(1)])
     with pytest.raises(RuntimeError, match="cannot be restarted"):
         server.start()
     with pytest.raises(TransportError, match="closed"):
-        ucx_client.read(address, [(0, 1)], [bytearray(1)])
+        read(ucx_client, address, [(0, 1)], [bytearray(1)])
 
 
 def test_server_refuses_read_only_segments_and_bad_ports() -> None:
     with pytest.raises(ValueError, match="read-only"):
-        UcxServer(memoryview(b"abc"))
+        UcxServer(memoryview(b"abc"), gate=SegmentGate(AUTH, SEGMENT_ID))
     with pytest.raises(ValueError, match="port"):
-        UcxServer(bytearray(8), port=70000)
+        UcxServer(bytearray(8), gate=SegmentGate(AUTH, SEGMENT_ID), port=70000)
 
 
 def test_init_ucx_checks_names_and_refuses_after_start(
@@ -465,7 +620,7 @@ def test_describe_transports_names_ucx_and_its_transports(remote: RemoteServer) 
 
 def test_calling_the_client_from_the_ucx_loop_is_refused(remote: RemoteServer, client: UcxClient) -> None:
     async def nested() -> None:
-        client.read(remote.address, [(0, 1)], [bytearray(1)])
+        read(client, remote.address, [(0, 1)], [bytearray(1)])
 
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="from the UCX loop thread"):

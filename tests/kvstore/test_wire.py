@@ -11,9 +11,18 @@ import pytest
 from rayturn.kvstore import wire
 from rayturn.kvstore.wire import MAX_CONTROL_BYTES, MAX_KEY_BYTES, MAX_RANGES, WireError, decode, encode
 
+# What a grant looks like on the wire (its signature is checked by the segment's server, not here).
+GRANT = [1.5e9, b"\x00" * 16, b"\x01" * 32]
+WRITE = {"tenant": "t", "grant": [1.5e9, b"\x01" * 32]}
+
 
 def _read_request(**overrides: Any) -> dict[str, Any]:
-    message: dict[str, Any] = {"type": "read_request", "request_id": 7, "ranges": [[0, 4096], [8192, 16]]}
+    message: dict[str, Any] = {
+        "type": "read_request",
+        "request_id": 7,
+        "ranges": [[0, 4096], [8192, 16]],
+        "grant": GRANT,
+    }
     message.update(overrides)
     return message
 
@@ -29,11 +38,11 @@ def _pack(message: object) -> bytes:
 
 def test_read_request_round_trip_normalises_ranges_to_tuples() -> None:
     message = decode(encode(_read_request()), "read_request")
-    assert message == {"type": "read_request", "request_id": 7, "ranges": [(0, 4096), (8192, 16)]}
+    assert message == {"type": "read_request", "request_id": 7, "ranges": [(0, 4096), (8192, 16)], "grant": GRANT}
 
 
 def test_write_request_round_trip() -> None:
-    message = {"type": "write_request", "request_id": 1, "ranges": [[5, 3]], "keys": [b"layer0/page3", b""]}
+    message = {"type": "write_request", "request_id": 1, "ranges": [[5, 3]], "keys": [b"layer0/page3", b""], **WRITE}
     assert decode(encode(message)) == {**message, "ranges": [(5, 3)]}
 
 
@@ -77,7 +86,10 @@ def test_large_but_legal_request_round_trips() -> None:
         ({"type": "reply", "request_id": 1, "ok": False, "total_bytes": 0, "error": 5}, "'error' must be str"),
         ({"type": "reply", "request_id": 1, "ok": True, "total_bytes": -1}, "'total_bytes' must be >= 0"),
         ({"type": "write_request", "request_id": 1, "ranges": [[0, 1]]}, "missing field 'keys'"),
-        ({"type": "write_request", "request_id": 1, "ranges": [[0, 1]], "keys": ["text"]}, "keys[0] must be bytes"),
+        (
+            {"type": "write_request", "request_id": 1, "ranges": [[0, 1]], "keys": ["text"], **WRITE},
+            "keys[0] must be bytes",
+        ),
     ],
 )
 def test_schema_violations_are_named(message: dict[str, Any], complaint: str) -> None:
@@ -113,7 +125,13 @@ def test_bad_ranges_are_named(ranges: list[Any], complaint: str) -> None:
 
 
 def test_overlong_key_is_refused() -> None:
-    message = {"type": "write_request", "request_id": 1, "ranges": [[0, 1]], "keys": [b"k" * (MAX_KEY_BYTES + 1)]}
+    message = {
+        "type": "write_request",
+        "request_id": 1,
+        "ranges": [[0, 1]],
+        "keys": [b"k" * (MAX_KEY_BYTES + 1)],
+        **WRITE,
+    }
     with pytest.raises(WireError, match="keys\\[0\\] is 4097 bytes"):
         decode(_pack(message))
 
@@ -184,7 +202,7 @@ def test_array_over_the_limit_is_refused_by_the_unpacker() -> None:
 def test_encode_refuses_a_message_over_the_size_limit() -> None:
     keys = [b"k" * MAX_KEY_BYTES] * 300  # 1.2 MB of keys, each legal on its own
     with pytest.raises(WireError, match="over the 1048576-byte control message limit"):
-        encode({"type": "write_request", "request_id": 1, "ranges": [[0, 1]], "keys": keys})
+        encode({"type": "write_request", "request_id": 1, "ranges": [[0, 1]], "keys": keys, **WRITE})
 
 
 def test_encode_refuses_unpackable_values() -> None:

@@ -1,0 +1,25 @@
+"""``bench/security_overhead.py --quick`` runs, and prints one JSON object whose parts add up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "security_overhead.py"
+
+
+def test_quick_run_reports_each_check_and_its_share() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    ingress, store = report["ingress_checks_us"], report["store_checks_us"]
+    assert set(ingress) == {"api_key", "body_limit", "prompt_bound", "thread_hop"}
+    assert ingress["thread_hop"] == 0.0 and report["large_body_ingress_checks_us"]["thread_hop"] > 0
+    per_call = sum(ingress.values()) + store["read_grant"] + store["write_grant"]
+    assert abs(report["per_call_us"] - per_call) < 0.5
+    assert report["cached_ttft_ms_median"] > 0 and report["prompt_tokens"] > 3000
+    expected = report["per_call_us"] / 1e3 / report["cached_ttft_ms_median"]
+    assert abs(report["overhead_fraction_of_ttft"] - expected) < 1e-4
+    assert report["target_fraction"] == 0.01
