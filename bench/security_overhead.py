@@ -121,18 +121,20 @@ def store_checks_us(prompt_pages: int, new_pages: int, page_bytes: int, repeats:
     offsets = np.arange(prompt_pages, dtype=np.int64) * page_bytes
     ranges = np.stack([offsets, np.full(prompt_pages, page_bytes, dtype=np.int64)], axis=1)
     asked = [(int(offset), page_bytes) for offset in offsets]
-    read = auth.read_grant("segment", ranges, 5.0)
+    read = auth.read_grant("segment", "epoch", ranges, 5.0)
     entries = [(f"key-{i}".encode() * 2, int(i * page_bytes), page_bytes) for i in range(new_pages)]
-    write = auth.write_grant("segment", "tenant", entries, 15.0)
+    write = auth.write_grant("segment", "epoch", "tenant", entries, 15.0)
     keys = [key for key, _, _ in entries]
     write_ranges = [(offset, length) for _, offset, length in entries]
     pages = np.ones(prompt_pages * page_bytes, dtype=np.uint8)
     landed = np.empty_like(pages)
     return {
-        "read_grant": median_us(lambda: auth.read_grant("segment", ranges, 5.0), repeats),
-        "write_grant": median_us(lambda: auth.write_grant("segment", "tenant", entries, 15.0), repeats),
-        "read_check": median_us(lambda: auth.check_read("segment", read, asked), repeats),
-        "write_check": median_us(lambda: auth.check_write("segment", "tenant", write, keys, write_ranges), repeats),
+        "read_grant": median_us(lambda: auth.read_grant("segment", "epoch", ranges, 5.0), repeats),
+        "write_grant": median_us(lambda: auth.write_grant("segment", "epoch", "tenant", entries, 15.0), repeats),
+        "read_check": median_us(lambda: auth.check_read("segment", "epoch", read, asked), repeats),
+        "write_check": median_us(
+            lambda: auth.check_write("segment", "epoch", "tenant", write, keys, write_ranges), repeats
+        ),
         "memcpy_of_read_pages": median_us(lambda: np.copyto(landed, pages), max(repeats // 10, 20)),
     }
 

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .tenants import TENANT_NAME, KeyTable
+from .tenants import KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("kv_aware", "round_robin")
@@ -55,7 +55,6 @@ _SIZE_UNITS = {
 }
 # A request body this small could not hold a chat request worth serving.
 MIN_REQUEST_BYTES = 1024
-_TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 
 _Spec = TypeVar("_Spec")
@@ -320,8 +319,10 @@ class ServerSpec:
     http_port: int = 8000
     grpc_port: int = 9000
     # Secrets stay out of logged reprs.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    tenant_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
+    tenant_keys: Mapping[str, tuple[str, ...]] = field(
+        default_factory=dict, hash=False, repr=False, metadata={"secret": True}
+    )
     max_request_bytes: int = field(default=8 << 20, metadata={"size": True})
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
@@ -343,7 +344,12 @@ class ServerSpec:
         for index, api_key in enumerate(self.api_keys):
             _check_non_empty(f"api_keys[{index}]", api_key)
         for tenant, keys in self.tenant_keys.items():
-            _check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", _TENANT_NAME_RULE)
+            _check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", TENANT_NAME_RULE)
+            _check(
+                not tenant.startswith(KEY_TENANT_PREFIX),
+                f"tenant_keys.{tenant}",
+                f"must not start with {KEY_TENANT_PREFIX!r} (the tenants of api_keys are named so)",
+            )
             _check(bool(keys), f"tenant_keys.{tenant}", "must list at least one key")
             for index, api_key in enumerate(keys):
                 _check_non_empty(f"tenant_keys.{tenant}[{index}]", api_key)
@@ -373,7 +379,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_non_empty("tenant", self.tenant)
-        _check(TENANT_NAME.fullmatch(self.tenant) is not None, "tenant", _TENANT_NAME_RULE)
+        _check(TENANT_NAME.fullmatch(self.tenant) is not None, "tenant", TENANT_NAME_RULE)
         _check(self.decode.max_replicas >= 1, "decode.max_replicas", f"must be >= 1, got {self.decode.max_replicas}")
         _check(
             self.kvstore.enabled or self.prefill.max_replicas == 0,
@@ -462,7 +468,7 @@ def _build(cls: type[_Spec], data: object, key: str) -> _Spec:
         if spec_field.metadata.get("size"):
             kwargs[name] = _parse_size(value, field_key)
         else:
-            kwargs[name] = _convert(value, hints[name], field_key)
+            kwargs[name] = _convert(value, hints[name], field_key, bool(spec_field.metadata.get("secret")))
     try:
         return cls(**kwargs)
     except _FieldError as err:
@@ -475,46 +481,49 @@ def _unknown_key(full_key: str, name: str, fields: Mapping[str, object]) -> str:
     return f"unknown key {full_key!r}{hint}"
 
 
-def _convert(value: object, hint: Any, key: str) -> Any:
-    """Check ``value`` against a field's type hint and return it in the field's own type."""
+def _convert(value: object, hint: Any, key: str, secret: bool = False) -> Any:
+    """Check ``value`` against a field's type hint and return it in the field's own type.
+
+    ``secret``: the value holds credentials, so an error names its type but never shows it.
+    """
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
     if isinstance(hint, types.UnionType):  # the fields' only unions are `X | None`
         if value is None:
             return None
         (inner,) = (arm for arm in typing.get_args(hint) if arm is not type(None))
-        return _convert(value, inner, key)
+        return _convert(value, inner, key, secret)
     origin = typing.get_origin(hint)
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ValueError(f"{key} must be a list, got {_describe(value)}")
+            raise ValueError(f"{key} must be a list, got {_describe(value, secret)}")
         item_hint = typing.get_args(hint)[0]
-        return tuple(_convert(item, item_hint, f"{key}[{index}]") for index, item in enumerate(value))
+        return tuple(_convert(item, item_hint, f"{key}[{index}]", secret) for index, item in enumerate(value))
     if origin is Mapping:
         if value is None:
             return {}
         if not isinstance(value, Mapping):
-            raise ValueError(f"{key} must be a mapping, got {_describe(value)}")
+            raise ValueError(f"{key} must be a mapping, got {_describe(value, secret)}")
         _, value_hint = typing.get_args(hint)
         for name in value:
             if not isinstance(name, str):
-                raise ValueError(f"{key} names must be strings, got {_describe(name)}")
-        return {name: _convert(item, value_hint, f"{key}.{name}") for name, item in value.items()}
+                raise ValueError(f"{key} names must be strings, got {_describe(name, secret)}")
+        return {name: _convert(item, value_hint, f"{key}.{name}", secret) for name, item in value.items()}
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {_describe(value)}")
+            raise ValueError(f"{key} must be a string, got {_describe(value, secret)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {_describe(value)}")
+            raise ValueError(f"{key} must be an integer, got {_describe(value, secret)}")
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{key} must be true or false, got {_describe(value)}")
+            raise ValueError(f"{key} must be true or false, got {_describe(value, secret)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{key} must be a number, got {_describe(value)}")
+            raise ValueError(f"{key} must be a number, got {_describe(value, secret)}")
         return float(value)
     raise TypeError(f"no parser for {key}'s type {hint!r}")
 
@@ -531,8 +540,8 @@ def _parse_size(value: object, key: str) -> int:
     )
 
 
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+def _describe(value: object, secret: bool = False) -> str:
+    return f"a value of type {type(value).__name__}" if secret else f"{value!r} ({type(value).__name__})"
 
 
 def _to_plain(value: object) -> object:

@@ -20,11 +20,16 @@ import grpc
 
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.protos import rayturn_pb2 as pb
-from rayturn.router.session import lifecycle_hints, required_session_id, session_id_from_grpc_metadata
+from rayturn.router.session import (
+    lifecycle_hints,
+    optional_session_id,
+    required_session_id,
+    session_id_from_grpc_metadata,
+)
 
 from . import openai_api as oai
 from .failures import client_error
-from .pipeline import CallPipeline, CallResult, _chain
+from .pipeline import CallPipeline, CallResult, chain_steps, new_request_id
 
 _STATUS_BY_HTTP = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -67,21 +72,24 @@ class GrpcFront:
 
     async def generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
         pipeline = self.pipeline
+        request_id = new_request_id()
         try:
             tenant = self._tenant(grpc_context)
             metadata = _metadata(grpc_context)
             try:
                 prompt_ids, params = await self._inputs(request)
                 hints = lifecycle_hints(metadata)
+                session_id = optional_session_id(request.session_id, "session_id") or session_id_from_grpc_metadata(
+                    metadata
+                )
             except ValueError as err:
                 raise oai.invalid_request(str(err), param=None) from err
-            session_id = request.session_id or session_id_from_grpc_metadata(metadata)
-            serve_request = await pipeline.serve_request(prompt_ids, params, tenant, session_id, hints)
+            serve_request = await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
             result, steps, first = await pipeline.start(serve_request)
-        except oai.APIError as err:
-            raise self._fail(grpc_context, "grpc", err) from None
+        except Exception as err:  # anything else too: never Serve's INTERNAL with a traceback in it
+            raise self._fail(grpc_context, "grpc", client_error(err, request_id)) from None
         try:
-            async for deltas in _chain(first, steps):
+            async for deltas in chain_steps(first, steps):
                 for delta in deltas:
                     yield self._response(delta, result)
         except Exception as err:
@@ -136,10 +144,10 @@ class GrpcFront:
             prompt_ids = await self._chat_prompt(messages, request.ByteSize())
         else:
             raise ValueError("input is missing: set one of text, token_ids, messages")
-        pipeline.check_prompt_ids(prompt_ids)
         max_model_len = pipeline.max_model_len
-        if len(prompt_ids) >= max_model_len:
+        if len(prompt_ids) >= max_model_len:  # before walking the ids: a million of them are refused at once
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len}")
+        pipeline.check_prompt_ids(prompt_ids)
         options = request.sampling
         room = max_model_len - len(prompt_ids)
         max_tokens = options.max_tokens if options.HasField("max_tokens") else room
@@ -172,6 +180,7 @@ class GrpcFront:
             raise ValueError(err.message) from None
 
     async def prewarm(self, request: Any, grpc_context: Any) -> Any:
+        request_id = new_request_id()
         try:
             tenant = self._tenant(grpc_context)
             try:
@@ -180,9 +189,9 @@ class GrpcFront:
                 )
             except ValueError as err:
                 raise oai.invalid_request(str(err), param="session_id") from err
-            answer = await self.pipeline.prewarm(tenant, session_id)
-        except oai.APIError as err:
-            raise self._fail(grpc_context, "grpc_prewarm", err) from None
+            answer = await self.pipeline.prewarm(request_id, tenant, session_id)
+        except Exception as err:
+            raise self._fail(grpc_context, "grpc_prewarm", client_error(err, request_id)) from None
         self.pipeline.telemetry.requests.labels("grpc_prewarm", "ok").inc()
         return pb.PrewarmResponse(state=answer["state"], replica_id=answer["replica_id"] or "")
 

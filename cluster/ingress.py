@@ -38,12 +38,12 @@ from rayturn.router.session import (
 from . import openai_api as oai
 from .failures import RETRY_AFTER_S, client_error
 from .grpc_front import GrpcFront
-from .pipeline import CallPipeline, CallResult, Steps, _chain
+from .pipeline import CallPipeline, CallResult, Steps, chain_steps, new_request_id
 from .request_limits import off_loop, parse_json, read_body
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="rayturn", docs_url=None, redoc_url=None)
+app = FastAPI(title="rayturn", docs_url=None, redoc_url=None, openapi_url=None)
 
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
@@ -113,8 +113,8 @@ class Ingress:
         except ValueError as err:
             raise oai.invalid_request(str(err), param="user") from err
 
-    def _failure(self, api: str, err: Exception) -> JSONResponse:
-        api_error = client_error(err, api)
+    def _failure(self, api: str, err: Exception, request_id: str) -> JSONResponse:
+        api_error = client_error(err, request_id)
         outcome = {401: "unauthorized", 429: "overloaded", 503: "failed"}.get(api_error.status_code, "invalid")
         if api_error.status_code >= 500 and api_error.status_code != 503:
             outcome = "error"
@@ -126,21 +126,22 @@ class Ingress:
         try:
             self._authorize(request)
         except oai.APIError as err:
-            return self._failure("models", err)
+            return self._failure("models", err, new_request_id())
         return JSONResponse(oai.models_list(self.served_model, self.created))
 
     @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
     async def prewarm(self, session_id: str, request: Request) -> JSONResponse:
         """The session's user has started typing: bring its KV back to the device before the call."""
+        request_id = new_request_id()
         try:
             tenant = self._authorize(request)
             try:
                 session = required_session_id(session_id, "path")
             except ValueError as err:
                 raise oai.invalid_request(str(err), param="session_id") from err
-            answer = await self.pipeline.prewarm(tenant, session)
+            answer = await self.pipeline.prewarm(request_id, tenant, session)
         except Exception as err:
-            return self._failure("prewarm", err)
+            return self._failure("prewarm", err, request_id)
         self.telemetry.requests.labels("prewarm", "ok").inc()
         headers = {REPLICA_HEADER: answer["replica_id"]} if answer["replica_id"] else {}
         body = {"object": "session.prewarm", "session_id": session, "state": answer["state"]}
@@ -148,6 +149,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        request_id = new_request_id()
         try:
             tenant = self._authorize(request)
             body, num_bytes = await self._json_body(request)
@@ -159,18 +161,19 @@ class Ingress:
                 prompt_tokens=len(prompt_ids),
                 max_model_len=self.pipeline.max_model_len,
             )
-            result, steps, first = await self._start(request, body, tenant, prompt_ids, params, chat)
+            result, steps, first = await self._start(request_id, request, body, tenant, prompt_ids, params, chat)
             if chat.stream:
                 return _sse_response(self._chat_stream(chat, steps, first, result), result)
-            async for _ in _chain(first, steps):
+            async for _ in chain_steps(first, steps):
                 pass
         except Exception as err:
-            return self._failure("chat", err)
+            return self._failure("chat", err, request_id)
         self.telemetry.requests.labels("chat", "ok").inc()
         return JSONResponse(self._chat_body(chat, result), headers=_replica_headers(result))
 
     async def _start(
         self,
+        request_id: str,
         request: Request,
         body: object,
         tenant: str,
@@ -190,7 +193,7 @@ class Ingress:
             if hints.call is None:
                 hints = LifecycleHints(classify_call(chat.messages), hints.after)
         serve_request = await self.pipeline.serve_request(
-            prompt_ids, params, tenant, self._session(request, body), hints, tools
+            request_id, prompt_ids, params, tenant, self._session(request, body), hints, tools
         )
         return await self.pipeline.start(serve_request)
 
@@ -238,7 +241,7 @@ class Ingress:
 
         yield chunk([state.start() for state in states.values()])
         try:
-            async for deltas in _chain(first, steps):
+            async for deltas in chain_steps(first, steps):
                 texts, endings = [], []  # one choice per index per chunk: text first, then the finish
                 for delta in deltas:
                     state = states[delta["index"]]
@@ -272,6 +275,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        request_id = new_request_id()
         try:
             tenant = self._authorize(request)
             body, _ = await self._json_body(request)
@@ -280,10 +284,7 @@ class Ingress:
                 prompt_ids = await self.pipeline.text_prompt(spec.prompt, param="prompt")
             else:
                 prompt_ids = list(spec.prompt)
-            try:
-                self.pipeline.check_prompt_ids(prompt_ids)
-            except ValueError as err:
-                raise oai.invalid_request(str(err), param="prompt") from err
+            # The length first: a prompt of a million ids is refused without walking them.
             params = oai.to_sampling_params(
                 spec.sampling,
                 default_max_tokens=16,
@@ -291,13 +292,17 @@ class Ingress:
                 max_model_len=self.pipeline.max_model_len,
                 prompt_param="prompt",
             )
-            result, steps, first = await self._start(request, body, tenant, prompt_ids, params)
+            try:
+                self.pipeline.check_prompt_ids(prompt_ids)
+            except ValueError as err:
+                raise oai.invalid_request(str(err), param="prompt") from err
+            result, steps, first = await self._start(request_id, request, body, tenant, prompt_ids, params)
             if spec.stream:
                 return _sse_response(self._completion_stream(spec, steps, first, result), result)
-            async for _ in _chain(first, steps):
+            async for _ in chain_steps(first, steps):
                 pass
         except Exception as err:
-            return self._failure("completions", err)
+            return self._failure("completions", err, request_id)
         self.telemetry.requests.labels("completions", "ok").inc()
         choices = [
             oai.completion_choice(
@@ -325,7 +330,7 @@ class Ingress:
         response_id, created = oai.completion_id(), int(time.time())
         offsets: dict[int, int] = {}
         try:
-            async for deltas in _chain(first, steps):
+            async for deltas in chain_steps(first, steps):
                 choices = []
                 for delta in deltas:
                     logprobs = None

@@ -12,6 +12,7 @@ between, so a call costs the same through every door.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
@@ -34,6 +35,8 @@ from .ingress_metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
 from .request_limits import PromptBudget, off_loop
 from .tenants import KeyTable, presented_key
+
+logger = logging.getLogger(__name__)
 
 # A routing hint carries the first 16 hex digits of each page hash.
 PAGE_HASH_HEX = 16
@@ -70,20 +73,20 @@ class CallResult:
         return oai.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
 
 
-_NO_STEP = object()
+NO_STEP = object()
 
 
-async def _first_step(steps: Steps, request_id: str = "") -> Any:
+async def first_step(steps: Steps, request_id: str = "") -> Any:
     """The first step of a call, so failures before any token become API errors, not broken streams."""
     try:
         return await anext(steps)
     except StopAsyncIteration:
-        return _NO_STEP
+        return NO_STEP
     except Exception as err:
         raise client_error(err, request_id) from err
 
 
-async def _announced(answer: Awaitable[dict[str, Any]], request_id: str = "") -> dict[str, Any]:
+async def announced(answer: Awaitable[dict[str, Any]], request_id: str = "") -> dict[str, Any]:
     """A decode replica's answer to an announcement; a full queue is a 429, a failed replica a 503."""
     try:
         return await answer
@@ -91,8 +94,13 @@ async def _announced(answer: Awaitable[dict[str, Any]], request_id: str = "") ->
         raise client_error(err, request_id) from err
 
 
-async def _chain(first: Any, steps: Steps) -> Steps:
-    if first is not _NO_STEP:
+def new_request_id() -> str:
+    """A call's id, minted when it arrives: its steps, its errors and its log lines carry it."""
+    return uuid.uuid4().hex
+
+
+async def chain_steps(first: Any, steps: Steps) -> Steps:
+    if first is not NO_STEP:
         yield first
         async for step in steps:
             yield step
@@ -158,6 +166,7 @@ class CallPipeline:
 
     async def serve_request(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         tenant: str,
@@ -175,7 +184,7 @@ class CallPipeline:
             "call": hints.call,
             "after": hints.after,
             "tools": tools,
-            "request_id": uuid.uuid4().hex,
+            "request_id": request_id,
             "prompt_token_ids": prompt_ids,
             "params": params,
             "cache_salt": salt,
@@ -188,7 +197,7 @@ class CallPipeline:
         """Send a call to the decode pool; its result, its steps and its first step (API errors before it)."""
         result = CallResult(completions={}, request_id=request["request_id"])
         steps = self._steps(request, result)
-        return result, steps, await _first_step(steps, request["request_id"])
+        return result, steps, await first_step(steps, request["request_id"])
 
     async def _steps(self, request: dict[str, Any], result: CallResult) -> Steps:
         """The decode pool's per-step deltas, folded into ``result`` as they pass."""
@@ -236,11 +245,11 @@ class CallPipeline:
         self.telemetry.prompt_tokens.labels("computed").inc(max(result.prompt_tokens - result.cached_tokens, 0))
         self.telemetry.completion_tokens.inc(result.completion_tokens)
 
-    async def prewarm(self, tenant: str, session_id: str) -> dict[str, Any]:
+    async def prewarm(self, request_id: str, tenant: str, session_id: str) -> dict[str, Any]:
         """Announce a session's next call to the decode replica that follows the session."""
         session = self.keys.session(tenant, session_id)
         request: dict[str, Any] = {"session_id": session, "page_hashes": [], "prompt_tokens": 0, "prewarm": True}
-        return await _announced(self.decode.prewarm.remote(request), f"prewarm-{uuid.uuid4().hex[:8]}")
+        return await announced(self.decode.prewarm.remote(request), request_id)
 
     # -- health -----------------------------------------------------------
 
@@ -251,8 +260,8 @@ class CallPipeline:
         try:
             pools = await self.health_probe.check()
         except Exception as err:  # Serve's controller is away: nothing can be vouched for
-            oai_error = client_error(err, "health")
-            return "degraded", {"pools": {}, "error": oai_error.message}
+            logger.warning("health: Serve's controller did not answer: %s: %s", type(err).__name__, err)
+            return "degraded", {"pools": {}, "error": "the cluster's controller did not answer"}
         status = "ok" if all(pool.ok for pool in pools) else "degraded"
         body["pools"] = {pool.name: pool.detail() if detailed else pool.summary() for pool in pools}
         if not detailed:

@@ -7,7 +7,7 @@ through the same ``check_health`` the controller calls (it runs the
 replica's own: its engine thread is alive): a replica that died a moment
 ago shows at once::
 
-    replica:  RUNNING and answers        -> ok
+    replica:  RUNNING and answers        -> ok (RUNNING)
               RUNNING, no answer         -> UNREACHABLE
               gone from Ray              -> DEAD
               any other Serve state      -> that state (STARTING, STOPPING, ...)
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,30 +77,53 @@ class PoolHealth:
 
 
 class PoolHealthProbe:
-    """Asks Serve's controller for a Serve application's pools, then each RUNNING replica itself."""
+    """Asks Serve's controller for a Serve application's pools, then each RUNNING replica itself.
 
-    def __init__(self, app_name: str, pools: Sequence[str], timeout_s: float = REPLICA_TIMEOUT_S) -> None:
+    Load balancers and anyone without a key may ask as often as they like: one probe runs at a time and its
+    answer serves every caller for ``CACHE_S``, so the controller and the replicas see at most one round of
+    questions per ``CACHE_S`` whatever the traffic on ``/health``.
+    """
+
+    CACHE_S = 1.0
+
+    def __init__(
+        self,
+        app_name: str,
+        pools: Sequence[str],
+        timeout_s: float = REPLICA_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        get_actor: Callable[..., Any] = ray.get_actor,
+    ) -> None:
         self.app_name = app_name
+        self.get_actor = get_actor
         self.pools = tuple(pools)
         self.timeout_s = timeout_s
+        self.clock = clock
         self._actors: dict[str, Any] = {}  # actor name -> handle
+        self._last: tuple[float, list[PoolHealth]] | None = None
+        self._probing = asyncio.Lock()
 
     async def check(self) -> list[PoolHealth]:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        details: dict[str, Any] = await asyncio.wait_for(
-            controller.get_serve_instance_details.remote(), self.timeout_s
-        )
+        async with self._probing:  # callers arriving during a probe wait for its answer
+            if self._last is not None and self.clock() - self._last[0] < self.CACHE_S:
+                return self._last[1]
+            pools = await self._probe()
+            self._last = (self.clock(), pools)
+            return pools
+
+    async def _probe(self) -> list[PoolHealth]:
+        controller = await asyncio.to_thread(self.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        details: dict[str, Any] = await asyncio.wait_for(controller.get_serve_instance_details.remote(), self.timeout_s)
         deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
+        listed = {name: (deployments.get(name) or {}).get("replicas", []) for name in self.pools}
+        current = {replica.get("actor_name") for replicas in listed.values() for replica in replicas}
+        self._actors = {name: actor for name, actor in self._actors.items() if name in current}
         return list(await asyncio.gather(*(self._pool(name, deployments.get(name)) for name in self.pools)))
 
     async def _pool(self, name: str, deployment: Mapping[str, Any] | None) -> PoolHealth:
         if deployment is None:  # the application is (re)deploying, or lost the pool
             return PoolHealth(name, 1, ())
-        listed = deployment.get("replicas", [])
-        replicas = await asyncio.gather(*(self._replica(replica) for replica in listed))
-        live_names = {replica.get("actor_name") for replica in listed}
-        for stale in set(self._actors) - live_names:
-            del self._actors[stale]
+        replicas = await asyncio.gather(*(self._replica(replica) for replica in deployment.get("replicas", [])))
         return PoolHealth(name, int(deployment.get("target_num_replicas", 0)), tuple(replicas))
 
     async def _replica(self, replica: Mapping[str, Any]) -> ReplicaHealth:
@@ -110,11 +134,13 @@ class PoolHealthProbe:
         actor_name = replica.get("actor_name")
         if state != RUNNING or not actor_name:
             return ReplicaHealth(replica_id, state, node_id)
-        try:
-            actor = self._actors.get(actor_name) or ray.get_actor(actor_name, namespace=SERVE_NAMESPACE)
-        except ValueError:  # its name is gone: the actor died
-            return ReplicaHealth(replica_id, "DEAD", node_id)
-        self._actors[actor_name] = actor
+        actor: Any = self._actors.get(actor_name)
+        if actor is None:
+            try:  # a GCS round trip: off the event loop
+                actor = await asyncio.to_thread(self.get_actor, actor_name, namespace=SERVE_NAMESPACE)
+            except ValueError:  # its name is gone: the actor died
+                return ReplicaHealth(replica_id, "DEAD", node_id)
+            self._actors[actor_name] = actor
         try:
             await asyncio.wait_for(actor.check_health.remote(), self.timeout_s)
         except Exception as err:  # dead, hung or failing its own check: all mean it cannot serve now

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+KEY_TENANT_PREFIX = "key-"
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
 
@@ -41,16 +43,7 @@ def key_digest(api_key: str) -> str:
 
 def key_tenant(api_key: str) -> str:
     """The tenant of a key that names none: one tenant per key, named by the key's digest (never the key)."""
-    return f"key-{key_digest(api_key)[:12]}"
-
-
-def check_tenant_name(name: str, what: str) -> None:
-    """ValueError naming ``what`` unless ``name`` is a tenant name (letters, digits, ``.``, ``_``, ``-``; <= 64)."""
-    if not TENANT_NAME.fullmatch(name):
-        raise ValueError(
-            f"{what} {name!r} is not a tenant name: 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-            "or digit"
-        )
+    return f"{KEY_TENANT_PREFIX}{key_digest(api_key)[:12]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,17 @@ class SessionMove:
 
 
 @dataclass(frozen=True, slots=True)
+class _Recorded:
+    """A session's last finished pages, and the tenant (cache salt) they belong to in the store."""
+
+    hashes: list[PageHash]
+    tenant: str = ""
+
+
+_NOTHING_RECORDED = _Recorded([])
+
+
+@dataclass(frozen=True, slots=True)
 class _Hold:
     kind: str
     pages: tuple[Page, ...]
@@ -87,8 +98,7 @@ class SessionHolds:
         self.bytes_per_page = bytes_per_page
         self.max_sessions = max_sessions
         self.clock = clock
-        self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # least recently used first
-        self._tenants: dict[str, str] = {}  # session -> the cache salt its pages were hashed with
+        self._sessions: OrderedDict[str, _Recorded] = OrderedDict()  # least recently used first
         self._sharers: Counter[PageHash] = Counter()  # recorded sessions per page hash
         self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest hold first
         self._next_expiry_s = math.inf  # no hold lapses before this
@@ -100,15 +110,13 @@ class SessionHolds:
     def record(self, session_id: str, hashes: Sequence[PageHash], ttl_s: float, tenant: str = "") -> int:
         """A session's request finished with these full pages (hashed with ``tenant``'s salt): remember them and
         hold them (kind "turn")."""
-        self._forget_hashes(self._hashes.get(session_id, ()))
-        self._hashes[session_id] = list(hashes)
-        self._tenants[session_id] = tenant
+        self._forget_hashes(self._sessions.get(session_id, _NOTHING_RECORDED).hashes)
+        self._sessions[session_id] = _Recorded(list(hashes), tenant)
         self._sharers.update(set(hashes))
-        self._hashes.move_to_end(session_id)
-        while len(self._hashes) > self.max_sessions:
-            forgotten, forgotten_hashes = self._hashes.popitem(last=False)
-            self._tenants.pop(forgotten, None)
-            self._forget_hashes(forgotten_hashes)
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.max_sessions:
+            forgotten, forgotten_record = self._sessions.popitem(last=False)
+            self._forget_hashes(forgotten_record.hashes)
             self.release(forgotten)
         return self.hold(session_id, ttl_s, "turn")
 
@@ -121,7 +129,7 @@ class SessionHolds:
     def hold(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
         """(Re)hold the cached prefix of the session's pages for ``ttl_s`` from now; returns the pages held."""
         _check_hold(ttl_s, kind)
-        hashes = self._recorded(session_id)
+        hashes = self._recorded(session_id).hashes
         pages = self.pool.cached_prefix(hashes)
         self.pool.touch(pages)  # before the old hold goes, so pages in both are never free in between
         self.release(session_id)
@@ -169,11 +177,12 @@ class SessionHolds:
         """Have ``save`` put the session's cached pages in the store, then evict every one nobody references."""
         started_s = time.perf_counter()
         cached = {}
-        for page_hash in self._recorded(session_id):
+        recorded = self._recorded(session_id)
+        for page_hash in recorded.hashes:
             page = self.pool.lookup(page_hash)
             if page is not None:
                 cached[page_hash] = page
-        num_stored, num_saved = save(list(cached), list(cached.values()), self._tenants.get(session_id, ""))
+        num_stored, num_saved = save(list(cached), list(cached.values()), recorded.tenant)
         self.release(session_id)
         stored = list(cached.items())[:num_stored]
         unreferenced = [page for page_hash, page in stored if page.ref_count == 0 and self._sharers[page_hash] <= 1]
@@ -191,8 +200,8 @@ class SessionHolds:
         or "tool" for a call that is on its way)."""
         _check_hold(ttl_s, kind)
         started_s = time.perf_counter()
-        hashes = self._recorded(session_id)
-        num_loaded = load(hashes, self._tenants.get(session_id, "")) if hashes else 0
+        recorded = self._recorded(session_id)
+        num_loaded = load(recorded.hashes, recorded.tenant) if recorded.hashes else 0
         self.prewarmed_pages += num_loaded
         num_held = self.hold(session_id, ttl_s, kind)
         return SessionMove(
@@ -204,7 +213,7 @@ class SessionHolds:
 
     def residency(self, session_id: str) -> tuple[int, int]:
         """(leading recorded pages cached here now, recorded pages); (0, 0) for an unknown session."""
-        hashes = self._hashes.get(session_id, [])
+        hashes = self._sessions.get(session_id, _NOTHING_RECORDED).hashes
         return len(self.pool.cached_prefix(hashes)), len(hashes)
 
     def stats(self) -> dict[str, int]:
@@ -217,13 +226,13 @@ class SessionHolds:
             "prewarmed_pages": self.prewarmed_pages,
         }
 
-    def _recorded(self, session_id: str) -> list[PageHash]:
-        """The session's recorded hashes ([] if unknown), marking it recently used."""
-        hashes = self._hashes.get(session_id)
-        if hashes is None:
-            return []
-        self._hashes.move_to_end(session_id)
-        return hashes
+    def _recorded(self, session_id: str) -> _Recorded:
+        """The session's record (no hashes if unknown), marking it recently used."""
+        recorded = self._sessions.get(session_id)
+        if recorded is None:
+            return _NOTHING_RECORDED
+        self._sessions.move_to_end(session_id)
+        return recorded
 
 
 def _check_hold(ttl_s: float, kind: str) -> None:

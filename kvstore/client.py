@@ -25,15 +25,12 @@ their ranges (``access``).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +40,11 @@ import ray
 from .access import ReadGrant, SegmentGate, WriteGrant
 from .connection import MasterConnection, RayMaster, RemoteClient, RemoteServer, WriteCallback
 from .held_index import HeldIndex
+from .landing import Targets, copy_out
 from .master_state import Location, parse_address
 from .master_types import PutStart
 from .metrics import KVMetrics
-from .segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments, owner_alive
+from .segment import Segment, as_bytes_view, cleanup_stale_segments, owner_alive
 from .ucx_transport import PeerUnreachable, TransportError, UcxClient, UcxServer, init_ucx
 
 ServerFactory = Callable[[memoryview, WriteCallback, SegmentGate], RemoteServer]
@@ -92,7 +90,8 @@ class KVStoreClient:
         self.held = HeldIndex()
         self.metrics = KVMetrics(self.segment_id, tenant)
         make_server = server_factory or (lambda buffer, on_write, gate: UcxServer(buffer, gate=gate, on_write=on_write))
-        self._server = make_server(segment.buffer, self._on_remote_write, SegmentGate(master.auth, self.segment_id))
+        self.gate = SegmentGate(master.auth, self.segment_id)  # its epoch is set when the segment registers
+        self._server = make_server(segment.buffer, self._on_remote_write, self.gate)
         self.ucx_address = self._server.start()
         self._remote: RemoteClient = remote_client or UcxClient(auth=master.auth)
         self._peers: dict[str, _Peer] = {}
@@ -153,6 +152,7 @@ class KVStoreClient:
     # -- membership -------------------------------------------------------
 
     def _register(self) -> str:
+        """Register the segment; from then on its server takes only grants of the master's current run."""
         epoch: str = self.master.call(
             "register_segment",
             self.segment_id,
@@ -162,6 +162,7 @@ class KVStoreClient:
             self.ucx_address,
             self._page_bytes,
         )
+        self.gate.epoch = epoch
         return epoch
 
     def _heartbeat_loop(self, interval_s: float) -> None:
@@ -222,7 +223,7 @@ class KVStoreClient:
         failed_indices: set[int] = set()
         for segment_id, items in by_segment.items():
             try:
-                grant = WriteGrant.from_wire(started.grants[segment_id])
+                grant = started.grants[segment_id]
                 self._write_segment(segment_id, [keys[i] for i, _ in items], items, views, owner, grant)
             except (TransportError, OSError, ValueError) as err:
                 logger.warning("kv put to segment %s failed: %s", segment_id, err)
@@ -271,7 +272,7 @@ class KVStoreClient:
         _check_keys(keys)
         located = self._locate(keys, tenant)
         buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
-        landed = self._read(keys, tenant, located, _Targets(buffers, len(keys)))
+        landed = self._read(keys, tenant, located, Targets(buffers, len(keys)))
         return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
 
     def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str | None = None) -> list[bool]:
@@ -283,7 +284,7 @@ class KVStoreClient:
         for large batches).
         """
         _check_keys(keys)
-        targets = _Targets(buffers, len(keys))
+        targets = Targets(buffers, len(keys))
         located = self._locate(keys, tenant)
         best = located.best
         wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
@@ -297,9 +298,10 @@ class KVStoreClient:
             "get_locations", list(keys), self.node_id, tenant or self.tenant
         )
         rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
-        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, grants)
+        read_grants = [ReadGrant.from_wire(grant) for grant in grants]
+        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, read_grants)
 
-    def _read(self, keys: Sequence[bytes], tenant: str | None, located: _Located, targets: _Targets) -> list[bool]:
+    def _read(self, keys: Sequence[bytes], tenant: str | None, located: _Located, targets: Targets) -> list[bool]:
         """Land every object the master located; asks once more, for what is left, when the attempts outlived
         the grants (a dead owner costs a connect timeout), so the other replicas are read under fresh ones."""
         done = np.zeros(len(keys), dtype=bool)
@@ -308,7 +310,7 @@ class KVStoreClient:
             self._read_replicas(self._locate(keys, tenant), targets, done)
         return done.tolist()
 
-    def _read_replicas(self, located: _Located, targets: _Targets, done: np.ndarray) -> None:
+    def _read_replicas(self, located: _Located, targets: Targets, done: np.ndarray) -> None:
         """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
         attempt.
 
@@ -338,7 +340,7 @@ class KVStoreClient:
             column += 3
 
     def _read_segment(
-        self, located: _Located, segment_index: int, ranges: np.ndarray, indices: np.ndarray, targets: _Targets
+        self, located: _Located, segment_index: int, ranges: np.ndarray, indices: np.ndarray, targets: Targets
     ) -> bool:
         """Land ``ranges`` ([n, 2] offset, num_bytes) of one segment in the targets ``indices``.
 
@@ -352,7 +354,7 @@ class KVStoreClient:
             if not np.array_equal(ranges[:, 1], targets.sizes[indices]):
                 raise ValueError("a replica's size differs from its buffer's")
             if segment_id == self.segment_id:
-                _copy_out(self.segment, ranges, targets.addresses[indices])
+                copy_out(self.segment, ranges, targets.addresses[indices])
                 return True
             peer = self._peer(segment_id)
             if peer is None:
@@ -360,13 +362,13 @@ class KVStoreClient:
             if self.transport == "auto" and peer.node_id == self.node_id:
                 shared = self._attach(segment_id, peer)
                 if shared is not None:
-                    _copy_out(shared, ranges, targets.addresses[indices])
+                    copy_out(shared, ranges, targets.addresses[indices])
                     self.metrics.bytes_in(num_bytes)
                     return True
             if peer.ucx_address is None:
                 return False
             pairs = [(offset, size) for offset, size in ranges.tolist()]
-            grant = ReadGrant.from_wire(located.grants[segment_index])
+            grant = located.grants[segment_index]
             self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
             self.metrics.bytes_in(num_bytes)
             return True
@@ -374,7 +376,9 @@ class KVStoreClient:
             logger.warning(
                 "kv read from segment %s failed, not asking it for %.0f s: %s", segment_id, UNREACHABLE_REST_S, err
             )
-            self._unreachable[segment_id] = time.monotonic() + UNREACHABLE_REST_S
+            now_s = time.monotonic()
+            self._unreachable = {sid: until_s for sid, until_s in self._unreachable.items() if until_s > now_s}
+            self._unreachable[segment_id] = now_s + UNREACHABLE_REST_S
             return False
         except (TransportError, OSError, ValueError) as err:
             logger.warning("kv read from segment %s failed: %s", segment_id, err)
@@ -451,49 +455,6 @@ class KVStoreClient:
                 logger.debug("kv segment close deferred: %s", err)
 
 
-_PARALLEL_COPY_BYTES = 4 << 20  # runs at least this long are split across two threads
-_copy_pool: ThreadPoolExecutor | None = None
-
-
-def _memmove_parallel(dst: int, src: int, num_bytes: int) -> None:
-    """memmove, with long runs split in two halves on two threads (``ctypes.memmove`` drops the GIL)."""
-    global _copy_pool
-    if num_bytes < _PARALLEL_COPY_BYTES or (os.cpu_count() or 1) < 2:
-        ctypes.memmove(dst, src, num_bytes)
-        return
-    if _copy_pool is None:
-        _copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
-    half = num_bytes // 2
-    second = _copy_pool.submit(ctypes.memmove, dst + half, src + half, num_bytes - half)
-    ctypes.memmove(dst, src, half)
-    second.result()
-
-
-def _copy_out(segment: Segment, ranges: np.ndarray, addresses: np.ndarray) -> None:
-    """Copy ``ranges`` ([n, 2] offset, num_bytes) of a mapped segment to destination ``addresses``.
-
-    Pages written in one batch sit back to back in the segment, and callers
-    often land them in consecutive rows of one array: such runs become one
-    ``memmove`` each (found with numpy), which moves bytes at memcpy speed
-    instead of paying a per-page call.
-    """
-    if not len(ranges):
-        return
-    source = segment.array
-    base, capacity = source.ctypes.data, source.size
-    offsets, sizes = ranges[:, 0], ranges[:, 1]
-    outside = np.flatnonzero((offsets < 0) | (sizes < 0) | (offsets + sizes > capacity))
-    if outside.size:
-        i = int(outside[0])
-        raise ValueError(f"range {offsets[i]}+{sizes[i]} does not fit segment {segment.name}")
-    ends = offsets + sizes
-    continues = (offsets[1:] == ends[:-1]) & (addresses[1:] == addresses[:-1] + sizes[:-1])
-    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
-    run_bytes = np.add.reduceat(sizes, starts)
-    for start, num_bytes in zip(starts.tolist(), run_bytes.tolist()):
-        _memmove_parallel(int(addresses[start]), base + int(offsets[start]), num_bytes)
-
-
 @dataclass(frozen=True, slots=True)
 class _Located:
     """The master's answer for a batch: see ``KVMaster.get_locations``."""
@@ -501,75 +462,11 @@ class _Located:
     segment_ids: list[str]
     best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
     more: dict[int, list[int]]  # key index -> further replicas, flat triples
-    grants: list[Any]  # per segment index: the read grant for its ranges, as on the wire
+    grants: list[ReadGrant]  # per segment index: the read grant for its ranges
 
     def expired(self) -> bool:
         """Whether a grant of this answer has run out (its leases are then about to)."""
-        return any(grant[0] < time.time() for grant in self.grants)
-
-
-class _Targets:
-    """Where a read lands each key: addresses and sizes up front, arrays (for UCX) on demand.
-
-    Addresses come the cheapest way each kind of buffer allows (a tensor's
-    ``data_ptr``, a ctypes view of a numpy array's buffer, one base address
-    for a whole 2-D batch): at a thousand pages a call, per-buffer overhead
-    would cost as much as the copy.
-    """
-
-    def __init__(self, buffers: Any, count: int) -> None:
-        self.buffers = buffers
-        self.batched = _is_batch_array(buffers, count)
-        if self.batched:
-            self._batch = _flat_rows(buffers, count)
-            row_bytes = self._batch.shape[1] if count else 0
-            self.addresses = self._batch.ctypes.data + row_bytes * np.arange(count, dtype=np.int64)
-            self.sizes = np.full(count, row_bytes, dtype=np.int64)
-            return
-        if len(buffers) != count:
-            raise ValueError(f"{count} keys but {len(buffers)} buffers")
-        pairs = [_address(buffer) for buffer in buffers]
-        self.addresses = np.array([address for address, _ in pairs], dtype=np.int64)
-        self.sizes = np.array([size for _, size in pairs], dtype=np.int64)
-
-    def array(self, i: int) -> np.ndarray:
-        """Target ``i`` as a flat writable uint8 array (no copy)."""
-        return self._batch[i] if self.batched else _flat_destination(self.buffers[i])
-
-
-def _is_batch_array(buffers: Any, count: int) -> bool:
-    shape = getattr(buffers, "shape", None)
-    return shape is not None and len(shape) >= 2 and shape[0] == count
-
-
-def _flat_rows(buffers: Any, count: int) -> np.ndarray:
-    """A C-contiguous array or CPU tensor [count, ...] as a writable uint8 [count, row bytes] view."""
-    flat = _flat_destination(buffers)
-    return flat.reshape(count, flat.size // count if count else 0)
-
-
-def _address(buffer: Any) -> tuple[int, int]:
-    """(address, size) of a writable, C-contiguous buffer, with the checks ``_flat_destination`` makes."""
-    if isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous and buffer.flags.writeable and buffer.nbytes:
-        view = ctypes.c_char.from_buffer(buffer)  # type: ignore[arg-type]  # also checks it is writable
-        return ctypes.addressof(view), buffer.nbytes
-    if callable(getattr(buffer, "data_ptr", None)) and getattr(buffer, "is_cpu", False) and buffer.is_contiguous():
-        return buffer.data_ptr(), buffer.nbytes
-    flat = _flat_destination(buffer)  # raises a clear error for what cannot be a destination
-    return flat.ctypes.data, flat.nbytes
-
-
-def _flat_destination(buffer: Any) -> np.ndarray:
-    """A flat writable uint8 view of a caller's buffer (no copy)."""
-    if (
-        isinstance(buffer, np.ndarray)
-        and buffer.dtype == np.uint8
-        and buffer.ndim == 1
-        and buffer.flags.c_contiguous
-        and buffer.flags.writeable
-    ):
-        return buffer
-    return np.frombuffer(as_writable_view(buffer), dtype=np.uint8)
+        return any(grant.expires_at < time.time() for grant in self.grants)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:

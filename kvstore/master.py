@@ -130,8 +130,9 @@ class KVMaster:
             for location in plan.locations:
                 entries.setdefault(location.segment_id, []).append((key, location.offset, location.num_bytes))
         ttl_s = self.state.config.put_timeout_s / 2
+        epoch = self.state.epoch
         grants = {
-            segment_id: self.auth.write_grant(segment_id, tenant, placed, ttl_s).to_wire()
+            segment_id: self.auth.write_grant(segment_id, epoch, tenant, placed, ttl_s)
             for segment_id, placed in entries.items()
         }
         return PutStart(plans, grants)
@@ -178,8 +179,9 @@ class KVMaster:
                     _grant_range(granted, index, offset, num_bytes)
                 more.append(entry)
         ttl_s = self.state.config.lease_ttl_s / 2
+        epoch = self.state.epoch
         grants = [
-            self.auth.read_grant(segment_id, np.array(granted[index], dtype=np.int64), ttl_s).to_wire()
+            self.auth.read_grant(segment_id, epoch, np.array(granted[index], dtype=np.int64), ttl_s).to_wire()
             for segment_id, index in table.items()
         ]
         return [list(table), np.array(best, dtype=np.int64).tobytes(), more, grants]

@@ -19,8 +19,9 @@ master restarted elsewhere, a frame it refused) answers that call through Ray
 and tries the socket again after a pause that grows while failures repeat.
 Every connection starts with the store's challenge-response (``access``):
 a peer that cannot prove the store secret gets a refusal and a hang-up, and
-never a lookup. Every lookup names the tenant it is for, and the master
-answers only with that tenant's objects.
+never a lookup; a client asks nothing of a server that cannot prove it
+back. Every lookup names the tenant it is for, and the master answers only
+with that tenant's objects.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import wire
-from .access import AccessDenied, StoreAuth
+from .access import HANDSHAKE_TIMEOUT_S, AccessDenied, StoreAuth, refused_peer
 from .wire import WireError
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,6 @@ _LENGTH = struct.Struct(">I")
 CONNECT_TIMEOUT_S = 0.5
 CALL_TIMEOUT_S = 2.0
 LOCK_WAIT_S = 0.05
-# How long a new connection may take to prove the store secret.
-HANDSHAKE_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 
@@ -67,7 +66,7 @@ wire.register(
 wire.register(
     "master_lookup_reply",
     {"request_id": int, "ok": bool},
-    optional={"result": (list, int), "error": str},
+    optional={"result": (list, int), "error": str, "proof": bytes},  # proof: the master's, on accepting a peer
 )
 
 
@@ -130,13 +129,14 @@ class LookupServer:
             if length == 0 or length > wire.MAX_CONTROL_BYTES:
                 raise WireError(f"frame of {length} bytes refused")
             answer = wire.decode(await asyncio.wait_for(reader.readexactly(length), HANDSHAKE_TIMEOUT_S), "auth")
-            self.auth.check_proof(nonce, answer["proof"])
+            proof = self.auth.check_answer(nonce, answer["nonce"], answer["proof"])
         except (WireError, AccessDenied, asyncio.TimeoutError) as err:
             reason = "no proof of the store secret in time" if isinstance(err, asyncio.TimeoutError) else str(err)
+            refused_peer(logger, "kv master lookup socket", writer.get_extra_info("peername"), reason)
             writer.write(frame(_refusal(0, f"authentication refused: {reason}")))
             await writer.drain()
             return False
-        writer.write(frame({"type": "master_lookup_reply", "request_id": 0, "ok": True}))
+        writer.write(frame({"type": "master_lookup_reply", "request_id": 0, "ok": True, "proof": proof}))
         await writer.drain()
         return True
 
@@ -245,13 +245,19 @@ class LookupClient:
         return True, reply.get("result")
 
     def _authenticate(self) -> None:
-        """Answer the master's challenge on a new connection; LookupFailed if it refuses the proof."""
+        """Answer the master's challenge on a new connection, and check the master's own proof; LookupFailed if
+        either side is refused."""
         assert self._sock is not None
-        challenge = self._read_frame("challenge")
-        self._sock.sendall(frame({"type": "auth", "proof": self._auth.proof(challenge["nonce"])}))
+        server_nonce = self._read_frame("challenge")["nonce"]
+        client_nonce, proof = self._auth.answer(server_nonce)
+        self._sock.sendall(frame({"type": "auth", "nonce": client_nonce, "proof": proof}))
         reply = self._read_frame("master_lookup_reply")
         if not reply["ok"]:
             raise LookupFailed(reply.get("error", "authentication refused"))
+        try:
+            self._auth.check_server(server_nonce, client_nonce, reply.get("proof"))
+        except AccessDenied as err:
+            raise LookupFailed(str(err)) from None
 
     def _read_frame(self, expected_type: str) -> dict[str, Any]:
         (length,) = _LENGTH.unpack(self._read(_LENGTH.size))

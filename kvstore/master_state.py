@@ -55,8 +55,9 @@ class MasterState:
         self.tenant_bytes: dict[str, int] = {}
         self.counters = Counters()
         self.tenant_counters: dict[str, Counters] = {}
-        # Space of removed-but-leased replicas, freed when the lease ends.
-        self._deferred: list[tuple[float, Location, str]] = []  # (lease end, replica, tenant)
+        # Space of removed replicas that a grant may still name: (until, replica, tenant, leased), freed at
+        # ``until`` (a read lease's end, or a revoked put's deadline: its write grant expires before that).
+        self._deferred: list[tuple[float, Location, str, bool]] = []
 
     def _count(self, name: str, tenant: str, amount: int = 1) -> None:
         """Bump a counter store-wide and for one tenant."""
@@ -79,6 +80,7 @@ class MasterState:
         if known is not None:  # a re-registration after a master restart keeps the allocator
             known.last_heartbeat_s = self.clock()
             known.ucx_address = ucx_address
+            known.confirmed = True
             return self.epoch
         self.segments[segment_id] = SegmentInfo(
             segment_id=segment_id,
@@ -108,7 +110,7 @@ class MasterState:
         for key, tenant, offset, num_bytes in held:
             location = Location(segment_id, offset, num_bytes)
             meta = self.objects.get(key)
-            if meta is not None and (meta.num_bytes != num_bytes or location in meta.replicas):
+            if meta is not None and (meta.num_bytes != num_bytes or location in meta.replicas or meta.tenant != tenant):
                 continue
             try:
                 segment.allocator.reserve(offset, num_bytes)
@@ -219,7 +221,11 @@ class MasterState:
         chosen: list[Location] = []
         used_nodes: set[str] = set()
         for _ in range(replicas):
-            candidates = [s for s in self.segments.values() if all(loc.segment_id != s.segment_id for loc in chosen)]
+            candidates = [
+                s
+                for s in self.segments.values()
+                if s.confirmed and all(loc.segment_id != s.segment_id for loc in chosen)
+            ]
             candidates.sort(key=lambda s: (s.segment_id != preferred, s.node_id in used_nodes, s.allocator.usage))
             placed = self._allocate_somewhere(candidates, num_bytes)
             if placed is None:
@@ -329,13 +335,16 @@ class MasterState:
     # -- space ------------------------------------------------------------
 
     def _forget(self, key: bytes, meta: ObjectMeta) -> None:
-        """Drop an object; leased replicas keep their bytes until the lease ends."""
+        """Drop an object; its space stays taken while a grant may still name it: a leased replica's until the
+        lease ends, a pending put's until its deadline (its writer's grant expires before that)."""
         del self.objects[key]
         self.tenant_bytes[meta.tenant] = self.tenant_bytes.get(meta.tenant, 0) - meta.num_bytes
         now = self.clock()
+        pending_until_s = meta.put_deadline_s if meta.state is ObjectState.PENDING else 0.0
+        until_s = max(meta.lease_until_s, pending_until_s)
         for location in meta.replicas:
-            if meta.lease_until_s > now:
-                self._deferred.append((meta.lease_until_s, location, meta.tenant))
+            if until_s > now:
+                self._deferred.append((until_s, location, meta.tenant, meta.lease_until_s > now))
             else:
                 self._free(location)
 
@@ -409,12 +418,14 @@ class MasterState:
                 self._count("put_failures", meta.tenant)
                 self._forget(key, meta)
         still_leased = []
-        for until_s, location, tenant in self._deferred:
+        for entry in self._deferred:
+            until_s, location, tenant, leased = entry
             if until_s <= now:
-                self._count("lease_expiries", tenant)
+                if leased:
+                    self._count("lease_expiries", tenant)
                 self._free(location)
             else:
-                still_leased.append((until_s, location, tenant))
+                still_leased.append(entry)
         self._deferred = still_leased
         for segment in list(self.segments.values()):
             if now - segment.last_heartbeat_s > self.config.heartbeat_timeout_s:
@@ -476,6 +487,7 @@ class MasterState:
                 parse_address(seg["ucx_address"]),
                 seg.get("page_bytes"),
             )
+            self.segments[seg["segment_id"]].confirmed = False
         for key, tenant, _num_bytes, replicas, hard_pinned in snapshot["objects"]:
             for segment_id, offset, length in replicas:
                 self.advertise(segment_id, [(key, tenant, offset, length)])

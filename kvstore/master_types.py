@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .access import WriteGrant
 from .allocator import SegmentAllocator
 
 
@@ -72,6 +73,9 @@ class SegmentInfo:
     ucx_address: tuple[str, int] | None
     allocator: SegmentAllocator
     last_heartbeat_s: float
+    # False for a segment restored from a snapshot until its owner registers again: before that, grants of the
+    # master's previous run may still name its free ranges, so nothing new is placed there.
+    confirmed: bool = True
 
     def public(self) -> dict[str, Any]:
         return {
@@ -94,11 +98,11 @@ class PutPlan:
 
 @dataclass(frozen=True, slots=True)
 class PutStart:
-    """The master's answer to a put's first phase: a plan per key, and per segment the write grant
-    (``access.WriteGrant`` on the wire) for the ranges placed on it."""
+    """The master's answer to a put's first phase: a plan per key, and per segment the write grant for the
+    ranges placed on it."""
 
     plans: list[PutPlan]
-    grants: dict[str, list[object]]
+    grants: dict[str, WriteGrant]
 
 
 @dataclass(slots=True)

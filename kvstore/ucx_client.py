@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import numpy as np
 
 from rayturn.kvstore import wire
-from rayturn.kvstore.access import ReadGrant, StoreAuth, WriteGrant
+from rayturn.kvstore.access import AccessDenied, ReadGrant, StoreAuth, WriteGrant
 from rayturn.kvstore.segment import as_bytes_view, as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
@@ -61,7 +61,8 @@ class TransportError(RuntimeError):
 
 
 class PeerUnreachable(TransportError):
-    """The server could not be reached, or accepted this peer, or answered in time: not worth asking again soon."""
+    """The server could not be reached or did not accept this peer, or the connection broke: not worth asking
+    again soon."""
 
 
 class _ProtocolError(Exception):
@@ -121,12 +122,18 @@ class _ClientConnection:
         return channel
 
     async def _authenticate(self, channel: Channel) -> None:
-        """Answer the server's challenge with the proof of the store secret; _ConnectionFailed if refused."""
-        challenge = await channel.recv_control(expected_type="challenge")
-        await channel.send_control(wire.encode({"type": "auth", "proof": self._auth.proof(challenge["nonce"])}))
+        """Answer the server's challenge with the proof of the store secret and check the server's own;
+        _ConnectionFailed if either side is refused."""
+        server_nonce = (await channel.recv_control(expected_type="challenge"))["nonce"]
+        client_nonce, proof = self._auth.answer(server_nonce)
+        await channel.send_control(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof}))
         reply = await channel.recv_control(expected_type="reply")
         if not reply["ok"]:
             raise _ConnectionFailed(reply.get("error") or "the server refused this peer")
+        try:
+            self._auth.check_server(server_nonce, client_nonce, reply.get("proof"))
+        except AccessDenied as error:
+            raise _ConnectionFailed(str(error)) from None
 
     def drop(self) -> None:
         if self._channel is not None:
@@ -320,8 +327,8 @@ class UcxClient:
             raise TransportError(f"{what} {address} refused by the server: {error}") from None
         except _ConnectionFailed as error:
             raise PeerUnreachable(f"{what} {address} failed: {error}") from error.__cause__
-        except asyncio.TimeoutError:
-            raise PeerUnreachable(f"{what} {address} timed out after {timeout_s} s") from None
+        except asyncio.TimeoutError:  # a slow transfer, or one waiting its turn: the peer may be fine
+            raise TransportError(f"{what} {address} timed out after {timeout_s} s") from None
 
 
 def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:

@@ -127,10 +127,20 @@ class Channel:
         await self.endpoint.send(CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, FLAG_BODY_FOLLOWS, len(body)))
         await self.endpoint.send(body)
 
-    async def send_reply(self, request_id: int, *, ok: bool, total_bytes: int = 0, error: str | None = None) -> None:
+    async def send_reply(
+        self,
+        request_id: int,
+        *,
+        ok: bool,
+        total_bytes: int = 0,
+        error: str | None = None,
+        proof: bytes | None = None,
+    ) -> None:
         message: dict[str, Any] = {"type": "reply", "request_id": request_id, "ok": ok, "total_bytes": total_bytes}
         if error is not None:
             message["error"] = wire.truncate_error(error)
+        if proof is not None:
+            message["proof"] = proof
         await self.send_control(wire.encode(message))
 
     async def recv_control(

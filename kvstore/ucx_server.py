@@ -21,7 +21,8 @@ any number of connections at once)::
                  --> REPLY error (if still possible) --> CLOSED (this connection only)
 
 Before its first request, a connection proves the store secret (``access``: the server sends a
-challenge, the client's answer must carry the proof, else a refusal and the connection closes), and
+challenge, the client's answer must carry the proof, else a refusal and the connection closes; the
+server's acceptance carries its own proof, which the client checks), and
 every request carries the master's grant for its ranges: a read may touch only ranges the master
 just leased to a reader, a write only the ranges the master placed those keys at.
 
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import numpy as np
 
 from rayturn.kvstore import wire
-from rayturn.kvstore.access import AccessDenied, ReadGrant, SegmentGate, WriteGrant
+from rayturn.kvstore.access import HANDSHAKE_TIMEOUT_S, AccessDenied, ReadGrant, SegmentGate, WriteGrant, refused_peer
 from rayturn.kvstore.segment import as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
@@ -87,8 +88,6 @@ WriteCallback: TypeAlias = Callable[[list[bytes], list[tuple[int, int]], str], N
 DEFAULT_MAX_STAGING_BYTES: Final = 1 << 30
 """Largest non-contiguous request a server stages by default; contiguous requests need no staging."""
 _STOP_WAIT_S: Final = 5.0
-HANDSHAKE_TIMEOUT_S: Final = 5.0
-"""How long a new connection may take to prove the store secret."""
 HANDSHAKE_REQUEST_ID: Final = 0
 
 
@@ -272,16 +271,17 @@ class _ServerConnection:
         try:
             await self._channel.send_control(wire.encode({"type": "challenge", "nonce": nonce}))
             answer = await asyncio.wait_for(self._channel.recv_control(expected_type="auth"), HANDSHAKE_TIMEOUT_S)
-            gate.auth.check_proof(nonce, answer["proof"])
+            proof = gate.auth.check_answer(nonce, answer["nonce"], answer["proof"])
         except (AccessDenied, wire.WireError, FramingError, asyncio.TimeoutError) as error:
-            reason = "no proof of the store secret in time" if isinstance(error, asyncio.TimeoutError) else error
+            reason = "no proof of the store secret in time" if isinstance(error, asyncio.TimeoutError) else str(error)
+            refused_peer(logger, f"kv segment {gate.segment_id}", None, reason)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=False, error=f"authentication refused: {reason}"),
                     timeout=1.0,
                 )
             raise
-        await self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True)
+        await self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True, proof=proof)
 
     async def _next_request(self) -> dict[str, Any] | None:
         try:

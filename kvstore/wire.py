@@ -20,6 +20,8 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
+from .access import NONCE_BYTES, PROOF_BYTES
+
 __all__ = [
     "MAX_CONTROL_BYTES",
     "MAX_ERROR_CHARS",
@@ -271,19 +273,19 @@ def _reply_fields(message: dict[str, Any]) -> None:
 
 
 def _nonce_field(message: dict[str, Any]) -> None:
-    if len(message["nonce"]) != 32:
-        raise WireError(f"challenge nonce must be 32 bytes, got {len(message['nonce'])}")
+    if len(message["nonce"]) != NONCE_BYTES:
+        raise WireError(f"{message['type']} nonce must be {NONCE_BYTES} bytes, got {len(message['nonce'])}")
 
 
 def _proof_field(message: dict[str, Any]) -> None:
-    if len(message["proof"]) != 32:
-        raise WireError(f"auth proof must be 32 bytes, got {len(message['proof'])}")
+    if "proof" in message and len(message["proof"]) != PROOF_BYTES:
+        raise WireError(f"{message['type']} proof must be {PROOF_BYTES} bytes, got {len(message['proof'])}")
 
 
 # -- peer authentication, on every store socket (see rayturn.kvstore.access) ------------------
 
 register("challenge", {"nonce": bytes}, validators=[_nonce_field])
-register("auth", {"proof": bytes}, validators=[_proof_field])
+register("auth", {"nonce": bytes, "proof": bytes}, validators=[_nonce_field, _proof_field])
 
 # -- the transport's message types -------------------------------------------------------------
 
@@ -294,6 +296,10 @@ register(
     {"request_id": int, "ranges": list, "keys": list, "tenant": str, "grant": list},
     validators=[_ranges_field, _keys_field],
 )
+# ``proof``: on the reply that accepts a connection, the server's own proof of the store secret.
 register(
-    "reply", {"request_id": int, "ok": bool, "total_bytes": int}, optional={"error": str}, validators=[_reply_fields]
+    "reply",
+    {"request_id": int, "ok": bool, "total_bytes": int},
+    optional={"error": str, "proof": bytes},
+    validators=[_reply_fields, _proof_field],
 )

@@ -151,6 +151,11 @@ def classify_call(messages: Sequence[Mapping[str, Any]]) -> CallKind:
     return "user"
 
 
+def optional_session_id(value: str | None, source: str) -> str | None:
+    """A session id a call may name: stripped, None when empty; ValueError naming ``source`` when too long."""
+    return _checked(value, source)
+
+
 def required_session_id(value: str | None, source: str) -> str:
     """A session id that must be there: stripped, non-empty, at most ``MAX_SESSION_ID_CHARS``; else ValueError."""
     session_id = _checked(value, source)

@@ -212,6 +212,25 @@ def test_api_keys_stay_out_of_the_repr() -> None:
     assert "sk-secret" not in repr(config) and "sk-team" not in repr(config)
 
 
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"api_keys": "sk-SECRET-1"},
+        {"api_keys": ["sk-1", {"key": "sk-SECRET-1"}]},
+        {"tenant_keys": {"t": "sk-SECRET-1"}},
+    ],
+)
+def test_errors_about_keys_never_show_a_key(server: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"must be a (list|string), got a value of type") as err:
+        ClusterConfig.from_dict({"server": server})
+    assert "SECRET" not in str(err.value)
+
+
+def test_a_named_tenant_cannot_pass_for_a_keys_own() -> None:
+    with pytest.raises(ValueError, match=r"server\.tenant_keys\.key-abc must not start with 'key-'"):
+        ClusterConfig.from_dict({"server": {"tenant_keys": {"key-abc": ["sk-1"]}}})
+
+
 def test_keys_become_tenants_for_the_ingress() -> None:
     config = ClusterConfig.from_dict(
         {"server": {"api_keys": ["sk-a"], "tenant_keys": {"team": ["sk-t1", "sk-t2"]}, "max_request_bytes": "2MiB"}}

@@ -15,7 +15,7 @@ from ray.serve.exceptions import BackPressureError
 
 from rayturn.cluster import openai_api as oai
 from rayturn.cluster.failures import client_error, refused_reason
-from rayturn.cluster.pipeline import _NO_STEP, _announced, _chain, _first_step
+from rayturn.cluster.pipeline import NO_STEP, announced, chain_steps, first_step
 
 
 async def failing(error: BaseException) -> AsyncIterator[list[dict[str, Any]]]:
@@ -30,29 +30,29 @@ async def steps(*items: list[dict[str, Any]]) -> AsyncIterator[list[dict[str, An
 
 def test_a_full_decode_queue_is_429() -> None:
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_first_step(failing(BackPressureError(num_queued_requests=256, max_queued_requests=256))))
+        asyncio.run(first_step(failing(BackPressureError(num_queued_requests=256, max_queued_requests=256))))
     assert err.value.status_code == 429 and err.value.to_dict()["error"]["type"] == "rate_limit_error"
 
 
 def test_a_replica_refusing_the_request_is_400_with_its_reason() -> None:
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_first_step(failing(ValueError("request needs up to 40 KV pages; the cache has 32"))))
+        asyncio.run(first_step(failing(ValueError("request needs up to 40 KV pages; the cache has 32"))))
     assert err.value.status_code == 400 and "KV pages" in err.value.message
 
 
 def test_first_step_then_the_rest_in_order() -> None:
     async def collect() -> list[list[dict[str, Any]]]:
         iterator = steps([{"a": 1}], [{"b": 2}])
-        first = await _first_step(iterator)
-        return [step async for step in _chain(first, iterator)]
+        first = await first_step(iterator)
+        return [step async for step in chain_steps(first, iterator)]
 
     assert asyncio.run(collect()) == [[{"a": 1}], [{"b": 2}]]
 
     async def empty() -> list[list[dict[str, Any]]]:
         iterator = steps()
-        first = await _first_step(iterator)
-        assert first is _NO_STEP
-        return [step async for step in _chain(first, iterator)]
+        first = await first_step(iterator)
+        assert first is NO_STEP
+        return [step async for step in chain_steps(first, iterator)]
 
     assert asyncio.run(empty()) == []
 
@@ -63,10 +63,10 @@ async def raising(error: BaseException) -> dict[str, Any]:
 
 def test_a_lost_announcement_is_an_openai_error() -> None:
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_announced(raising(BackPressureError(num_queued_requests=8, max_queued_requests=8))))
+        asyncio.run(announced(raising(BackPressureError(num_queued_requests=8, max_queued_requests=8))))
     assert err.value.status_code == 429
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_announced(raising(ActorDiedError())))
+        asyncio.run(announced(raising(ActorDiedError())))
     assert err.value.status_code == 503 and err.value.code == "replica_unavailable"
     assert err.value.to_dict()["error"]["type"] == "server_error"
 
@@ -86,7 +86,7 @@ RAY_DETAILS = (
 )
 def test_a_failed_replica_is_a_clean_retryable_503(error: Exception) -> None:
     with pytest.raises(oai.APIError) as err:
-        asyncio.run(_first_step(failing(error), "req-1"))
+        asyncio.run(first_step(failing(error), "req-1"))
     assert err.value.status_code == 503 and err.value.code == "replica_unavailable"
     for internal in ("48213", "5c1f0a7e", "SERVE_REPLICA", "10.0.0.7", "actor_id", "pid"):
         assert internal not in err.value.message
@@ -106,4 +106,4 @@ def test_an_announcement_passes_the_replicas_answer_through() -> None:
     async def answer() -> dict[str, Any]:
         return {"state": "offloaded", "replica_id": "r1"}
 
-    assert asyncio.run(_announced(answer())) == {"state": "offloaded", "replica_id": "r1"}
+    assert asyncio.run(announced(answer())) == {"state": "offloaded", "replica_id": "r1"}

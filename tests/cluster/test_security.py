@@ -302,7 +302,12 @@ def test_a_replica_killed_mid_stream_is_a_clean_retryable_error_and_health_names
     assert error["code"] == "replica_unavailable" and "Retry" in error["message"]
     for internal in (replica_id, "pid", "actor", "Actor", "SERVE_REPLICA", "ray."):
         assert internal not in error["message"]
-    health = requests.get(f"{cluster}/health", headers=AUTH_A, timeout=30)
+    # /health answers from one probe a second at most: the death shows within a few seconds, well before
+    # Serve's controller notices it at its next periodic health check and starts a replacement.
+    deadline = time.monotonic() + 5
+    while (health := requests.get(f"{cluster}/health", headers=AUTH_A, timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "the dead replica never showed in /health"
+        time.sleep(0.2)
     assert health.status_code == 503 and health.json()["status"] == "degraded"
     decode = health.json()["pools"]["decode"]
     assert decode["ok"] is False and decode["replicas"] < decode["target_replicas"]

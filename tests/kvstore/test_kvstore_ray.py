@@ -258,8 +258,8 @@ def test_lookups_take_the_masters_socket_and_answer_as_ray_does() -> None:
     socket_answer = RayMaster(master).call("get_locations", keys, None, "default")
     ray_answer = RayMaster(master, lookups=False).call("get_locations", keys, None, "default")
     assert socket_answer[:3] == ray_answer[:3] and socket_answer[0]  # same segments, offsets, misses
-    # The same grants too, but for their expiry (each signed when asked).
-    assert [grant[1] for grant in socket_answer[3]] == [grant[1] for grant in ray_answer[3]]
+    # The same grants too (epoch, ranges), but for their expiry: each signed when asked.
+    assert [(grant[0], grant[2]) for grant in socket_answer[3]] == [(grant[0], grant[2]) for grant in ray_answer[3]]
 
 
 def test_lookup_socket_refuses_bad_frames_and_stays_up() -> None:
@@ -308,10 +308,16 @@ def _read_frame(conn: socket.socket, expected_type: str) -> dict[str, Any]:
 
 
 def _prove(conn: socket.socket, secret: bytes) -> dict[str, Any]:
-    """Answer the lookup socket's challenge with a proof of ``secret``; the master's verdict."""
-    challenge = _read_frame(conn, "challenge")
-    conn.sendall(frame({"type": "auth", "proof": StoreAuth(secret).proof(challenge["nonce"])}))
-    return _read_frame(conn, "master_lookup_reply")
+    """Answer the lookup socket's challenge with a proof of ``secret``; the master's verdict (its own proof
+    checked when it accepts)."""
+    auth = StoreAuth(secret)
+    server_nonce = _read_frame(conn, "challenge")["nonce"]
+    client_nonce, proof = auth.answer(server_nonce)
+    conn.sendall(frame({"type": "auth", "nonce": client_nonce, "proof": proof}))
+    verdict = _read_frame(conn, "master_lookup_reply")
+    if verdict["ok"]:
+        auth.check_server(server_nonce, client_nonce, verdict["proof"])
+    return verdict
 
 
 def _lookup(conn: socket.socket, request_id: int, method: str, keys: list[bytes], tenant: str) -> dict[str, Any]:
@@ -354,9 +360,10 @@ def test_the_stores_sockets_refuse_strangers_and_answer_each_tenant_only_about_i
     (segment_id,) = [sid for sid, info in directory.items() if info["ucx_address"]]
     ucx_address = tuple(directory[segment_id]["ucx_address"])
     stolen = bytearray(1 << 20)
+    epoch = ray.get(master.ready.remote())
     stranger = StoreAuth(b"another cluster's store secret!!")
     with UcxClient(auth=stranger, timeout_s=10) as outsider:
-        grant = stranger.read_grant(segment_id, np.array([[0, 1 << 20]]), 60)
+        grant = stranger.read_grant(segment_id, epoch, np.array([[0, 1 << 20]]), 60)
         with pytest.raises(TransportError, match="authentication refused"):
             outsider.read(ucx_address, [(0, 1 << 20)], [stolen], grant)
         with pytest.raises(TransportError, match="authentication refused"):
@@ -366,14 +373,16 @@ def test_the_stores_sockets_refuse_strangers_and_answer_each_tenant_only_about_i
                 [(0, 8)],
                 [b"overwrit"],
                 "alice",
-                stranger.write_grant(segment_id, "alice", [(b"evil", 0, 8)], 60),
+                stranger.write_grant(segment_id, epoch, "alice", [(b"evil", 0, 8)], 60),
             )
     member = StoreAuth(secret)
     with UcxClient(auth=member, timeout_s=10) as insider:
-        unsigned = StoreAuth(b"a grant signed without the key!!").read_grant(segment_id, np.array([[0, 1 << 20]]), 60)
+        unsigned = StoreAuth(b"a grant signed without the key!!").read_grant(
+            segment_id, epoch, np.array([[0, 1 << 20]]), 60
+        )
         with pytest.raises(TransportError, match="read refused"):
             insider.read(ucx_address, [(0, 1 << 20)], [stolen], unsigned)
-        elsewhere = member.read_grant("some-other-segment", np.array([[0, 1 << 20]]), 60)
+        elsewhere = member.read_grant("some-other-segment", epoch, np.array([[0, 1 << 20]]), 60)
         with pytest.raises(TransportError, match="read refused"):
             insider.read(ucx_address, [(0, 1 << 20)], [stolen], elsewhere)
     assert stolen == bytearray(1 << 20)

@@ -107,3 +107,30 @@ def test_a_resolver_error_is_a_fallback_not_a_crash() -> None:
     client = LookupClient(broken, AUTH)
     with pytest.raises(LookupFailed, match="no lookup_address"):
         client.call("longest_prefix", [b"k"], "t")
+
+
+def test_a_server_that_cannot_prove_the_secret_gets_no_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger on the master's port (one that took it after a master moved) accepts anyone: the client checks
+    the server's proof, and asks Ray instead."""
+    asked: list[bytes] = []
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def impostor() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(master_lookup.frame({"type": "challenge", "nonce": b"s" * 32}))
+                asked.append(conn.recv(4096))  # the client's answer
+                reply = {"type": "master_lookup_reply", "request_id": 0, "ok": True, "proof": b"\x00" * 32}
+                conn.sendall(master_lookup.frame(reply))
+                asked.append(conn.recv(4096))  # nothing more comes: the client hung up
+
+        thread = threading.Thread(target=impostor, daemon=True)
+        thread.start()
+        client = LookupClient(lambda: server.getsockname(), AUTH)
+        with pytest.raises(LookupFailed, match="the server does not hold the store secret"):
+            client.call("exists", [b"a-prompt-page"], "t")
+        thread.join(timeout=5)
+    assert asked[-1] == b""  # the lookup itself never went to the impostor
+    assert b"a-prompt-page" not in b"".join(asked)

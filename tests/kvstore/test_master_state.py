@@ -55,16 +55,20 @@ def test_duplicate_put_is_a_success_and_writes_nothing() -> None:
     assert state.stats()["objects"] == 2
 
 
-def test_unfinished_put_is_reclaimed_after_timeout_and_revoke_frees() -> None:
+def test_unfinished_put_is_reclaimed_after_timeout_and_revoke_frees_once_its_grant_is_over() -> None:
     state, clock = make(put_timeout_s=5.0)
     state.put_start([b"a", b"b"], [PAGE, PAGE], "t")
     state.put_revoke([b"b"])
-    assert state.segments["seg0"].allocator.used_bytes == PAGE
+    assert b"b" not in state.objects
+    # The writer's grant for "b" lasts half the put timeout: a late write may still land, so the
+    # space waits for the put's deadline before anything else may go there.
+    assert state.segments["seg0"].allocator.used_bytes == 2 * PAGE
     clock.now_s += 6
     state.tick()
     assert state.objects == {} and state.segments["seg0"].allocator.used_bytes == 0
     assert state.put_end([b"a"]) == [False]  # too late: the writer learns it failed
     assert state.counters.reclaimed_puts == 1
+    assert state.counters.lease_expiries == 0  # no reader held a lease on either
 
 
 def test_watermark_eviction_runs_before_a_put_would_fail() -> None:
@@ -189,6 +193,27 @@ def test_snapshot_restore_and_readvertise_after_restart() -> None:
     assert restarted.exists([b"late", b"stale"], "t") == [True, False]
     assert pending.status == "write"
     assert restarted.objects[b"a"].state is ObjectState.COMPLETE
+
+
+def test_a_restored_segment_takes_no_new_objects_until_its_owner_registers_again() -> None:
+    state, _ = make(segments=2)
+    put(state, [b"a"], preferred_segment_id="seg0")
+    restarted, _ = make(segments=0)
+    restarted.restore(state.snapshot())
+    assert restarted.get_locations([b"a"], reader_tenant="t")[0] is not None  # its objects read as before
+    # Grants of the master's previous run may still name free ranges of these segments.
+    assert put(restarted, [b"new"]) == ["no_space"]
+    restarted.register_segment("seg1", "node1", "shm1", 10 * PAGE, ("127.0.0.1", 9001), PAGE)
+    (plan,) = restarted.put_start([b"new"], [PAGE], "t")
+    assert plan.status == "write" and plan.locations[0].segment_id == "seg1"
+
+
+def test_an_owner_cannot_advertise_another_tenants_object_as_its_own() -> None:
+    state, _ = make(segments=2)
+    state.put_start([b"a"], [PAGE], "alice", preferred_segment_id="seg0")
+    state.put_end([b"a"])
+    assert state.advertise("seg1", [(b"a", "mallory", 0, PAGE)]) == 0
+    assert [loc.segment_id for loc in state.objects[b"a"].replicas] == ["seg0"]
 
 
 def test_counters_are_kept_per_tenant() -> None:

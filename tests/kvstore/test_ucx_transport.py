@@ -51,6 +51,7 @@ STARTUP_TIMEOUT_S = 60.0
 FAILING_KEY = b"make-on_write-fail"
 SECRET = b"test-store-secret-of-32-bytes..."
 SEGMENT_ID = "segment-under-test"
+EPOCH = "epoch-of-the-test"  # the master's run the segment registered with
 TENANT = "t"
 AUTH = StoreAuth(SECRET)
 GRANT_TTL_S = 60.0
@@ -75,7 +76,7 @@ def _serve(conn: Connection) -> None:
         writes.append((keys, ranges, tenant))
 
     server = UcxServer(
-        segment.data, gate=SegmentGate(StoreAuth(SECRET), SEGMENT_ID), on_write=on_write, io_timeout_s=5.0
+        segment.data, gate=SegmentGate(StoreAuth(SECRET), SEGMENT_ID, EPOCH), on_write=on_write, io_timeout_s=5.0
     )
     conn.send(server.start())
     while True:
@@ -146,15 +147,17 @@ def client() -> Iterator[UcxClient]:
         yield ucx_client
 
 
-def read_grant(ranges: list[tuple[int, int]], segment_id: str = SEGMENT_ID, ttl_s: float = GRANT_TTL_S) -> ReadGrant:
+def read_grant(
+    ranges: list[tuple[int, int]], segment_id: str = SEGMENT_ID, ttl_s: float = GRANT_TTL_S, epoch: str = EPOCH
+) -> ReadGrant:
     """What the master hands a reader for these ranges."""
-    return AUTH.read_grant(segment_id, np.array(ranges, dtype=np.int64), ttl_s)
+    return AUTH.read_grant(segment_id, epoch, np.array(ranges, dtype=np.int64), ttl_s)
 
 
 def write_grant(keys: list[bytes], ranges: list[tuple[int, int]], tenant: str = TENANT) -> WriteGrant:
     """What the master hands a writer it placed these keys for (one range per key)."""
     entries = [(key, offset, length) for key, (offset, length) in zip(keys, ranges)]
-    return AUTH.write_grant(SEGMENT_ID, tenant, entries, GRANT_TTL_S)
+    return AUTH.write_grant(SEGMENT_ID, EPOCH, tenant, entries, GRANT_TTL_S)
 
 
 def read(client: UcxClient, address: Address, ranges: list[tuple[int, int]], dests: list[Any], **kwargs: Any) -> None:
@@ -364,7 +367,8 @@ async def _raw_session(address: Address, messages: list[bytes], replies: int) ->
     endpoint = await ucxx.create_endpoint(*address)
     try:
         challenge = await _recv_frame(endpoint, "challenge")
-        await endpoint.send(_frame(wire.encode({"type": "auth", "proof": AUTH.proof(challenge["nonce"])})))
+        client_nonce, proof = AUTH.answer(challenge["nonce"])
+        await endpoint.send(_frame(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof})))
         assert (await _recv_frame(endpoint, "reply"))["ok"]
         for message in messages:
             await endpoint.send(message)
@@ -450,7 +454,10 @@ async def _refused(address: Address, proof: bytes | None) -> tuple[dict[str, Any
     endpoint = await ucxx.create_endpoint(*address)
     try:
         await _recv_frame(endpoint, "challenge")
-        first = wire.encode({"type": "auth", "proof": proof}) if proof is not None else _read_request(1, [(0, 1 << 20)])
+        if proof is None:
+            first = _read_request(1, [(0, 1 << 20)])
+        else:
+            first = wire.encode({"type": "auth", "nonce": b"c" * 32, "proof": proof})
         await endpoint.send(_frame(first))
         refusal = await _recv_frame(endpoint, "reply")
         try:
@@ -463,7 +470,9 @@ async def _refused(address: Address, proof: bytes | None) -> tuple[dict[str, Any
         endpoint.abort()
 
 
-@pytest.mark.parametrize("proof", [None, b"\x00" * 32, StoreAuth(b"another-cluster's-secret-32bytes").proof(b"n" * 32)])
+@pytest.mark.parametrize(
+    "proof", [None, b"\x00" * 32, StoreAuth(b"another-cluster's-secret-32bytes").answer(b"n" * 32)[1]]
+)
 def test_a_peer_that_cannot_prove_the_secret_is_refused_and_hung_up_on(
     remote: RemoteServer, client: UcxClient, expected: np.ndarray, proof: bytes | None
 ) -> None:
@@ -482,7 +491,7 @@ def test_a_wrong_secret_cannot_read_through_the_client_either(remote: RemoteServ
         ranges = [(0, 4096)]
         with pytest.raises(TransportError, match="authentication refused"):
             outsider.read(
-                remote.address, ranges, [bytearray(4096)], stranger.read_grant(SEGMENT_ID, np.array(ranges), 60)
+                remote.address, ranges, [bytearray(4096)], stranger.read_grant(SEGMENT_ID, EPOCH, np.array(ranges), 60)
             )
 
 
@@ -493,13 +502,19 @@ def test_a_wrong_secret_cannot_read_through_the_client_either(remote: RemoteServ
         (lambda ranges: read_grant(ranges + [(0, 1)]), None),  # a grant may cover more than one request asks
         (lambda ranges: read_grant(ranges, segment_id="another-segment"), "not for this segment"),
         (lambda ranges: read_grant(ranges, ttl_s=-1.0), "grant expired"),
-        (lambda ranges: ReadGrant(time.time() + 60, read_grant(ranges).ranges, b"\x00" * 32), "not the master's"),
+        (lambda ranges: read_grant(ranges, epoch="the-masters-previous-run"), "another run of the master"),
         (
-            lambda ranges: ReadGrant(time.time() + 60, read_grant([(0, 1 << 20)]).ranges, read_grant(ranges).mac),
+            lambda ranges: ReadGrant(EPOCH, time.time() + 60, read_grant(ranges).ranges, b"\x00" * 32),
+            "not the master's",
+        ),
+        (
+            lambda ranges: ReadGrant(
+                EPOCH, time.time() + 60, read_grant([(0, 1 << 20)]).ranges, read_grant(ranges).mac
+            ),
             "not the master's",
         ),
     ],
-    ids=["other-ranges", "wider-grant", "other-segment", "expired", "forged", "swapped-ranges"],
+    ids=["other-ranges", "wider-grant", "other-segment", "expired", "other-epoch", "forged", "swapped-ranges"],
 )
 def test_a_read_gets_only_the_ranges_its_grant_covers(
     remote: RemoteServer, client: UcxClient, expected: np.ndarray, grant: Any, complaint: str | None
@@ -574,7 +589,7 @@ def test_server_in_this_process_and_clean_stop() -> None:
     """A process can serve and read at once (one UCX loop); a stopped server breaks its clients' calls."""
     segment = bytearray(range(256)) * 16
     with (
-        UcxServer(segment, gate=SegmentGate(AUTH, SEGMENT_ID)) as server,
+        UcxServer(segment, gate=SegmentGate(AUTH, SEGMENT_ID, EPOCH)) as server,
         UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client,
     ):
         address = server.start()  # idempotent while running
@@ -597,9 +612,9 @@ def test_server_in_this_process_and_clean_stop() -> None:
 
 def test_server_refuses_read_only_segments_and_bad_ports() -> None:
     with pytest.raises(ValueError, match="read-only"):
-        UcxServer(memoryview(b"abc"), gate=SegmentGate(AUTH, SEGMENT_ID))
+        UcxServer(memoryview(b"abc"), gate=SegmentGate(AUTH, SEGMENT_ID, EPOCH))
     with pytest.raises(ValueError, match="port"):
-        UcxServer(bytearray(8), gate=SegmentGate(AUTH, SEGMENT_ID), port=70000)
+        UcxServer(bytearray(8), gate=SegmentGate(AUTH, SEGMENT_ID, EPOCH), port=70000)
 
 
 def test_init_ucx_checks_names_and_refuses_after_start(
@@ -626,3 +641,32 @@ def test_calling_the_client_from_the_ucx_loop_is_refused(remote: RemoteServer, c
     with pytest.raises(RuntimeError, match="from the UCX loop thread"):
         run_in_ucx_loop(nested(), timeout_s=CALL_TIMEOUT_S)
     assert time.monotonic() - started < CALL_TIMEOUT_S / 2
+
+
+def test_the_client_refuses_a_server_that_cannot_prove_the_secret() -> None:
+    """A stranger on a member's port (a squatter after the member died) accepts anyone; the client finds out."""
+    from rayturn.kvstore.ucx_framing import Channel
+    from rayturn.kvstore.ucx_runtime import load_ucxx
+
+    async def impostor(endpoint: Any) -> None:
+        channel = Channel(endpoint)
+        await channel.send_control(wire.encode({"type": "challenge", "nonce": b"s" * 32}))
+        await channel.recv_control(expected_type="auth")
+        await channel.send_reply(0, ok=True, proof=b"\x00" * 32)  # accepts, but cannot sign for the secret
+        await asyncio.sleep(5.0)  # would serve whatever is asked next
+
+    async def listen() -> Any:
+        return load_ucxx().create_listener(impostor, port=0)
+
+    async def close(listener: Any) -> None:
+        listener.close()
+
+    listener = run_in_ucx_loop(listen(), timeout_s=CALL_TIMEOUT_S)
+    try:
+        with UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=5.0) as ucx_client:
+            dest = bytearray(8)
+            with pytest.raises(TransportError, match="the server does not hold the store secret"):
+                read(ucx_client, ("127.0.0.1", listener.port), [(0, 8)], [dest])
+            assert dest == bytearray(8)
+    finally:
+        run_in_ucx_loop(close(listener), timeout_s=CALL_TIMEOUT_S)
