@@ -41,6 +41,12 @@ def refused_reason(err: BaseException) -> str | None:
     return None
 
 
+def outcome(status_code: int) -> str:
+    """The ``outcome`` label of ``rayturn_requests`` for a call answered with ``status_code``."""
+    labels = {401: "unauthorized", 429: "overloaded", 503: "failed"}
+    return labels.get(status_code, "error" if status_code >= 500 else "invalid")
+
+
 def client_error(err: BaseException, request_id: str) -> oai.APIError:
     """What the client is told about ``err``, raised while its call was served; the details go to the log."""
     if isinstance(err, oai.APIError):

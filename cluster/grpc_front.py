@@ -28,7 +28,7 @@ from rayturn.router.session import (
 )
 
 from . import openai_api as oai
-from .failures import client_error
+from .failures import client_error, outcome
 from .pipeline import CallPipeline, CallResult, chain_steps, new_request_id
 
 _STATUS_BY_HTTP = {
@@ -39,7 +39,6 @@ _STATUS_BY_HTTP = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_OUTCOME_BY_HTTP = {400: "invalid", 401: "unauthorized", 413: "invalid", 429: "overloaded", 503: "failed"}
 UNAUTHENTICATED_DETAILS = "invalid or missing API key; send it as 'authorization: Bearer <key>' or 'x-api-key' metadata"
 
 
@@ -56,7 +55,7 @@ class GrpcFront:
         self.pipeline = pipeline
 
     def _fail(self, grpc_context: Any, api: str, err: oai.APIError) -> GrpcCallFailed:
-        self.pipeline.telemetry.requests.labels(api, _OUTCOME_BY_HTTP.get(err.status_code, "failed")).inc()
+        self.pipeline.telemetry.requests.labels(api, outcome(err.status_code)).inc()
         code = _STATUS_BY_HTTP.get(err.status_code, grpc.StatusCode.INTERNAL)
         details = UNAUTHENTICATED_DETAILS if err.status_code == 401 else err.message
         if grpc_context is not None:
@@ -122,7 +121,7 @@ class GrpcFront:
         if kind == "text":
             if not request.text:
                 raise ValueError("text is empty")
-            prompt_ids = await self._text_prompt(request.text)
+            prompt_ids = await pipeline.text_prompt(request.text, param="text")
         elif kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
         elif kind == "messages":
@@ -141,7 +140,7 @@ class GrpcFront:
             ]
             if not messages:
                 raise ValueError("messages is empty")
-            prompt_ids = await self._chat_prompt(messages, request.ByteSize())
+            prompt_ids = await pipeline.chat_prompt(messages, None, request.ByteSize())
         else:
             raise ValueError("input is missing: set one of text, token_ids, messages")
         max_model_len = pipeline.max_model_len
@@ -166,18 +165,6 @@ class GrpcFront:
             logprobs=options.top_logprobs if options.logprobs else None,
         )
         return prompt_ids, params
-
-    async def _text_prompt(self, text: str) -> list[int]:
-        try:
-            return await self.pipeline.text_prompt(text, param="text")
-        except oai.APIError as err:
-            raise ValueError(err.message) from None
-
-    async def _chat_prompt(self, messages: list[dict[str, str]], num_bytes: int) -> list[int]:
-        try:
-            return await self.pipeline.chat_prompt(messages, None, num_bytes)
-        except oai.APIError as err:
-            raise ValueError(err.message) from None
 
     async def prewarm(self, request: Any, grpc_context: Any) -> Any:
         request_id = new_request_id()

@@ -36,7 +36,7 @@ from rayturn.router.session import (
 )
 
 from . import openai_api as oai
-from .failures import RETRY_AFTER_S, client_error
+from .failures import RETRY_AFTER_S, client_error, outcome
 from .grpc_front import GrpcFront
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps, new_request_id
 from .request_limits import off_loop, parse_json, read_body
@@ -115,10 +115,7 @@ class Ingress:
 
     def _failure(self, api: str, err: Exception, request_id: str) -> JSONResponse:
         api_error = client_error(err, request_id)
-        outcome = {401: "unauthorized", 429: "overloaded", 503: "failed"}.get(api_error.status_code, "invalid")
-        if api_error.status_code >= 500 and api_error.status_code != 503:
-            outcome = "error"
-        self.telemetry.requests.labels(api, outcome).inc()
+        self.telemetry.requests.labels(api, outcome(api_error.status_code)).inc()
         return _error_response(api_error)
 
     @app.get("/v1/models")

@@ -36,7 +36,7 @@ class KVConnector(Protocol):
 
 
 class _StoreClient(Protocol):
-    """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses (``tenant=None``: the client's own)."""
+    """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses (``tenant`` None or "": the client's own)."""
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int: ...
 
@@ -62,15 +62,15 @@ class StoreConnector:
         self.replicas = replicas
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
-        return self.client.longest_prefix(keys, tenant or None) if keys else 0
+        return self.client.longest_prefix(keys, tenant) if keys else 0
 
     def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
         if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
-            return self.client.get_into(keys, list(pages), tenant or None)
+            return self.client.get_into(keys, list(pages), tenant)
         staging = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, pin_memory=_can_pin())
-        landed = self.client.get_into(keys, list(staging.unbind(0)), tenant or None)
+        landed = self.client.get_into(keys, list(staging.unbind(0)), tenant)
         for page, host, ok in zip(pages, staging, landed):
             if ok:
                 page.copy_(host)
@@ -80,9 +80,9 @@ class StoreConnector:
         if not keys:
             return []
         if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
-            return self.client.put_batch(keys, list(pages), replicas=self.replicas, tenant=tenant or None)
+            return self.client.put_batch(keys, list(pages), replicas=self.replicas, tenant=tenant)
         host = torch.stack([page.to("cpu") for page in pages])
-        return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas, tenant=tenant or None)
+        return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas, tenant=tenant)
 
 
 def _can_pin() -> bool:

@@ -189,6 +189,10 @@ class KVStoreClient:
                 self._peers[sid] = _Peer(info["node_id"], info["shm_name"], parse_address(info["ucx_address"]))
         return self._peers.get(segment_id)
 
+    def _tenant(self, tenant: str | None) -> str:
+        """The tenant a call acts for: the one it names, else (None or "") the client's own."""
+        return tenant or self.tenant
+
     # -- puts -------------------------------------------------------------
 
     def put(self, key: bytes, value: Any, tenant: str | None = None) -> bool:
@@ -207,7 +211,7 @@ class KVStoreClient:
         _check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        owner = tenant or self.tenant
+        owner = self._tenant(tenant)
         views = [as_bytes_view(v) for v in values]
         started: PutStart = self.master.call(
             "put_start", list(keys), [v.nbytes for v in views], owner, replicas, self.segment_id, pin_ttl_s
@@ -295,7 +299,7 @@ class KVStoreClient:
 
     def _locate(self, keys: Sequence[bytes], tenant: str | None) -> _Located:
         segment_ids, best, more, grants = self.master.call(
-            "get_locations", list(keys), self.node_id, tenant or self.tenant
+            "get_locations", list(keys), self.node_id, self._tenant(tenant)
         )
         rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
         read_grants = [ReadGrant.from_wire(grant) for grant in grants]
@@ -399,13 +403,13 @@ class KVStoreClient:
     def exists(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bool]:
         """Whether each key is a stored object of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        result: list[bool] = self.master.call("exists", list(keys), tenant or self.tenant)
+        result: list[bool] = self.master.call("exists", list(keys), self._tenant(tenant))
         return result
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
         """How many leading keys are stored objects of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        count: int = self.master.call("longest_prefix", list(keys), tenant or self.tenant)
+        count: int = self.master.call("longest_prefix", list(keys), self._tenant(tenant))
         return count
 
     def remove(self, keys: Sequence[bytes]) -> int:
