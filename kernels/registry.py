@@ -13,41 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import Generic, TypeVar
 
 import torch
+
+from rayturn.registry import Registry
 
 from .backend import KernelBackend
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "RAYTURN_KERNEL_BACKEND"
-
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A name -> factory map with a readable error for unknown names."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._factories: dict[str, Callable[[], T]] = {}
-
-    def register(self, name: str, factory: Callable[[], T]) -> None:
-        if name in self._factories:
-            raise ValueError(f"{self.kind} {name!r} is already registered")
-        self._factories[name] = factory
-
-    def names(self) -> list[str]:
-        return sorted(self._factories)
-
-    def create(self, name: str) -> T:
-        try:
-            factory = self._factories[name]
-        except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
-        return factory()
 
 
 def _torch_factory() -> KernelBackend:
