@@ -34,6 +34,17 @@ from typing import Any, TypeVar
 
 import yaml
 
+from rayturn.settings import (
+    FieldError,
+    check,
+    check_above,
+    check_at_least,
+    check_non_empty,
+    check_port,
+    check_resources,
+    frozen_mapping,
+)
+
 from .tenants import KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -60,15 +71,6 @@ _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 _Spec = TypeVar("_Spec")
 
 
-class _FieldError(ValueError):
-    """A bad value, named relative to the spec that holds it."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key} {reason}")
-        self.key = key
-        self.reason = reason
-
-
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str = "tiny"
@@ -82,15 +84,15 @@ class ModelSpec:
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        _check_non_empty("name", self.name)
-        _check_non_empty("served_name", self.served_name)
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _check_at_least("page_size", self.page_size, 1)
-        _check_at_least("num_pages", self.num_pages, 1)
-        _check_at_least("max_num_seqs", self.max_num_seqs, 1)
-        _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_at_least("max_model_len", self.max_model_len, 1)
-        _check_non_empty("backend", self.backend)
+        check_non_empty("name", self.name)
+        check_non_empty("served_name", self.served_name)
+        check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_at_least("page_size", self.page_size, 1)
+        check_at_least("num_pages", self.num_pages, 1)
+        check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_at_least("max_model_len", self.max_model_len, 1)
+        check_non_empty("backend", self.backend)
 
     @property
     def model_name(self) -> str:
@@ -117,9 +119,9 @@ class AutoscalingSpec:
     downscale_delay_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _check_above("target_ongoing_requests", self.target_ongoing_requests, 0)
-        _check_at_least("upscale_delay_s", self.upscale_delay_s, 0)
-        _check_at_least("downscale_delay_s", self.downscale_delay_s, 0)
+        check_above("target_ongoing_requests", self.target_ongoing_requests, 0)
+        check_at_least("upscale_delay_s", self.upscale_delay_s, 0)
+        check_at_least("downscale_delay_s", self.downscale_delay_s, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,25 +139,25 @@ class PoolSpec:
     num_pages: int | None = None  # KV cache pages per replica of this pool; None: model.num_pages
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "resources", _frozen_mapping(self.resources))
-        _check_at_least("num_pages", self.num_pages, 1)
-        _check_at_least("min_replicas", self.min_replicas, 0)
-        _check_at_least("max_replicas", self.max_replicas, 0)  # 0: no such pool (prefill only)
-        _check(
+        object.__setattr__(self, "resources", frozen_mapping(self.resources))
+        check_at_least("num_pages", self.num_pages, 1)
+        check_at_least("min_replicas", self.min_replicas, 0)
+        check_at_least("max_replicas", self.max_replicas, 0)  # 0: no such pool (prefill only)
+        check(
             self.max_replicas >= self.min_replicas,
             "max_replicas",
             f"must be >= min_replicas ({self.min_replicas}), got {self.max_replicas}",
         )
-        _check(
+        check(
             self.initial_replicas is None or self.min_replicas <= self.initial_replicas <= self.max_replicas,
             "initial_replicas",
             f"must lie in [min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}], "
             f"got {self.initial_replicas}",
         )
-        _check_at_least("num_cpus", self.num_cpus, 0)
-        _check_at_least("num_gpus", self.num_gpus, 0)
-        _check_resources("resources", self.resources)
-        _check_at_least("max_ongoing_requests", self.max_ongoing_requests, 1)
+        check_at_least("num_cpus", self.num_cpus, 0)
+        check_at_least("num_gpus", self.num_gpus, 0)
+        check_resources("resources", self.resources)
+        check_at_least("max_ongoing_requests", self.max_ongoing_requests, 1)
 
     @property
     def autoscaled(self) -> bool:
@@ -197,9 +199,9 @@ class UCXSpec:
     port: int = 0
 
     def __post_init__(self) -> None:
-        _check_non_empty("tls", self.tls)
-        _check_non_empty("net_devices", self.net_devices)
-        _check_port("port", self.port)
+        check_non_empty("tls", self.tls)
+        check_non_empty("net_devices", self.net_devices)
+        check_port("port", self.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,23 +222,23 @@ class KVStoreSpec:
     ucx: UCXSpec = field(default_factory=UCXSpec)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "store_node_resources", _frozen_mapping(self.store_node_resources))
-        _check_non_empty("master_name", self.master_name)
-        _check_at_least("segment_bytes", self.segment_bytes, 1)
-        _check_at_least("store_nodes", self.store_nodes, 0)
-        _check_at_least("store_node_bytes", self.store_node_bytes, 1)
-        _check_at_least("store_node_num_cpus", self.store_node_num_cpus, 0)
-        _check_resources("store_node_resources", self.store_node_resources)
-        _check_at_least("replicas", self.replicas, 1)
-        _check(0 < self.high_watermark <= 1, "high_watermark", f"must lie in (0, 1], got {self.high_watermark}")
-        _check(
+        object.__setattr__(self, "store_node_resources", frozen_mapping(self.store_node_resources))
+        check_non_empty("master_name", self.master_name)
+        check_at_least("segment_bytes", self.segment_bytes, 1)
+        check_at_least("store_nodes", self.store_nodes, 0)
+        check_at_least("store_node_bytes", self.store_node_bytes, 1)
+        check_at_least("store_node_num_cpus", self.store_node_num_cpus, 0)
+        check_resources("store_node_resources", self.store_node_resources)
+        check_at_least("replicas", self.replicas, 1)
+        check(0 < self.high_watermark <= 1, "high_watermark", f"must lie in (0, 1], got {self.high_watermark}")
+        check(
             0 < self.low_watermark < self.high_watermark,
             "low_watermark",
             f"must lie in (0, high_watermark) = (0, {self.high_watermark}), got {self.low_watermark}",
         )
-        _check_non_empty("snapshot_dir", self.snapshot_dir)
-        _check_above("snapshot_interval_s", self.snapshot_interval_s, 0)
-        _check(
+        check_non_empty("snapshot_dir", self.snapshot_dir)
+        check_above("snapshot_interval_s", self.snapshot_interval_s, 0)
+        check(
             self.transport in KV_TRANSPORTS,
             "transport",
             f"must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}",
@@ -259,12 +261,12 @@ class RouterSpec:
 
     def __post_init__(self) -> None:
         policies = ", ".join(ROUTER_POLICIES)
-        _check(self.policy in ROUTER_POLICIES, "policy", f"must be one of {policies}, got {self.policy!r}")
-        _check_at_least("kv_overlap_weight", self.kv_overlap_weight, 0)
-        _check_at_least("load_weight", self.load_weight, 0)
-        _check_at_least("affinity_weight", self.affinity_weight, 0)
-        _check_at_least("disaggregation_threshold_tokens", self.disaggregation_threshold_tokens, 0)
-        _check_above("stats_period_s", self.stats_period_s, 0)
+        check(self.policy in ROUTER_POLICIES, "policy", f"must be one of {policies}, got {self.policy!r}")
+        check_at_least("kv_overlap_weight", self.kv_overlap_weight, 0)
+        check_at_least("load_weight", self.load_weight, 0)
+        check_at_least("affinity_weight", self.affinity_weight, 0)
+        check_at_least("disaggregation_threshold_tokens", self.disaggregation_threshold_tokens, 0)
+        check_above("stats_period_s", self.stats_period_s, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,24 +291,24 @@ class LifecycleSpec:
     composing_hold_s: float = 120.0
 
     def __post_init__(self) -> None:
-        _check_above("time_scale", self.time_scale, 0)
-        _check_above("tool_hold_min_s", self.tool_hold_min_s, 0)
-        _check(
+        check_above("time_scale", self.time_scale, 0)
+        check_above("tool_hold_min_s", self.tool_hold_min_s, 0)
+        check(
             self.tool_hold_max_s >= self.tool_hold_min_s,
             "tool_hold_max_s",
             f"must be >= tool_hold_min_s ({self.tool_hold_min_s}), got {self.tool_hold_max_s}",
         )
-        _check_above("turn_hold_s", self.turn_hold_s, 0)
-        _check_at_least("break_even_margin_s", self.break_even_margin_s, 0)
-        _check_at_least("prewarm_lead_s", self.prewarm_lead_s, 0)
-        _check(
+        check_above("turn_hold_s", self.turn_hold_s, 0)
+        check_at_least("break_even_margin_s", self.break_even_margin_s, 0)
+        check_at_least("prewarm_lead_s", self.prewarm_lead_s, 0)
+        check(
             self.predictor in IDLE_PREDICTORS,
             "predictor",
             f"must be one of {', '.join(IDLE_PREDICTORS)}, got {self.predictor!r}",
         )
-        _check_above("warm_return_worth_s", self.warm_return_worth_s, 0)
-        _check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
-        _check_above("composing_hold_s", self.composing_hold_s, 0)
+        check_above("warm_return_worth_s", self.warm_return_worth_s, 0)
+        check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
+        check_above("composing_hold_s", self.composing_hold_s, 0)
 
     def settings(self) -> dict[str, Any]:
         """Plain settings for ``rayturn.decode.lifecycle.LifecycleSettings``."""
@@ -332,34 +334,34 @@ class ServerSpec:
         object.__setattr__(
             self, "tenant_keys", types.MappingProxyType({name: tuple(keys) for name, keys in self.tenant_keys.items()})
         )
-        _check_non_empty("host", self.host)
-        _check_port("http_port", self.http_port)
-        _check_port("grpc_port", self.grpc_port)
+        check_non_empty("host", self.host)
+        check_port("http_port", self.http_port)
+        check_port("grpc_port", self.grpc_port)
         # Port 0 asks the OS for any free port, so two zeros never collide.
-        _check(
+        check(
             self.grpc_port != self.http_port or self.grpc_port == 0,
             "grpc_port",
             f"must differ from http_port, both are {self.grpc_port}",
         )
         for index, api_key in enumerate(self.api_keys):
-            _check_non_empty(f"api_keys[{index}]", api_key)
+            check_non_empty(f"api_keys[{index}]", api_key)
         for tenant, keys in self.tenant_keys.items():
-            _check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", TENANT_NAME_RULE)
-            _check(
+            check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", TENANT_NAME_RULE)
+            check(
                 not tenant.startswith(KEY_TENANT_PREFIX),
                 f"tenant_keys.{tenant}",
                 f"must not start with {KEY_TENANT_PREFIX!r} (the tenants of api_keys are named so)",
             )
-            _check(bool(keys), f"tenant_keys.{tenant}", "must list at least one key")
+            check(bool(keys), f"tenant_keys.{tenant}", "must list at least one key")
             for index, api_key in enumerate(keys):
-                _check_non_empty(f"tenant_keys.{tenant}[{index}]", api_key)
+                check_non_empty(f"tenant_keys.{tenant}[{index}]", api_key)
         try:
             KeyTable.build(self.api_keys, self.tenant_keys)
         except ValueError:
-            raise _FieldError("api_keys", "must not hold a key twice (api_keys, tenant_keys, --api-key)") from None
-        _check_at_least("max_request_bytes", self.max_request_bytes, MIN_REQUEST_BYTES)
-        _check_at_least("ingress_replicas", self.ingress_replicas, 1)
-        _check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
+            raise FieldError("api_keys", "must not hold a key twice (api_keys, tenant_keys, --api-key)") from None
+        check_at_least("max_request_bytes", self.max_request_bytes, MIN_REQUEST_BYTES)
+        check_at_least("ingress_replicas", self.ingress_replicas, 1)
+        check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
 
     def key_table(self, default_tenant: str) -> KeyTable:
         """API key digests -> tenants, for the ingress."""
@@ -378,10 +380,10 @@ class ClusterConfig:
     tenant: str = "default"
 
     def __post_init__(self) -> None:
-        _check_non_empty("tenant", self.tenant)
-        _check(TENANT_NAME.fullmatch(self.tenant) is not None, "tenant", TENANT_NAME_RULE)
-        _check(self.decode.max_replicas >= 1, "decode.max_replicas", f"must be >= 1, got {self.decode.max_replicas}")
-        _check(
+        check_non_empty("tenant", self.tenant)
+        check(TENANT_NAME.fullmatch(self.tenant) is not None, "tenant", TENANT_NAME_RULE)
+        check(self.decode.max_replicas >= 1, "decode.max_replicas", f"must be >= 1, got {self.decode.max_replicas}")
+        check(
             self.kvstore.enabled or self.prefill.max_replicas == 0,
             "prefill.max_replicas",
             "must be 0 when kvstore.enabled is false (prefill replicas hand pages over through the store)",
@@ -471,7 +473,7 @@ def _build(cls: type[_Spec], data: object, key: str) -> _Spec:
             kwargs[name] = _convert(value, hints[name], field_key, bool(spec_field.metadata.get("secret")))
     try:
         return cls(**kwargs)
-    except _FieldError as err:
+    except FieldError as err:
         raise ValueError(f"{prefix}{err.key} {err.reason}") from None
 
 
@@ -552,39 +554,3 @@ def _to_plain(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return value
-
-
-def _frozen_mapping(mapping: Mapping[str, float]) -> Mapping[str, float]:
-    # A read-only copy: the caller's dict cannot change a frozen spec. Ray's cloudpickle
-    # carries mapping proxies to actors.
-    return types.MappingProxyType(dict(mapping))
-
-
-# -- range checks (keys relative to the spec; the parser adds the prefix) --
-
-
-def _check(ok: bool, key: str, reason: str) -> None:
-    if not ok:
-        raise _FieldError(key, reason)
-
-
-def _check_at_least(key: str, value: float | None, minimum: float) -> None:
-    _check(value is None or value >= minimum, key, f"must be >= {minimum}, got {value}")
-
-
-def _check_above(key: str, value: float, bound: float) -> None:
-    _check(value > bound, key, f"must be > {bound}, got {value}")
-
-
-def _check_non_empty(key: str, value: str | None) -> None:
-    _check(value is None or value.strip() != "", key, "must not be empty")
-
-
-def _check_port(key: str, port: int) -> None:
-    _check(0 <= port <= 65535, key, f"must be a port number in 0-65535, got {port}")
-
-
-def _check_resources(key: str, resources: Mapping[str, float]) -> None:
-    for name, amount in resources.items():
-        _check(name.strip() != "", key, "must not hold an empty resource name")
-        _check(amount > 0, f"{key}.{name}", f"must be > 0, got {amount}")
