@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 
 from rayturn.engine import LLMEngine, SessionMove
 from rayturn.engine.async_engine import AsyncEngine
+from rayturn.messages import CallKind, NextStep
 from rayturn.router.idle import (
     PREDICTORS,
     IdleModelConfig,
@@ -70,7 +71,6 @@ from rayturn.router.idle import (
     min_off_s,
 )
 from rayturn.router.scoring import session_key
-from rayturn.router.session import CallKind, NextStep
 from rayturn.router.tool_latency import ToolLatencyModel
 
 logger = logging.getLogger(__name__)

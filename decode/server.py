@@ -44,7 +44,7 @@ from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.tool_calls import parse_tool_calls
 from rayturn.kvstore import KVStoreClient, join_store
-from rayturn.router.session import CallKind, NextStep
+from rayturn.messages import CallKind, NextStep
 
 from .idle_work import DeferredJob, IdleWork
 from .lifecycle import LifecycleSettings, SessionPlanner

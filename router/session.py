@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-CallKind = Literal["user", "tool_continuation"]
-NextStep = Literal["tool", "user"]
+from rayturn.messages import CallKind, NextStep
 
 _Hint = TypeVar("_Hint", bound=str)
 
