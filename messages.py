@@ -1,13 +1,110 @@
 """What crosses a Ray handle between the cluster's processes, typed.
 
-Built once at the edge (the ingress) and read by attribute everywhere else.
+    ingress --Call--> decode replica --Call--> prefill replica
+            <-Step--               <-PrefillAnswer-
+    ingress --SessionAnnouncement--> decode replica --PrewarmAnswer-->
+
+Each message is built once, where it starts (the ingress builds the ``Call``
+from a validated request: tokens, sampling, tenant salt, session, the
+prompt's page hashes), and read by attribute everywhere after it. The page
+hashes are the cluster's own (the ingress computes them with the engine's
+``hash_pages``; no client can send them), so the replicas and their engines
+trust them instead of hashing the prompt again. Serve's request routers read
+the same objects (``rayturn.router.request_router``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rayturn.engine.page_hash import PageHash
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.sequence import TokenLogprob
+from rayturn.engine.tool_calls import ToolCallDelta
 
 # Where a call sits in its session: a new user message, or a tool's result coming back.
 CallKind = Literal["user", "tool_continuation"]
 # What follows a call's answer: a tool run (the agent is back in seconds), or the user (minutes).
 NextStep = Literal["tool", "user"]
+# How a call's prompt was filled: on the decode replica itself, or by a prefill replica.
+PrefillPath = Literal["local", "disaggregated"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One generation call, as the decode pool (and a prefill replica) receives it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str = ""
+    # The session, scoped by tenant (``<tenant>/<id>``); None for a call that names none.
+    session_id: str | None = None
+    # Chained hashes of the prompt's full pages before its last token, in order (salted by the tenant).
+    page_hashes: tuple[PageHash, ...] = ()
+    call: CallKind | None = None
+    after: NextStep | None = None
+    # The call offered tools, so an answer holding tool calls means the agent will be back.
+    tools: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAnnouncement:
+    """A session's user has started typing: its next call is coming (to the replica that follows it)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrewarmAnswer:
+    state: str
+    replica_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one completion of a call gained in one engine step."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    # A call that offered tools: the replica's split of ``text`` into prose and tool calls
+    # (``ToolCallStream.push``), and on the completion's last delta also what was held (``finish``).
+    tool_parse: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One engine step of a call, as the decode replica streams it back."""
+
+    deltas: tuple[Delta, ...]
+    prompt_tokens: int
+    # Prompt tokens served from cache (device or store), and of those, loaded from the store.
+    cached_tokens: int
+    loaded_tokens: int
+    finished: bool
+    path: PrefillPath
+    # Serve's id of the decode replica serving the call (the id routers rank); None outside Serve.
+    replica_id: str | None
+    # On a session's call's first step: the replica's view of the session at arrival (a JSON object).
+    session: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    """A prefill replica's answer: the first token(s) and the prompt's cache counts there; every full page of
+    the prompt is in the KV store before it returns."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    cached_tokens: int
+    loaded_tokens: int

@@ -8,7 +8,7 @@ importing what the entries need (Triton, UCX, Ray).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +28,10 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._factories)
+
+    def __iter__(self) -> Iterator[str]:
+        """The names in the order they were registered (the order a choice is listed in, defaults first)."""
+        return iter(self._factories)
 
     def __contains__(self, name: object) -> bool:
         return name in self._factories

@@ -1,76 +1,10 @@
-"""Small helpers shared by the benchmarks: progress on stderr, peak memory, the JSON line."""
+"""What only the benchmark scripts share (the rest lives in ``rayturn.replay.harness``): peak memory."""
 
 from __future__ import annotations
 
-import json
-import platform
 import resource
-import sys
-import time
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-
-# Cluster settings for a small host: two decode replicas (so routing matters) on fractional CPUs.
-SMALL_MACHINE: dict[str, Any] = {
-    "decode.min_replicas": 2,
-    "decode.max_replicas": 2,
-    "decode.num_cpus": 0.25,
-    "prefill.num_cpus": 0.25,
-    "server.ingress_num_cpus": 0.25,
-    "kvstore.segment_bytes": "64MiB",
-}
-
-
-class Progress:
-    """A one-line progress bar on stderr (the JSON result owns stdout's last line)."""
-
-    def __init__(self, label: str, total: int, width: int = 30) -> None:
-        self.label, self.total, self.width = label, max(total, 1), width
-        self.done = 0
-        self.start = time.perf_counter()
-        self._draw()
-
-    def advance(self, n: int = 1) -> None:
-        self.done = min(self.done + n, self.total)
-        self._draw()
-        if self.done == self.total:
-            sys.stderr.write("\n")
-
-    def _draw(self) -> None:
-        filled = self.width * self.done // self.total
-        elapsed_s = time.perf_counter() - self.start
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stderr.write(f"\r{self.label:<28} [{bar}] {self.done}/{self.total} {elapsed_s:6.1f}s")
-        sys.stderr.flush()
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), interpolated linearly between closest ranks (numpy's default)."""
-    if not samples:
-        raise ValueError("percentile of no samples")
-    ordered = sorted(samples)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def emit(result: dict[str, Any]) -> None:
-    """Print the result as one JSON object on the last line of stdout."""
-    print(json.dumps(result, sort_keys=True), flush=True)

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Progress, emit, machine, peak_rss_mb
+from _common import peak_rss_mb
+
+from rayturn.replay.harness import Progress, emit, machine
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Idle capture (the share of user idle time a session's KV spends off the
 device) and prewarm hits (the share of returns that find it back) pull
 against each other: bringing pages back earlier catches more returns and
 gives up idle time. This sweeps that trade-off for both idle predictors of
-``rayturn.router.idle`` (cross-validated by conversation): ``hazard`` (the
+``rayturn.decode.lifecycle`` (cross-validated by conversation,
+``rayturn.replay.idle_eval``): ``hazard`` (the
 default) over the worth of a warm return, ``session`` (log-normal) over its
 prewarm quantile. References in the same run:
 
@@ -44,19 +45,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import Progress, emit
+from rayturn.decode.lifecycle.predictors import IdleModelConfig
+from rayturn.replay.harness import Progress, emit
+from rayturn.replay.idle_eval import cross_validate, keep_or_offload_capture, keep_or_offload_kept
+from rayturn.replay.idle_fit import turn_end_samples
+from rayturn.replay.paths import DEFAULT_TRACES, RESULTS_DIR
+from rayturn.replay.trace_files import load_traces
 
-from rayturn.router.idle import (
-    IdleModelConfig,
-    cross_validate,
-    keep_or_offload_capture,
-    keep_or_offload_kept,
-    load_traces,
-    turn_end_samples,
-)
-
-DEFAULT_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "weka"
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUANTILES = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05)
 QUICK_QUANTILES = (0.001, 0.005, 0.02)
 # Worth of a warm return in seconds of device residency, for the hazard predictor.

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 import ray
-from _common import Progress, emit
 
 from rayturn.kvstore import KVStoreClient, start_master
+from rayturn.replay.harness import Progress, emit
 
 PAGE_BYTES = 32 << 10
 BATCH_PAGES = 256  # the latency batch

@@ -18,9 +18,10 @@ import random
 import statistics
 import time
 
-from _common import Progress, emit, machine, peak_rss_mb
+from _common import peak_rss_mb
 
 from rayturn.engine import LLMEngine, SamplingParams
+from rayturn.replay.harness import Progress, emit, machine
 
 
 def ttft_s(engine: LLMEngine, prompt: list[int]) -> float:

@@ -37,12 +37,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
-from _common import Progress, emit, machine
 
-from rayturn.cluster.request_limits import INLINE_BYTES, PromptBudget, off_loop, read_body
-from rayturn.cluster.tenants import KeyTable, presented_key
+from rayturn.api.request_limits import INLINE_BYTES, PromptBudget, off_loop, read_body
+from rayturn.api.tenants import KeyTable, presented_key
 from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.kvstore.access import StoreAuth, new_secret
+from rayturn.replay.harness import Progress, emit, machine
 
 API_KEYS = [f"sk-tenant-{i:03d}-{'x' * 24}" for i in range(100)]
 NEW_TOKENS = 100

@@ -27,6 +27,7 @@ others, their KV caches and their store segments stay (see ``_bind``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -37,14 +38,17 @@ from ray import serve
 from ray.serve import Application
 
 from rayturn import __version__
+from rayturn.api.grpc_service import SERVICER_FUNCTION
+from rayturn.api.ingress import Ingress
+from rayturn.api.settings import IngressSettings
 from rayturn.decode.server import DecodeServer
 from rayturn.engine.presets import PRESETS, preset_dir
 from rayturn.kvstore import StoreNodeReplica
+from rayturn.kvstore.settings import StoreMembership
 from rayturn.prefill.server import PrefillServer
-from rayturn.protos import SERVICER_FUNCTION
+from rayturn.router.settings import ROUTERS
 
 from .config import ClusterConfig, PoolSpec, load_config
-from .ingress import Ingress
 from .listeners import proxy_env
 
 # ``serve.deployment`` is overloaded in ways type checkers do not follow for classes.
@@ -72,41 +76,15 @@ def model_dir(config: ClusterConfig) -> Path:
     return preset_dir(name) if name in PRESETS else Path(name)
 
 
-def kvstore_settings(config: ClusterConfig) -> dict[str, Any]:
+def store_membership(config: ClusterConfig) -> StoreMembership:
     """What each replica needs to start or find the master and join the store."""
-    kv = config.kvstore
-    return {
-        "master": {
-            "name": kv.master_name,
-            "namespace": KV_NAMESPACE,
-            "snapshot_dir": kv.snapshot_dir,
-            "snapshot_interval_s": kv.snapshot_interval_s,
-            "high_watermark": kv.high_watermark,
-            "low_watermark": kv.low_watermark,
-        },
-        "connect": {
-            "master_name": kv.master_name,
-            "segment_bytes": kv.segment_bytes,
-            "tenant": config.tenant,
-            "namespace": KV_NAMESPACE,
-            "transport": kv.transport,
-            "ucx_port": kv.ucx.port,
-            "ucx_config": kv.ucx_config() or None,
-        },
-        "replicas": kv.replicas,
-    }
-
-
-ROUTER_CLASSES = {
-    "kv_aware": "rayturn.router.request_router.KVAwareRequestRouter",
-    "round_robin": "rayturn.router.request_router.RoundRobinRequestRouter",
-}
+    return StoreMembership(config.kvstore, tenant=config.tenant, namespace=KV_NAMESPACE)
 
 
 def _router_config(config: ClusterConfig) -> dict[str, Any]:
     router = config.router
     return {
-        "request_router_class": ROUTER_CLASSES[router.policy],
+        "request_router_class": ROUTERS.create(router.policy),
         "request_router_kwargs": {
             "kv_overlap": router.kv_overlap_weight,
             "load": router.load_weight,
@@ -133,9 +111,19 @@ def _bind(deployment: Any, *args: object) -> Application:
     ``_internal=True`` as done here.
     """
     built_from = ["<deployment>" if isinstance(arg, Application) else arg for arg in args]
-    identity = json.dumps([__version__, deployment.name, *built_from], sort_keys=True)
+    identity = json.dumps([__version__, deployment.name, *built_from], sort_keys=True, default=_plain)
     version = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return deployment.options(version=version, _internal=True).bind(*args)
+
+
+def _plain(value: object) -> object:
+    """Settings objects enter a deployment's version as their fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+        return {"type": type(value).__name__, **fields}
+    if isinstance(value, Mapping):  # read-only mappings in frozen settings
+        return dict(value)
+    raise TypeError(f"a deployment argument of type {type(value).__name__} has no stable identity")
 
 
 def pool_engine_kwargs(config: ClusterConfig, pool: PoolSpec) -> dict[str, Any]:
@@ -148,7 +136,7 @@ def pool_engine_kwargs(config: ClusterConfig, pool: PoolSpec) -> dict[str, Any]:
 
 def build_app(config: ClusterConfig) -> Application:
     model = model_path(config)
-    kvstore = kvstore_settings(config) if config.kvstore.enabled else None
+    kvstore = store_membership(config) if config.kvstore.enabled else None
     router = _router_config(config)
 
     prefill = None
@@ -173,7 +161,7 @@ def build_app(config: ClusterConfig) -> Application:
         kvstore,
         prefill,
         config.router.disaggregation_threshold_tokens,
-        config.lifecycle.settings(),
+        config.lifecycle,
     )
     store_nodes = None
     kv = config.kvstore
@@ -188,18 +176,16 @@ def build_app(config: ClusterConfig) -> Application:
             kv.store_node_bytes,
         )
     pools = ["ingress", "decode"] + (["prefill"] if prefill is not None else [])
-    ingress_settings = {
-        "model": model,
-        "served_model_name": config.model.model_name,
-        "page_size": config.model.page_size,
-        "max_model_len": config.model.max_model_len,
-        # Digests of the keys, never the keys: Serve stores these arguments and shows them to its tools.
-        "keys": config.server.key_table(config.tenant).settings(),
-        "max_request_bytes": config.server.max_request_bytes,
-        "app_name": APP_NAME,
-        "pools": pools + (["kv-store"] if store_nodes is not None else []),
-        "kvstore_master": {"name": kv.master_name, "namespace": KV_NAMESPACE},
-    }
+    ingress_settings = IngressSettings(
+        model=model,
+        served_model_name=config.model.model_name,
+        page_size=config.model.page_size,
+        keys=config.server.key_table(config.tenant),
+        max_request_bytes=config.server.max_request_bytes,
+        max_model_len=config.model.max_model_len,
+        app_name=APP_NAME,
+        pools=tuple(pools + (["kv-store"] if store_nodes is not None else [])),
+    )
     return _bind(
         _deployment(Ingress).options(
             name="ingress",

@@ -34,23 +34,21 @@ from typing import Any, TypeVar
 
 import yaml
 
+from rayturn.api.settings import ServerSettings
+from rayturn.api.tenants import TENANT_NAME, TENANT_NAME_RULE
+from rayturn.decode.lifecycle.settings import LifecycleSettings
+from rayturn.engine.settings import ModelSettings
+from rayturn.kvstore.settings import KVStoreSettings
+from rayturn.router.settings import RouterSettings
 from rayturn.settings import (
     FieldError,
     check,
     check_above,
     check_at_least,
     check_non_empty,
-    check_port,
     check_resources,
     frozen_mapping,
 )
-
-from .tenants import KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
-
-DTYPES = ("float32", "bfloat16", "float16")
-ROUTER_POLICIES = ("kv_aware", "round_robin")
-IDLE_PREDICTORS = ("hazard", "session", "prior")  # rayturn.router.idle.PREDICTORS
-KV_TRANSPORTS = ("auto", "ucx")  # rayturn.kvstore.client.TRANSPORTS, without importing Ray to parse a file
 
 _SIZE_UNITS = {
     "": 1,
@@ -64,52 +62,9 @@ _SIZE_UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-# A request body this small could not hold a chat request worth serving.
-MIN_REQUEST_BYTES = 1024
 _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 
 _Spec = TypeVar("_Spec")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    name: str = "tiny"
-    served_name: str | None = None
-    dtype: str = "float32"
-    page_size: int = 16
-    num_pages: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    backend: str | None = None
-
-    def __post_init__(self) -> None:
-        check_non_empty("name", self.name)
-        check_non_empty("served_name", self.served_name)
-        check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        check_at_least("page_size", self.page_size, 1)
-        check_at_least("num_pages", self.num_pages, 1)
-        check_at_least("max_num_seqs", self.max_num_seqs, 1)
-        check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        check_at_least("max_model_len", self.max_model_len, 1)
-        check_non_empty("backend", self.backend)
-
-    @property
-    def model_name(self) -> str:
-        """The id clients send in the OpenAI ``model`` field: a preset's name, or the model directory's basename."""
-        return self.served_name or Path(self.name).name
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LLMEngine.from_pretrained(self.name, **kwargs)``."""
-        return {
-            "backend": self.backend,
-            "dtype": self.dtype,
-            "page_size": self.page_size,
-            "num_pages": self.num_pages,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,190 +148,14 @@ class PoolSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class UCXSpec:
-    tls: str | None = None
-    net_devices: str | None = None
-    port: int = 0
-
-    def __post_init__(self) -> None:
-        check_non_empty("tls", self.tls)
-        check_non_empty("net_devices", self.net_devices)
-        check_port("port", self.port)
-
-
-@dataclass(frozen=True, slots=True)
-class KVStoreSpec:
-    enabled: bool = True
-    master_name: str = "rayturn-kv"
-    segment_bytes: int = field(default=256 << 20, metadata={"size": True})
-    store_nodes: int = 0
-    store_node_bytes: int = field(default=1 << 30, metadata={"size": True})
-    store_node_num_cpus: float = 0.1
-    store_node_resources: Mapping[str, float] = field(default_factory=dict, hash=False)
-    replicas: int = 1
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    snapshot_dir: str | None = None
-    snapshot_interval_s: float = 30.0
-    transport: str = "auto"
-    ucx: UCXSpec = field(default_factory=UCXSpec)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "store_node_resources", frozen_mapping(self.store_node_resources))
-        check_non_empty("master_name", self.master_name)
-        check_at_least("segment_bytes", self.segment_bytes, 1)
-        check_at_least("store_nodes", self.store_nodes, 0)
-        check_at_least("store_node_bytes", self.store_node_bytes, 1)
-        check_at_least("store_node_num_cpus", self.store_node_num_cpus, 0)
-        check_resources("store_node_resources", self.store_node_resources)
-        check_at_least("replicas", self.replicas, 1)
-        check(0 < self.high_watermark <= 1, "high_watermark", f"must lie in (0, 1], got {self.high_watermark}")
-        check(
-            0 < self.low_watermark < self.high_watermark,
-            "low_watermark",
-            f"must lie in (0, high_watermark) = (0, {self.high_watermark}), got {self.low_watermark}",
-        )
-        check_non_empty("snapshot_dir", self.snapshot_dir)
-        check_above("snapshot_interval_s", self.snapshot_interval_s, 0)
-        check(
-            self.transport in KV_TRANSPORTS,
-            "transport",
-            f"must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}",
-        )
-
-    def ucx_config(self) -> dict[str, str]:
-        """UCX options as environment variables, only those set (for ``KVStoreClient.connect(ucx_config=...)``)."""
-        config = {"UCX_TLS": self.ucx.tls, "UCX_NET_DEVICES": self.ucx.net_devices}
-        return {name: value for name, value in config.items() if value is not None}
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSpec:
-    policy: str = "kv_aware"
-    kv_overlap_weight: float = 1.0
-    load_weight: float = 1.0
-    affinity_weight: float = 0.5
-    disaggregation_threshold_tokens: int = 512
-    stats_period_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        policies = ", ".join(ROUTER_POLICIES)
-        check(self.policy in ROUTER_POLICIES, "policy", f"must be one of {policies}, got {self.policy!r}")
-        check_at_least("kv_overlap_weight", self.kv_overlap_weight, 0)
-        check_at_least("load_weight", self.load_weight, 0)
-        check_at_least("affinity_weight", self.affinity_weight, 0)
-        check_at_least("disaggregation_threshold_tokens", self.disaggregation_threshold_tokens, 0)
-        check_above("stats_period_s", self.stats_period_s, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class LifecycleSpec:
-    """The decode replicas' session KV life cycle (``rayturn.decode.lifecycle``).
-
-    Durations are in the users' seconds; ``time_scale`` converts them (and
-    the idle predictor's answers) to wall seconds, for replays that compress
-    time.
-    """
-
-    enabled: bool = True
-    time_scale: float = 1.0
-    tool_hold_min_s: float = 5.0
-    tool_hold_max_s: float = 120.0
-    turn_hold_s: float = 10.0
-    break_even_margin_s: float = 5.0
-    prewarm_lead_s: float = 0.5
-    predictor: str = "hazard"
-    warm_return_worth_s: float = 400.0
-    store_bandwidth_bytes_s: float = 1e9
-    composing_hold_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        check_above("time_scale", self.time_scale, 0)
-        check_above("tool_hold_min_s", self.tool_hold_min_s, 0)
-        check(
-            self.tool_hold_max_s >= self.tool_hold_min_s,
-            "tool_hold_max_s",
-            f"must be >= tool_hold_min_s ({self.tool_hold_min_s}), got {self.tool_hold_max_s}",
-        )
-        check_above("turn_hold_s", self.turn_hold_s, 0)
-        check_at_least("break_even_margin_s", self.break_even_margin_s, 0)
-        check_at_least("prewarm_lead_s", self.prewarm_lead_s, 0)
-        check(
-            self.predictor in IDLE_PREDICTORS,
-            "predictor",
-            f"must be one of {', '.join(IDLE_PREDICTORS)}, got {self.predictor!r}",
-        )
-        check_above("warm_return_worth_s", self.warm_return_worth_s, 0)
-        check_above("store_bandwidth_bytes_s", self.store_bandwidth_bytes_s, 0)
-        check_above("composing_hold_s", self.composing_hold_s, 0)
-
-    def settings(self) -> dict[str, Any]:
-        """Plain settings for ``rayturn.decode.lifecycle.LifecycleSettings``."""
-        return {spec_field.name: getattr(self, spec_field.name) for spec_field in dataclasses.fields(self)}
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSpec:
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 9000
-    # Secrets stay out of logged reprs.
-    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
-    tenant_keys: Mapping[str, tuple[str, ...]] = field(
-        default_factory=dict, hash=False, repr=False, metadata={"secret": True}
-    )
-    max_request_bytes: int = field(default=8 << 20, metadata={"size": True})
-    ingress_replicas: int = 1
-    ingress_num_cpus: float = 0.25
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "api_keys", tuple(self.api_keys))
-        object.__setattr__(
-            self, "tenant_keys", types.MappingProxyType({name: tuple(keys) for name, keys in self.tenant_keys.items()})
-        )
-        check_non_empty("host", self.host)
-        check_port("http_port", self.http_port)
-        check_port("grpc_port", self.grpc_port)
-        # Port 0 asks the OS for any free port, so two zeros never collide.
-        check(
-            self.grpc_port != self.http_port or self.grpc_port == 0,
-            "grpc_port",
-            f"must differ from http_port, both are {self.grpc_port}",
-        )
-        for index, api_key in enumerate(self.api_keys):
-            check_non_empty(f"api_keys[{index}]", api_key)
-        for tenant, keys in self.tenant_keys.items():
-            check(TENANT_NAME.fullmatch(tenant) is not None, f"tenant_keys.{tenant}", TENANT_NAME_RULE)
-            check(
-                not tenant.startswith(KEY_TENANT_PREFIX),
-                f"tenant_keys.{tenant}",
-                f"must not start with {KEY_TENANT_PREFIX!r} (the tenants of api_keys are named so)",
-            )
-            check(bool(keys), f"tenant_keys.{tenant}", "must list at least one key")
-            for index, api_key in enumerate(keys):
-                check_non_empty(f"tenant_keys.{tenant}[{index}]", api_key)
-        try:
-            KeyTable.build(self.api_keys, self.tenant_keys)
-        except ValueError:
-            raise FieldError("api_keys", "must not hold a key twice (api_keys, tenant_keys, --api-key)") from None
-        check_at_least("max_request_bytes", self.max_request_bytes, MIN_REQUEST_BYTES)
-        check_at_least("ingress_replicas", self.ingress_replicas, 1)
-        check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
-
-    def key_table(self, default_tenant: str) -> KeyTable:
-        """API key digests -> tenants, for the ingress."""
-        return KeyTable.build(self.api_keys, self.tenant_keys, default_tenant)
-
-
-@dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelSettings = field(default_factory=ModelSettings)
     prefill: PoolSpec = field(default_factory=PoolSpec)
     decode: PoolSpec = field(default_factory=PoolSpec)
-    kvstore: KVStoreSpec = field(default_factory=KVStoreSpec)
-    router: RouterSpec = field(default_factory=RouterSpec)
-    lifecycle: LifecycleSpec = field(default_factory=LifecycleSpec)
-    server: ServerSpec = field(default_factory=ServerSpec)
+    kvstore: KVStoreSettings = field(default_factory=KVStoreSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
     tenant: str = "default"
 
     def __post_init__(self) -> None:

@@ -6,6 +6,13 @@ that touches the engine runs on that thread (``call`` runs a function there
 between steps), so the engine itself needs no locks. A caller that stops
 listening (client gone, task cancelled) aborts its request. While no request
 runs, the thread still lets lapsed session holds go.
+
+Servers use this facade only: what the engine is (``backend_name``,
+``device``, ``model_id``, ``page_size``, ``bytes_per_page``, ``has_store``),
+and the read-only lookups that run beside the engine thread rather than on it
+(``prefix_residency``, ``session_residency``, ``has_unfinished_requests``,
+``store_prefix_pages``): each only reads, so a racing step only makes its
+answer an estimate.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any, TypeVar
 
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .page_hash import PageHash
 from .sampling_params import SamplingParams
 from .sequence import TokenLogprob
 
@@ -39,7 +47,7 @@ class _Finished:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
         self._stats: dict[str, Any] = {}
@@ -53,7 +61,7 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------
 
     def _loop(self) -> None:
-        engine = self.engine
+        engine = self._engine
         while self._running:
             try:
                 block = not engine.has_unfinished_requests()
@@ -97,7 +105,7 @@ class AsyncEngine:
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._stats_at >= _STATS_PERIOD_S:
-            engine = self.engine
+            engine = self._engine
             hashes = [h.hex()[:16] for h in engine.cached_page_hashes(_CACHED_HASHES_REPORTED)]
             self._stats = {
                 **engine.load_stats(),
@@ -117,7 +125,7 @@ class AsyncEngine:
             if not future.set_running_or_notify_cancel():
                 return  # the caller gave up before its turn came: nothing to run
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(fn(self._engine))
             except Exception as err:
                 future.set_exception(err)
 
@@ -133,8 +141,13 @@ class AsyncEngine:
         output_prefix: Sequence[int] = (),
         output_prefix_logprobs: Sequence[TokenLogprob] | None = None,
         session_id: str | None = None,
+        page_hashes: Sequence[PageHash] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises ``ValueError`` for bad input before the first one."""
+        """Stream a request's outputs; raises ``ValueError`` for bad input before the first one.
+
+        ``page_hashes``: the prompt's leading page hashes, computed by the
+        serving layer (see ``LLMEngine.add_request``).
+        """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
 
@@ -150,6 +163,7 @@ class AsyncEngine:
                 output_prefix=output_prefix,
                 output_prefix_logprobs=output_prefix_logprobs,
                 session_id=session_id,
+                page_hashes=page_hashes,
             )
             # Both on the engine thread, so no step runs in between and no output is missed.
             self._listeners[request_id] = (loop, outputs)
@@ -179,7 +193,58 @@ class AsyncEngine:
 
     def _abort_now(self, request_id: str) -> None:
         self._listeners.pop(request_id, None)
-        self.engine.abort(request_id)
+        self._engine.abort(request_id)
+
+    # -- what the engine is ------------------------------------------------
+
+    @property
+    def backend_name(self) -> str:
+        return self._engine.backend.name
+
+    @property
+    def device(self) -> str:
+        return str(self._engine.device)
+
+    @property
+    def model_id(self) -> str:
+        return self._engine.model_id
+
+    @property
+    def page_size(self) -> int:
+        return self._engine.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self._engine.bytes_per_page
+
+    @property
+    def has_store(self) -> bool:
+        """Whether the engine loads from and saves to a KV store."""
+        return self._engine.kv_connector is not None
+
+    # -- read-only lookups, beside the engine thread ------------------------
+
+    def prefix_residency(
+        self, token_ids: Sequence[int], cache_salt: str = "", page_hashes: Sequence[PageHash] | None = None
+    ) -> tuple[list[PageHash], int]:
+        """A prompt's page hashes and how many lead pages the engine caches (``LLMEngine.prefix_residency``)."""
+        return self._engine.prefix_residency(token_ids, cache_salt, page_hashes)
+
+    def session_residency(self, session_id: str) -> tuple[int, int]:
+        """(leading recorded pages of a session cached now, recorded pages)."""
+        return self._engine.session_residency(session_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def store_prefix_pages(self, page_hashes: Sequence[PageHash], cache_salt: str) -> int:
+        """How many leading pages of ``page_hashes`` the KV store holds for ``cache_salt``'s tenant; 0 without one.
+
+        Blocks on the store (run it with ``asyncio.to_thread``); a store
+        failure raises, for the caller to weigh.
+        """
+        connector = self._engine.kv_connector
+        return connector.longest_prefix(page_hashes, cache_salt) if connector is not None else 0
 
     def stats(self) -> dict[str, Any]:
         """The latest load and session-hold figures and recently cached page hashes (16 hex chars each)."""

@@ -9,6 +9,10 @@ Forks (parallel sampling) share every page. Full pages are immutable; the
 partial last page is copied on the first write by a sibling that does not
 own it alone (copy-on-write), and the copy is queued for the model runner.
 
+A sequence's page hashes are computed once and kept on it
+(``Sequence.page_hashes``): only pages past those it already has are hashed
+here, so a prompt whose hashes arrived with the request is never hashed again.
+
 Pages held for idle sessions (``session_holds.py``) are not free. When an
 allocation falls short, the ``reclaim`` hook releases holds and the
 allocation is tried once more, before the scheduler resorts to preemption.
@@ -17,6 +21,7 @@ allocation is tried once more, before the scheduler resorts to preemption.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from .page_hash import PageHash, hash_pages
 from .page_pool import Page, PagePool
@@ -25,6 +30,15 @@ from .sequence import Sequence
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
+
+
+def check_known_hashes(known: Seq[PageHash], num_tokens: int, page_size: int) -> None:
+    """Raise ``ValueError`` when precomputed page hashes name more pages than the prompt fills."""
+    if len(known) > num_tokens // page_size:
+        raise ValueError(
+            f"page_hashes has {len(known)} entries; the prompt of {num_tokens} tokens fills "
+            f"{num_tokens // page_size} pages of {page_size}"
+        )
 
 
 class KVCacheManager:
@@ -45,6 +59,26 @@ class KVCacheManager:
         """``seq``'s page hashes, extended to cover the full pages among its first ``num_tokens`` tokens."""
         self._hash_full_pages(seq, num_tokens)
         return seq.page_hashes
+
+    def computed_hashes(self, seq: Sequence) -> list[PageHash]:
+        """The hashes of the full pages among ``seq``'s computed tokens."""
+        num_full = seq.num_computed_tokens // self.page_size
+        return self.hash_prefix(seq, num_full * self.page_size)[:num_full]
+
+    def prompt_hashes(self, token_ids: Seq[int], cache_salt: str = "", known: Seq[PageHash] = ()) -> list[PageHash]:
+        """The hashes of a prompt's pages that a prefix match may serve (all but the always-computed last token).
+
+        ``known``: hashes of the prompt's first pages, already computed
+        (trusted as they are); only the pages beyond them are hashed here.
+        """
+        check_known_hashes(known, len(token_ids), self.page_size)
+        usable = (len(token_ids) - 1) // self.page_size
+        hashes = list(known[:usable])
+        if len(hashes) < usable:
+            parent = hashes[-1] if hashes else None
+            rest = list(token_ids[len(hashes) * self.page_size : usable * self.page_size])
+            hashes.extend(hash_pages(rest, self.page_size, self.model_id, cache_salt, parent))
+        return hashes
 
     def _hash_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.page_hashes`` to cover the full pages among its first ``num_tokens`` tokens."""

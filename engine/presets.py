@@ -73,6 +73,16 @@ def preset_dir(name: str, root: Path | None = None) -> Path:
     return target
 
 
+def resolve_model_dir(model: str | Path) -> Path:
+    """The directory of a preset name (built on first use) or of a Hugging Face model; ValueError for neither."""
+    if isinstance(model, str) and model in PRESETS:
+        return preset_dir(model)
+    directory = Path(model)
+    if not directory.is_dir():
+        raise ValueError(f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    return directory
+
+
 def preset_config(preset: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from .sampling_params import SamplingParams
-from .sequence import TokenLogprob
+from .sequence import Sequence, TokenLogprob
 
 
 def _filter(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
@@ -82,3 +82,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int
         )
         for i in range(len(token_ids))
     ]
+
+
+def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per sequence (row of ``logits``), with its logprobs where the sequence asked for them."""
+    tokens = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+    wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
+    if not any(wants_logprobs):
+        return tokens, [None] * len(seqs)
+    logprobs = compute_logprobs(logits, tokens, [seq.params.logprobs or 0 for seq in seqs])
+    return tokens, [logprob if wants else None for logprob, wants in zip(logprobs, wants_logprobs)]

@@ -63,6 +63,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def load_stats(self) -> dict[str, int]:
+        """What a router weighs: queued prompt tokens, running sequences, free and total pages."""
+        return {
+            "queued_prompt_tokens": sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+            + sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in self.running),
+            "running_seqs": len(self.running),
+            "waiting_seqs": len(self.waiting),
+            "max_num_seqs": self.config.max_num_seqs,
+            "free_pages": self.kv_cache.num_free_pages,
+            "total_pages": self.kv_cache.pool.num_pages,
+        }
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -51,6 +51,8 @@ class Sequence:
     # Of those, tokens whose pages were loaded from the KV store at arrival.
     num_loaded_prompt_tokens: int = 0
     pages: list[Page] = field(default_factory=list)
+    # Hashes of the leading full pages, in order: seeded at arrival when the serving layer
+    # computed the prompt's (``LLMEngine.add_request(page_hashes=...)``), extended as pages fill.
     page_hashes: list[PageHash] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None

@@ -1,11 +1,11 @@
 """The Triton backend: ``KernelBackend`` ops launched as Triton kernels.
 
 Each op is a small wrapper that checks shapes, reads strides, picks block
-sizes and launches one kernel from ``triton_kernels``. Runs natively on CUDA
-and ROCm, and on CPU tensors under the Triton interpreter
-(``TRITON_INTERPRET=1``, set before import). float32 matmuls use
-``input_precision="ieee"``: TF32 would lose the agreement with the reference
-backend that the tests check. Constructing ``TritonBackend`` without Triton
+sizes and launches one kernel from ``triton_kernels`` (attention:
+``triton_attention``). Runs natively on CUDA and ROCm, and on CPU tensors
+under the Triton interpreter (``TRITON_INTERPRET=1``, set before import).
+float32 matmuls use ``input_precision="ieee"``: TF32 would lose the agreement
+with the reference backend that the tests check. Constructing ``TritonBackend`` without Triton
 raises a clear ``RuntimeError``.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import triton_attention as ta
 from . import triton_kernels as tk
 from .backend import DecodeBatch, KernelBackend, PrefillBatch
 
@@ -51,8 +52,8 @@ def _check_kv_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if head_dim < tk.MIN_DOT_SIZE or head_dim & (head_dim - 1):
-        raise ValueError(f"attention head_dim must be a power of two >= {tk.MIN_DOT_SIZE}, got {head_dim}")
+    if head_dim < ta.MIN_DOT_SIZE or head_dim & (head_dim - 1):
+        raise ValueError(f"attention head_dim must be a power of two >= {ta.MIN_DOT_SIZE}, got {head_dim}")
 
 
 def _check_pages(kv_cache: torch.Tensor, pages: torch.Tensor, num_pages: int) -> int:
@@ -206,14 +207,14 @@ class TritonBackend(KernelBackend):
             return out
         on_gpu = query.device.type == "cuda"
         page_table = batch.page_table
-        tk.decode_attention_kernel[(num_seqs, num_kv_heads)](
+        ta.decode_attention_kernel[(num_seqs, num_kv_heads)](
             query,
             key_cache,
             value_cache,
             out,
             page_table,
             batch.seq_lens,
-            scale * tk.LOG2_E,
+            scale * ta.LOG2_E,
             *query.stride(),
             out.stride(0),
             out.stride(1),
@@ -222,7 +223,7 @@ class TritonBackend(KernelBackend):
             page_size,
             QUERIES_PER_KV=queries_per_kv,
             HEAD_DIM=head_dim,
-            BLOCK_GROUP=max(tk.MIN_DOT_SIZE, _next_power_of_2(queries_per_kv)),
+            BLOCK_GROUP=max(ta.MIN_DOT_SIZE, _next_power_of_2(queries_per_kv)),
             BLOCK_KEYS=64 if on_gpu else 16,
             DOT_PRECISION=_dot_precision(query.dtype),
         )
@@ -248,7 +249,7 @@ class TritonBackend(KernelBackend):
         block_queries, block_keys = _prefill_blocks(query)
         grid = (num_seqs, _cdiv(batch.max_query_len, block_queries), num_heads)
         page_table = batch.page_table
-        tk.prefill_attention_kernel[grid](
+        ta.prefill_attention_kernel[grid](
             query,
             key_cache,
             value_cache,
@@ -256,7 +257,7 @@ class TritonBackend(KernelBackend):
             page_table,
             batch.query_start_loc,
             batch.context_lens,
-            scale * tk.LOG2_E,
+            scale * ta.LOG2_E,
             *query.stride(),
             out.stride(0),
             out.stride(1),

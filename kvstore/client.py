@@ -10,7 +10,8 @@ into its own segment directly, into another owner's through that owner's UCX
 server (so owners see every write to their memory) — and commits. A get asks
 for replica locations under a read lease and reads from the nearest: its own
 segment, a same-node segment straight out of shared memory, or over UCX.
-``transport="ucx"`` forces UCX for everything not in the client's own segment.
+``transport="ucx"`` forces UCX for everything not in the client's own segment
+(``transports``); the read path itself is ``reader``'s.
 
 A heartbeat thread keeps the segment registered; when the master's epoch
 changes (it restarted), the client fetches the store secret again, registers
@@ -27,41 +28,28 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 
-from .access import ReadGrant, SegmentGate, WriteGrant
+from .access import SegmentGate, WriteGrant
+from .bytes_view import as_bytes_view
 from .connection import MasterConnection, RayMaster, RemoteClient, RemoteServer, WriteCallback
 from .held_index import HeldIndex
-from .landing import Targets, copy_out
-from .master_state import Location, parse_address
-from .master_types import PutStart
+from .master_types import Location, PutStart
 from .metrics import KVMetrics
-from .segment import Segment, as_bytes_view, cleanup_stale_segments, owner_alive
-from .ucx_transport import PeerUnreachable, TransportError, UcxClient, UcxServer, init_ucx
+from .peers import PeerDirectory
+from .reader import Reader
+from .segment import Segment, cleanup_stale_segments
+from .transports import TRANSPORTS
+from .ucx_transport import TransportError, UcxClient, UcxServer, init_ucx
 
 ServerFactory = Callable[[memoryview, WriteCallback, SegmentGate], RemoteServer]
 
 logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "ucx")
-# A segment whose owner could not be reached is not asked again for this long (the master drops a
-# silent owner's segment within its heartbeat timeout): each try would cost a connect timeout.
-UNREACHABLE_REST_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Peer:
-    node_id: str
-    shm_name: str
-    ucx_address: tuple[str, int] | None
 
 
 class KVStoreClient:
@@ -80,7 +68,7 @@ class KVStoreClient:
     ) -> None:
         """Production callers use ``connect``; the factories exist so unit tests can run in one process."""
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            raise ValueError(f"transport must be one of {tuple(TRANSPORTS.names())}, got {transport!r}")
         self.master = master
         self.segment = segment
         self.tenant = tenant
@@ -94,9 +82,12 @@ class KVStoreClient:
         self._server = make_server(segment.buffer, self._on_remote_write, self.gate)
         self.ucx_address = self._server.start()
         self._remote: RemoteClient = remote_client or UcxClient(auth=master.auth)
-        self._peers: dict[str, _Peer] = {}
-        self._unreachable: dict[str, float] = {}  # segment id -> monotonic time to try it again
-        self._attached: dict[str, Segment] = {}
+        self._peers = PeerDirectory(master)
+        chosen = TRANSPORTS.create(transport, master, node_id)
+        self._attached = chosen.attached  # other owners' segments mapped here: closed with the client
+        self._reader = Reader(
+            master, segment, self.segment_id, node_id, self._peers, chosen, self._remote, self.metrics
+        )
         self._page_bytes = page_bytes
         self._epoch = self._register()
         self._stop = threading.Event()
@@ -182,13 +173,6 @@ class KVStoreClient:
             self.held.record(key, tenant, offset, num_bytes)
         self.metrics.bytes_in(sum(n for _, n in ranges))
 
-    def _peer(self, segment_id: str) -> _Peer | None:
-        if segment_id not in self._peers:
-            directory = self.master.call("segment_directory")
-            for sid, info in directory.items():
-                self._peers[sid] = _Peer(info["node_id"], info["shm_name"], parse_address(info["ucx_address"]))
-        return self._peers.get(segment_id)
-
     def _tenant(self, tenant: str | None) -> str:
         """The tenant a call acts for: the one it names, else (None or "") the client's own."""
         return tenant or self.tenant
@@ -259,7 +243,7 @@ class KVStoreClient:
                 self.segment.write(location.offset, views[i])
                 self.held.record(key, tenant, location.offset, location.num_bytes)
             return
-        peer = self._peer(segment_id)
+        peer = self._peers.get(segment_id)
         if peer is None or peer.ucx_address is None:
             raise TransportError(f"segment {segment_id} is unknown or has no UCX address")
         ranges = [(location.offset, location.num_bytes) for _, location in items]
@@ -274,10 +258,7 @@ class KVStoreClient:
     def get_batch(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bytes | None]:
         """The values of ``tenant``'s objects (default: the client's); None for a miss."""
         _check_keys(keys)
-        located = self._locate(keys, tenant)
-        buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
-        landed = self._read(keys, tenant, located, Targets(buffers, len(keys)))
-        return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
+        return self._reader.get_batch(keys, self._tenant(tenant))
 
     def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str | None = None) -> list[bool]:
         """Land each of ``tenant``'s objects (default: the client's) in the caller's buffer; False for a miss.
@@ -288,115 +269,7 @@ class KVStoreClient:
         for large batches).
         """
         _check_keys(keys)
-        targets = Targets(buffers, len(keys))
-        located = self._locate(keys, tenant)
-        best = located.best
-        wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
-        if wrong.size:
-            i = int(wrong[0])
-            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
-        return self._read(keys, tenant, located, targets)
-
-    def _locate(self, keys: Sequence[bytes], tenant: str | None) -> _Located:
-        segment_ids, best, more, grants = self.master.call(
-            "get_locations", list(keys), self.node_id, self._tenant(tenant)
-        )
-        rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
-        read_grants = [ReadGrant.from_wire(grant) for grant in grants]
-        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, read_grants)
-
-    def _read(self, keys: Sequence[bytes], tenant: str | None, located: _Located, targets: Targets) -> list[bool]:
-        """Land every object the master located; asks once more, for what is left, when the attempts outlived
-        the grants (a dead owner costs a connect timeout), so the other replicas are read under fresh ones."""
-        done = np.zeros(len(keys), dtype=bool)
-        self._read_replicas(located, targets, done)
-        if not done.all() and located.expired() and (located.best[~done, 0] >= 0).any():
-            self._read_replicas(self._locate(keys, tenant), targets, done)
-        return done.tolist()
-
-    def _read_replicas(self, located: _Located, targets: Targets, done: np.ndarray) -> None:
-        """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
-        attempt.
-
-        The first attempt (every key's best replica) is grouped and
-        coalesced with numpy, so a thousand-page batch costs a few
-        Python-level steps, not a thousand.
-        """
-        best = located.best
-        segments = np.where(done, -1, best[:, 0])
-        for segment_index in np.unique(segments[segments >= 0]).tolist():
-            indices = np.flatnonzero(segments == segment_index)
-            if self._read_segment(located, segment_index, best[indices, 1:], indices, targets):
-                done[indices] = True
-        column = 0  # where the attempt's replica sits in ``located.more`` entries
-        while True:
-            by_segment: dict[int, list[int]] = defaultdict(list)
-            for i, entry in located.more.items():
-                if not done[i] and column < len(entry):
-                    by_segment[entry[column]].append(i)
-            if not by_segment:
-                return
-            for segment_index, retry in by_segment.items():
-                ranges = np.array([located.more[i][column + 1 : column + 3] for i in retry], dtype=np.int64)
-                indices = np.array(retry, dtype=np.int64)
-                if self._read_segment(located, segment_index, ranges, indices, targets):
-                    done[indices] = True
-            column += 3
-
-    def _read_segment(
-        self, located: _Located, segment_index: int, ranges: np.ndarray, indices: np.ndarray, targets: Targets
-    ) -> bool:
-        """Land ``ranges`` ([n, 2] offset, num_bytes) of one segment in the targets ``indices``.
-
-        False if that segment cannot serve them.
-        """
-        segment_id = located.segment_ids[segment_index]
-        num_bytes = int(ranges[:, 1].sum())
-        if self._unreachable.get(segment_id, 0.0) > time.monotonic():
-            return False
-        try:
-            if not np.array_equal(ranges[:, 1], targets.sizes[indices]):
-                raise ValueError("a replica's size differs from its buffer's")
-            if segment_id == self.segment_id:
-                copy_out(self.segment, ranges, targets.addresses[indices])
-                return True
-            peer = self._peer(segment_id)
-            if peer is None:
-                return False
-            if self.transport == "auto" and peer.node_id == self.node_id:
-                shared = self._attach(segment_id, peer)
-                if shared is not None:
-                    copy_out(shared, ranges, targets.addresses[indices])
-                    self.metrics.bytes_in(num_bytes)
-                    return True
-            if peer.ucx_address is None:
-                return False
-            pairs = [(offset, size) for offset, size in ranges.tolist()]
-            grant = located.grants[segment_index]
-            self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
-            self.metrics.bytes_in(num_bytes)
-            return True
-        except PeerUnreachable as err:
-            logger.warning(
-                "kv read from segment %s failed, not asking it for %.0f s: %s", segment_id, UNREACHABLE_REST_S, err
-            )
-            now_s = time.monotonic()
-            self._unreachable = {sid: until_s for sid, until_s in self._unreachable.items() if until_s > now_s}
-            self._unreachable[segment_id] = now_s + UNREACHABLE_REST_S
-            return False
-        except (TransportError, OSError, ValueError) as err:
-            logger.warning("kv read from segment %s failed: %s", segment_id, err)
-            return False
-
-    def _attach(self, segment_id: str, peer: _Peer) -> Segment | None:
-        """The peer's shared memory, if its owner process is alive (a dead owner's pages are lost)."""
-        if not owner_alive(peer.shm_name):
-            self._attached.pop(segment_id, None)
-            self.master.notify("drop_segment", segment_id)
-            return None
-        if segment_id not in self._attached:
-            self._attached[segment_id] = Segment.attach(peer.shm_name)
-        return self._attached[segment_id]
+        return self._reader.get_into(keys, buffers, self._tenant(tenant))
 
     # -- the rest ---------------------------------------------------------
 
@@ -457,20 +330,6 @@ class KVStoreClient:
                 segment.close()
             except BufferError as err:  # a caller still holds a view: unmapped when it is dropped
                 logger.debug("kv segment close deferred: %s", err)
-
-
-@dataclass(frozen=True, slots=True)
-class _Located:
-    """The master's answer for a batch: see ``KVMaster.get_locations``."""
-
-    segment_ids: list[str]
-    best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
-    more: dict[int, list[int]]  # key index -> further replicas, flat triples
-    grants: list[ReadGrant]  # per segment index: the read grant for its ranges
-
-    def expired(self) -> bool:
-        """Whether a grant of this answer has run out (its leases are then about to)."""
-        return any(grant.expires_at < time.time() for grant in self.grants)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:

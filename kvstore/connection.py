@@ -20,9 +20,9 @@ import numpy as np
 import ray
 
 from .access import AccessDenied, ReadGrant, SegmentGate, StoreAuth, WriteGrant
+from .bytes_view import as_bytes_view
 from .master import KVMaster
 from .master_lookup import LOOKUP_METHODS, LookupClient, LookupFailed
-from .segment import as_bytes_view
 from .ucx_transport import PeerUnreachable, TransportError
 
 Address = tuple[str, int]

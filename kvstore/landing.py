@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .segment import Segment, as_writable_view
+from .bytes_view import as_writable_view
+from .segment import Segment
 
 _PARALLEL_COPY_BYTES = 4 << 20  # runs at least this long are split across two threads
 _copy_pool: ThreadPoolExecutor | None = None

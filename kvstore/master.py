@@ -22,8 +22,8 @@ import ray
 
 from .access import StoreAuth, new_secret
 from .master_lookup import LookupServer
-from .master_state import MasterConfig, MasterState
-from .master_types import PutStart
+from .master_state import MasterState
+from .master_types import MasterConfig, PutStart
 from .metrics import MasterMetrics
 
 logger = logging.getLogger(__name__)

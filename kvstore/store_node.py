@@ -15,6 +15,7 @@ import ray
 from .client import KVStoreClient
 from .master import start_master
 from .master_types import MasterConfig
+from .settings import StoreMembership
 
 
 class KVStoreNode:
@@ -57,30 +58,37 @@ def start_store_nodes(
     return nodes
 
 
-def join_store(settings: Mapping[str, Any], segment_bytes: int | None = None) -> KVStoreClient:
-    """Start the store's master if nobody has yet, then join the store with a segment.
+def join_store(membership: StoreMembership, segment_bytes: int | None = None) -> KVStoreClient:
+    """Start the store's master if nobody has yet, then join the store with a segment (of the configured
+    size unless ``segment_bytes`` is given).
 
-    ``settings``: ``{"master": start_master kwargs (name, namespace, snapshot_dir,
-    high_watermark, low_watermark), "connect": KVStoreClient.connect kwargs}``.
     Every worker calls this, so whichever starts first creates the (detached,
     restartable) master and the order in which pools start does not matter.
     """
-    master = dict(settings["master"])
-    config = MasterConfig(
-        high_watermark=master.pop("high_watermark", 0.9), low_watermark=master.pop("low_watermark", 0.8)
+    store = membership.store
+    start_master(
+        name=store.master_name,
+        namespace=membership.namespace,
+        snapshot_dir=store.snapshot_dir,
+        snapshot_interval_s=store.snapshot_interval_s,
+        config=MasterConfig(high_watermark=store.high_watermark, low_watermark=store.low_watermark),
     )
-    start_master(config=config, **master)
-    connect = dict(settings["connect"])
-    if segment_bytes is not None:
-        connect["segment_bytes"] = segment_bytes
-    return KVStoreClient.connect(**connect)
+    return KVStoreClient.connect(
+        master_name=store.master_name,
+        segment_bytes=store.segment_bytes if segment_bytes is None else segment_bytes,
+        tenant=membership.tenant,
+        namespace=membership.namespace,
+        transport=store.transport,
+        ucx_port=store.ucx.port,
+        ucx_config=store.ucx_config() or None,
+    )
 
 
 class StoreNodeReplica:
     """A store node as a Ray Serve deployment body: Serve keeps the configured count alive."""
 
-    def __init__(self, settings: Mapping[str, Any], segment_bytes: int) -> None:
-        self.client = join_store(settings, segment_bytes)
+    def __init__(self, membership: StoreMembership, segment_bytes: int) -> None:
+        self.client = join_store(membership, segment_bytes)
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "segment_id": self.client.segment_id, "held_objects": len(self.client.held)}

@@ -22,7 +22,7 @@ import numpy as np
 
 from rayturn.kvstore import wire
 from rayturn.kvstore.access import AccessDenied, ReadGrant, StoreAuth, WriteGrant
-from rayturn.kvstore.segment import as_bytes_view, as_writable_view
+from rayturn.kvstore.bytes_view import as_bytes_view, as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
     UNPARSED_REQUEST_ID,

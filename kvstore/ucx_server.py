@@ -53,7 +53,7 @@ import numpy as np
 
 from rayturn.kvstore import wire
 from rayturn.kvstore.access import HANDSHAKE_TIMEOUT_S, AccessDenied, ReadGrant, SegmentGate, WriteGrant, refused_peer
-from rayturn.kvstore.segment import as_writable_view
+from rayturn.kvstore.bytes_view import as_writable_view
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
     UNPARSED_REQUEST_ID,

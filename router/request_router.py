@@ -16,10 +16,13 @@ report ``ReplicaStats``)::
         def record_routing_stats(self) -> dict:  # called by Serve every period
             return ReplicaStats(...).to_dict()
 
-Routing hints. The caller passes one mapping as the first positional argument
-(or as the keyword ``request``), e.g. ``handle.generate.remote(request)``:
+Routing hints. rayturn's own calls carry them typed: the first positional
+argument (or the keyword ``request``) is a ``rayturn.messages.Call`` (its
+session, page hashes and prompt length) or a ``SessionAnnouncement`` (a
+prewarm). Other deployments may pass one mapping instead, e.g.
+``handle.generate.remote(request)``:
 
-    session_id: str | None    the session (see ``rayturn.router.session``); when
+    session_id: str | None    the session (see ``rayturn.api.session``); when
                               absent, the handle's own session id is used
                               (``handle.options(session_id=...)``, or the
                               ``x-session-id`` header of a call that came in
@@ -65,9 +68,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from rayturn.router.scoring import ReplicaStats, ScoringWeights, following_replicas, scored_replicas
+from rayturn.messages import Call, SessionAnnouncement
+from rayturn.router.scoring import (
+    ReplicaStats,
+    ScoringWeights,
+    following_replicas,
+    page_hash_key,
+    scored_replicas,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +102,19 @@ class RoutingHints:
         request: object = (
             pending_request.args[0] if pending_request.args else pending_request.kwargs.get(REQUEST_KEYWORD)
         )
-        hints = cls.from_request(request) if isinstance(request, Mapping) else cls()
+        if isinstance(request, Call):
+            hints = cls.from_call(request)
+        elif isinstance(request, SessionAnnouncement):
+            hints = cls(session_id=request.session_id, prewarm=True)
+        else:
+            hints = cls.from_request(request) if isinstance(request, Mapping) else cls()
         if hints.session_id is None and pending_request.metadata.session_id:
             hints = replace(hints, session_id=pending_request.metadata.session_id)
         return hints
+
+    @classmethod
+    def from_call(cls, call: Call) -> RoutingHints:
+        return cls(call.session_id, tuple(page_hash_key(h) for h in call.page_hashes), call.prompt_tokens)
 
     @classmethod
     def from_request(cls, request: Mapping[str, Any]) -> RoutingHints:
@@ -114,6 +135,14 @@ class RoutingHints:
             logger.debug("Ignoring malformed routing hints (keys: %s).", sorted(map(str, request)))
             return cls()
         return cls(session_id or None, tuple(page_hashes), prompt_tokens, store_prefix_pages, prewarm)
+
+
+def serve_replica_id() -> str | None:
+    """This process's Serve replica id (what routers rank replicas by), or None outside a replica."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
 
 
 def _is_count(value: object) -> bool:

@@ -125,6 +125,19 @@ class ReplicaStats:
         }
 
 
+# Outside Serve (tests, a replica built by hand) a replica reports under this id; Serve's own id wins.
+UNSERVED_REPLICA_ID = "unserved"
+
+
+def routing_report(
+    engine_stats: Mapping[str, Any], replica_id: str | None, sessions: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """What a replica's ``record_routing_stats`` returns: its engine's figures as ``ReplicaStats``, checked
+    here, in the plain form Serve ships to every router (which reads them back with ``from_dict``)."""
+    data = {**engine_stats, "sessions": dict(sessions or {})}
+    return ReplicaStats.from_dict(data, replica_id=replica_id or UNSERVED_REPLICA_ID).to_dict()
+
+
 def _int_field(data: Mapping[str, Any], name: str) -> int:
     if name not in data:
         raise ValueError(f"replica stats lack {name!r}")

@@ -11,27 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import pairwise
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from rayturn.cluster import cli
-from rayturn.cluster.cli import load_bench, main
+from rayturn.cli import main
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.tokenizer import Tokenizer
-
-bench: ModuleType = load_bench()
+from rayturn.replay.agent_client import CallSample
+from rayturn.replay.agent_report import compare, summarize
+from rayturn.replay.agent_sessions import make_shape, parse_args
+from rayturn.replay.agent_workload import make_workload
+from rayturn.replay.harness import percentile
 
 
 @pytest.fixture(scope="module")
 def quick_shape() -> Any:
-    return bench.make_shape(bench.parse_args(["--quick"]))
+    return make_shape(parse_args(["--quick"]))
 
 
 def calls_of(shape: Any, seed: int = 0) -> list[list[Any]]:
-    return bench.make_workload(shape, seed)
+    return make_workload(shape, seed)
 
 
 def test_quick_shape_is_small_and_scaled_to_the_tiny_context(quick_shape: Any) -> None:
@@ -120,19 +120,19 @@ def test_a_full_context_is_compacted_to_the_prefix_and_a_summary(quick_shape: An
 
 
 def sample(session: str, ttft_s: float, **fields: Any) -> Any:
-    return bench.CallSample(session, ok=True, ttft_s=ttft_s, **fields)
+    return CallSample(session, ok=True, ttft_s=ttft_s, **fields)
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:
     values = [float(v) for v in range(1, 101)]  # 1..100
-    assert bench.percentile(values, 50) == pytest.approx(50.5)
-    assert bench.percentile(values, 99) == pytest.approx(99.01)
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 100.0
-    assert bench.percentile([3.0], 99) == 3.0
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)  # unordered input
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)  # unordered input
     with pytest.raises(ValueError):
-        bench.percentile([], 50)
+        percentile([], 50)
 
 
 def test_summary_of_synthetic_calls() -> None:
@@ -142,12 +142,12 @@ def test_summary_of_synthetic_calls() -> None:
         for ms in range(1, 101)
     ]  # fmt: skip
     samples.append(sample("b", ttft_s=0.5, prompt_tokens=100, cached_tokens=0, completion_tokens=8, replica="r1"))
-    samples.append(bench.CallSample("b", ok=False, error="APIConnectionError: refused"))
-    summary = bench.summarize(samples, wall_s=2.0)
+    samples.append(CallSample("b", ok=False, error="APIConnectionError: refused"))
+    summary = summarize(samples, wall_s=2.0)
     assert summary["calls"] == 102
     assert summary["failures"] == 1
     ttfts = [ms / 1000 for ms in range(1, 101)] + [0.5]
-    assert summary["ttft_p50_s"] == pytest.approx(bench.percentile(ttfts, 50), abs=1e-5)
+    assert summary["ttft_p50_s"] == pytest.approx(percentile(ttfts, 50), abs=1e-5)
     assert summary["ttft_p50_s"] == pytest.approx(0.051)
     assert summary["ttft_p99_s"] == pytest.approx(0.1)  # rank 99 of 0..100: the 100th smallest
     assert summary["itl_p50_s"] == pytest.approx(0.02)  # 100 gaps of 10 ms and 100 of 30 ms
@@ -160,7 +160,7 @@ def test_summary_of_synthetic_calls() -> None:
 
 
 def test_summary_without_successful_calls_has_no_percentiles() -> None:
-    summary = bench.summarize([bench.CallSample("a", ok=False, error="x")], wall_s=1.0)
+    summary = summarize([CallSample("a", ok=False, error="x")], wall_s=1.0)
     assert summary["failures"] == 1
     assert summary["ttft_p99_s"] is None
     assert summary["cached_token_fraction"] is None
@@ -170,7 +170,7 @@ def test_summary_without_successful_calls_has_no_percentiles() -> None:
 def test_ratios_divide_rayturn_by_the_baseline() -> None:
     ours = {"ttft_p50_s": 0.1, "ttft_p99_s": 0.3, "itl_p50_s": 0.02, "itl_p99_s": None, "output_tok_s": 120.0}
     theirs = {"ttft_p50_s": 0.2, "ttft_p99_s": 0.6, "itl_p50_s": 0.0, "itl_p99_s": 0.1, "output_tok_s": 100.0}
-    assert bench.compare(ours, theirs) == {
+    assert compare(ours, theirs) == {
         "ttft_p50_ratio_vs_baseline": 0.5,
         "ttft_p99_ratio_vs_baseline": 0.5,
         "itl_p50_ratio_vs_baseline": None,  # nothing to divide by
@@ -186,15 +186,3 @@ def test_rayturn_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert out.startswith("usage: rayturn bench")
     assert "--quick" in out
-
-
-def test_rayturn_bench_outside_a_source_checkout_names_the_missing_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    missing = tmp_path / "site-packages" / "bench" / "agent_sessions.py"
-    with pytest.raises(FileNotFoundError, match="source checkout"):
-        load_bench(missing)
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", missing)
-    assert main(["bench", "--quick"]) == 2
-    err = capsys.readouterr().err
-    assert str(missing) in err and "source checkout" in err

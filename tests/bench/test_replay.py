@@ -8,8 +8,9 @@ page size is 4, so every expected number can be worked out by hand.
 from __future__ import annotations
 
 import asyncio
-import importlib
+import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -17,12 +18,21 @@ from typing import Any
 
 import pytest
 
-from rayturn.cluster.cli import REPLAY_MODULE, REPLAY_SCRIPT, load_bench, main
+from rayturn.cli import main
+from rayturn.replay import cli as replay
+from rayturn.replay import driver
+from rayturn.replay.kv_demand import auto_device_pages, busiest_pages, kv_demand_pages
+from rayturn.replay.model import model_vocabulary, with_context
+from rayturn.replay.plans import PlannedCall, plan_conversation
+from rayturn.replay.records import CallRecord, SessionView, parse_session_header
+from rayturn.replay.report import markdown, write_plots
+from rayturn.replay.scaling import Scale, auto_token_scale, block_tokens, call_tokens, fit_to_context
+from rayturn.replay.summaries import compare, lifecycle_figures, prefix_bound, summarize, targets
+from rayturn.replay.synthesis import TokenSynthesizer, prompts
+from rayturn.replay.traces import Call, Conversation
+from rayturn.replay.workload import TracedConversation, pick_conversations, read_traces
 
-replay: ModuleType = load_bench(REPLAY_SCRIPT, REPLAY_MODULE)
-workload: ModuleType = importlib.import_module("replay_workload")
-report: ModuleType = importlib.import_module("replay_report")
-driver: ModuleType = importlib.import_module("replay_driver")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 VOCAB = tuple(range(50))
 PAGE = 4
@@ -79,12 +89,12 @@ def two_conversations(folder: Path) -> list[Any]:
         ],
     )
     weka_file(folder, "conv_b", [request(0.0, [1, 5], text=True), request(50.0, [1, 5, 6], text=True)])
-    return workload.read_traces([folder])
+    return read_traces([folder])
 
 
 def plan(item: Any, scale: float = SCALE, time_scale: float = 0.5, seed: int = 0) -> Any:
-    synthesizer = workload.TokenSynthesizer(VOCAB, seed=seed)
-    return workload.plan_conversation(item, synthesizer, workload.Scale(scale, time_scale))
+    synthesizer = TokenSynthesizer(VOCAB, seed=seed)
+    return plan_conversation(item, synthesizer, Scale(scale, time_scale))
 
 
 def blocks(token_ids: tuple[int, ...], size: int = PAGE) -> list[tuple[int, ...]]:
@@ -117,18 +127,18 @@ def test_synthesis_is_a_function_of_the_seed(tmp_path: Path) -> None:
 
 
 def test_longer_prefixes_extend_shorter_ones() -> None:
-    synthesizer = workload.TokenSynthesizer(VOCAB, seed=1)
+    synthesizer = TokenSynthesizer(VOCAB, seed=1)
     short = synthesizer.prefix(5)
     long = synthesizer.prefix(40)
     assert long[:5] == short
-    assert workload.TokenSynthesizer(VOCAB, seed=1).prefix(40) == long
+    assert TokenSynthesizer(VOCAB, seed=1).prefix(40) == long
 
 
 def test_subagents_share_their_parents_hash_ids(tmp_path: Path) -> None:
     sub = {"t": 30.0, "type": "subagent", "agent_id": "agent_1", "duration_ms": 15_000, "requests": [
         request(0.0, [1, 7], text=True), request(5.0, [1, 7, 8], stop="end_turn")]}  # fmt: skip
     weka_file(tmp_path, "conv", [request(0.0, [1, 2], text=True), sub, request(40.0, [1, 2, 3])])
-    (item,) = workload.read_traces([tmp_path])
+    (item,) = read_traces([tmp_path])
     conversation_plan = plan(item)
     (agent,) = conversation_plan.subagents
     main_first = blocks(conversation_plan.main.calls[0].token_ids)
@@ -138,32 +148,32 @@ def test_subagents_share_their_parents_hash_ids(tmp_path: Path) -> None:
 
 
 def test_calls_without_hash_ids_reuse_the_previous_prompt(tmp_path: Path) -> None:
-    conversation = workload.Conversation("tl", "tracelab", (
-        workload.Call(0.0, 160, 16, "user", prefix_tokens=0),
-        workload.Call(5.0, 320, 16, "tool_continuation", prefix_tokens=160),
+    conversation = Conversation("tl", "tracelab", (
+        Call(0.0, 160, 16, "user", prefix_tokens=0),
+        Call(5.0, 320, 16, "tool_continuation", prefix_tokens=160),
     ))  # fmt: skip
-    item = workload.TracedConversation(conversation, shared_prefix_tokens=64)
-    first, second = workload.prompts(item, workload.TokenSynthesizer(VOCAB), SCALE)
+    item = TracedConversation(conversation, shared_prefix_tokens=64)
+    first, second = prompts(item, TokenSynthesizer(VOCAB), SCALE)
     assert len(first) == 4 + 10 and len(second) == 4 + 20
     assert second[:14] == first  # the prefix, then the 10 reused tokens
     assert second[14:] != first[4:]
 
 
 def test_the_models_vocabulary_leaves_out_special_tokens() -> None:
-    vocabulary = workload.model_vocabulary("tiny")
+    vocabulary = model_vocabulary("tiny")
     assert vocabulary.token_ids == tuple(range(256))  # the byte tokens; 256.. are control tokens
     assert vocabulary.context_tokens == 4096
-    assert workload.model_vocabulary("tiny", max_model_len=1024).context_tokens == 1024
+    assert model_vocabulary("tiny", max_model_len=1024).context_tokens == 1024
 
 
 # -- scaling ------------------------------------------------------------------
 
 
 def test_scaled_counts_never_reach_zero() -> None:
-    assert workload.block_tokens(64, 1 / 64) == 1
-    assert workload.block_tokens(64, 1 / 16) == 4
-    assert workload.block_tokens(64, 1 / 1000) == 1
-    scale = workload.Scale(1 / 64, 1 / 60)
+    assert block_tokens(64, 1 / 64) == 1
+    assert block_tokens(64, 1 / 16) == 4
+    assert block_tokens(64, 1 / 1000) == 1
+    scale = Scale(1 / 64, 1 / 60)
     assert scale.tokens(0) == 1 and scale.tokens(640) == 10
     assert scale.seconds(120.0) == pytest.approx(2.0) and scale.seconds(-3.0) == 0.0
 
@@ -178,12 +188,12 @@ def test_output_and_gaps_scale(tmp_path: Path) -> None:
 
 def test_auto_token_scale_fits_the_longest_call(tmp_path: Path) -> None:
     weka_file(tmp_path, "c", [request(0.0, list(range(1, 11)), text=True, out=640)], prefix_tokens=1280)
-    traced = workload.read_traces([tmp_path])
+    traced = read_traces([tmp_path])
     # At 1/n: round(1280/n) + 10 * round(64/n) + round(640/n) tokens must fit 0.9 * 512 = 460.8.
-    assert workload.auto_token_scale(traced, 512) == pytest.approx(1 / 6)  # 213 + 110 + 107 = 430
-    assert workload.call_tokens(traced[0], traced[0].conversation.calls[0], 1 / 5) == 256 + 130 + 128  # 514: too long
+    assert auto_token_scale(traced, 512) == pytest.approx(1 / 6)  # 213 + 110 + 107 = 430
+    assert call_tokens(traced[0], traced[0].conversation.calls[0], 1 / 5) == 256 + 130 + 128  # 514: too long
     # Nothing fits with one token per block: the answer is 1/block_size.
-    assert workload.auto_token_scale(traced, 16) == pytest.approx(1 / 64)
+    assert auto_token_scale(traced, 16) == pytest.approx(1 / 64)
 
 
 def test_conversations_too_long_for_the_context_are_cut(tmp_path: Path) -> None:
@@ -191,7 +201,7 @@ def test_conversations_too_long_for_the_context_are_cut(tmp_path: Path) -> None:
                               request(9.0, [1, 2])])  # fmt: skip
     weka_file(tmp_path, "b", [request(0.0, list(range(1, 40)), text=True)])
     weka_file(tmp_path, "c", [request(0.0, [1], text=True)])
-    fitted = workload.fit_to_context(workload.read_traces([tmp_path]), SCALE, 40)  # budget 36 tokens
+    fitted = fit_to_context(read_traces([tmp_path]), SCALE, 40)  # budget 36 tokens
     assert [item.conversation_id for item in fitted.kept] == ["a", "c"]
     assert len(fitted.kept[0].conversation.calls) == 1  # cut before the 4 + 32 + 4 = 40-token call
     assert fitted.cut == ["a"] and fitted.dropped == ["b"]
@@ -201,11 +211,11 @@ def test_quick_picks_the_conversations_opening_the_most_turns_early(tmp_path: Pa
     weka_file(tmp_path, "a", [request(0.0, [1], text=True), request(500.0, [1, 2], text=True)])
     weka_file(tmp_path, "b", [request(0.0, [1], text=True), request(50.0, [1, 2], text=True)])
     weka_file(tmp_path, "c", [request(0.0, [1], text=True), request(60.0, [1, 2], text=True)])
-    traced = workload.read_traces([tmp_path])
-    assert [i.conversation_id for i in workload.pick_conversations(traced, 2)] == ["a", "b"]
-    picked = workload.pick_conversations(traced, 2, busiest_within_s=100.0)
+    traced = read_traces([tmp_path])
+    assert [i.conversation_id for i in pick_conversations(traced, 2)] == ["a", "b"]
+    picked = pick_conversations(traced, 2, busiest_within_s=100.0)
     assert [i.conversation_id for i in picked] == ["b", "c"]
-    assert len(workload.pick_conversations(traced, None)) == 3
+    assert len(pick_conversations(traced, None)) == 3
 
 
 # -- the plan -----------------------------------------------------------------
@@ -223,7 +233,7 @@ def test_call_kinds_and_headers(tmp_path: Path) -> None:
 
 def test_subagents_start_after_their_parent_call_and_hold_back_the_next(tmp_path: Path) -> None:
     # The parent's call at t=10 ends at 12; the sub-agent runs 20..32 on the parent's clock (entry t=35, 15 s).
-    (item,) = workload.read_traces([with_subagent(tmp_path)])
+    (item,) = read_traces([with_subagent(tmp_path)])
     conversation_plan = plan(item, time_scale=1.0)
     main_calls = conversation_plan.main.calls
     (agent,) = conversation_plan.subagents
@@ -246,11 +256,11 @@ def test_bound_on_hand_made_token_streams() -> None:
         ("cross", (1, 2, 3, 4, 9, 9, 9, 9, 9)),  # 4 of 9
         ("cross", (9, 9, 9, 9, 1, 2, 3, 4, 5)),  # [9 9 9 9] was seen, but after another page: 0 of 9
     ]
-    assert report.prefix_bound(sent, PAGE) == {
+    assert prefix_bound(sent, PAGE) == {
         "bound_within_turn": round(8 / 13, 4),
         "bound_cross_turn": round((8 + 4 + 0) / (12 + 9 + 9), 4),
     }
-    assert report.prefix_bound([("first", (1, 2, 3, 4, 5))], PAGE) == {
+    assert prefix_bound([("first", (1, 2, 3, 4, 5))], PAGE) == {
         "bound_within_turn": None,
         "bound_cross_turn": None,
     }
@@ -261,7 +271,7 @@ def test_bound_of_a_planned_replay(tmp_path: Path) -> None:
     sent = [(c.kind, c.token_ids) for item in (conv_a, conv_b) for c in plan(item).main.calls]
     # conv_a: within [P 1 2 3]: P, 1, 2 countable and seen (12 of 16); cross [P 1 2 3 4]: 16 of 20.
     # conv_b (its id 1 is a new block): first [P 1' 5]; cross [P 1' 5 6]: 12 of 16.
-    assert report.prefix_bound(sent, PAGE) == {"bound_within_turn": 0.75, "bound_cross_turn": round(28 / 36, 4)}
+    assert prefix_bound(sent, PAGE) == {"bound_within_turn": 0.75, "bound_cross_turn": round(28 / 36, 4)}
 
 
 # -- KV demand ----------------------------------------------------------------
@@ -271,23 +281,23 @@ def test_kv_demand_counts_the_shared_prefix_once(tmp_path: Path) -> None:
     conv_a, conv_b = two_conversations(tmp_path)
     plans = [plan(conv_a), plan(conv_b)]
     # Largest contexts beyond the 4-token prefix: a 16 + 4 output = 5 pages, b 12 + 4 = 4 pages; prefix 1 page.
-    assert workload.kv_demand_pages(plans, PAGE) == 1 + 5 + 4
+    assert kv_demand_pages(plans, PAGE) == 1 + 5 + 4
     # One conversation at a time: the larger peak; both at once: both.
-    assert workload.busiest_pages(plans, PAGE, concurrency=1) == 1 + 5
-    assert workload.busiest_pages(plans, PAGE, concurrency=2) == 1 + 5 + 4
-    assert workload.auto_device_pages(100, busiest=6, decode_replicas=2) == 20  # 100 / (2.5 x 2)
-    assert workload.auto_device_pages(100, busiest=60, decode_replicas=2) == 30  # each replica's share of 60
+    assert busiest_pages(plans, PAGE, concurrency=1) == 1 + 5
+    assert busiest_pages(plans, PAGE, concurrency=2) == 1 + 5 + 4
+    assert auto_device_pages(100, busiest=6, decode_replicas=2) == 20  # 100 / (2.5 x 2)
+    assert auto_device_pages(100, busiest=60, decode_replicas=2) == 30  # each replica's share of 60
 
 
 # -- the report ---------------------------------------------------------------
 
 
 def view(state: str, idle_s: float | None, off_device_s: float | None, resident: int = 10, pages: int = 10) -> Any:
-    return report.SessionView("user", state, idle_s, off_device_s, resident, pages)
+    return SessionView("user", state, idle_s, off_device_s, resident, pages)
 
 
 def record(kind: str, prompt: int = 100, cached: int = 90, store: int = 0, ttft_s: float = 0.1, **fields: Any) -> Any:
-    return report.CallRecord("c", 0, kind, ok=True, prompt_tokens=prompt, cached_tokens=cached, store_tokens=store,
+    return CallRecord("c", 0, kind, ok=True, prompt_tokens=prompt, cached_tokens=cached, store_tokens=store,
                              ttft_s=ttft_s, **fields)  # fmt: skip
 
 
@@ -300,7 +310,7 @@ def test_idle_capture_prewarm_hit_and_warm_returns() -> None:
         record("cross", session=view("new", None, None, resident=0, pages=0)),
         record("cross"),  # no header
     ]
-    figures = report.lifecycle_figures(cross)
+    figures = lifecycle_figures(cross)
     assert figures["session_header_calls"] == 5
     assert figures["idle_capture"] == round((9 + 10 + 0 + 4) / 30, 4)
     assert figures["offloaded_returns"] == 3
@@ -310,7 +320,7 @@ def test_idle_capture_prewarm_hit_and_warm_returns() -> None:
     # keep the two shortest (10 s on the device). 90% warm keeps all four.
     assert figures["idle_capture_keep_bound"] == round(1 - 10 / 30, 4)
     assert figures["idle_capture_keep_bound_at_target"] == 0.0
-    empty = report.lifecycle_figures([record("cross")])
+    empty = lifecycle_figures([record("cross")])
     assert empty["idle_capture"] is None and empty["idle_capture_keep_bound"] is None
     assert empty["idle_capture_keep_bound_at_target"] is None
 
@@ -321,10 +331,10 @@ def test_summary_splits_tokens_and_checks_targets() -> None:
         record("within", prompt=100, cached=95, store=15, ttft_s=0.1, itl_s=(0.01, 0.02)),
         record("within", prompt=100, cached=85, ttft_s=0.2),
         record("cross", prompt=200, cached=180, store=100, ttft_s=0.3, session=view("prewarmed", 10.0, 9.5)),
-        report.CallRecord("c", 9, "within", ok=False, error="boom"),
+        CallRecord("c", 9, "within", ok=False, error="boom"),
     ]
     sent = [("within", tuple(range(1, 21))), ("within", tuple(range(1, 21)))]  # bound: 0 of 20, then 16 of 20
-    summary = report.summarize(records, sent, PAGE, wall_s=3.0)
+    summary = summarize(records, sent, PAGE, wall_s=3.0)
     assert summary["calls"] == 5 and summary["failures"] == 1 and summary["errors"] == ["boom"]
     assert summary["prompt_tokens"] == 500
     assert summary["store_tokens"] == 115
@@ -346,14 +356,14 @@ def test_summary_splits_tokens_and_checks_targets() -> None:
 def test_targets_compare_each_way() -> None:
     figures = {"hit_within_turn_over_bound": 0.94, "hit_cross_turn_over_bound": 0.9, "idle_capture": None,
                "prewarm_hit": 0.95, "ttft_cross_over_within_p99": 2.5}  # fmt: skip
-    met = {name: target["met"] for name, target in report.targets(figures).items()}
+    met = {name: target["met"] for name, target in targets(figures).items()}
     assert met == {"hit_within_turn_over_bound": False, "hit_cross_turn_over_bound": True, "idle_capture": False,
                    "prewarm_hit": True, "ttft_cross_over_within_p99": False}  # fmt: skip
 
 
 def test_baselines_are_divided_by_rayturn() -> None:
     systems = {"rayturn": {"ttft_p99_s": 0.5, "hit_cross_turn": 0.9}, "round_robin": {"ttft_p99_s": 1.0}}
-    ratios = report.compare(systems)
+    ratios = compare(systems)
     assert list(ratios) == ["round_robin"]
     assert ratios["round_robin"]["ttft_p99_s"] == 2.0
     assert ratios["round_robin"]["hit_cross_turn"] is None
@@ -367,31 +377,31 @@ def session_json(call: str, state: str, idle_s: Any, off_device_s: Any, resident
 def test_session_header_parsing() -> None:
     header = ('{"call": "user", "state": "prewarmed", "idle_s": 12.5, "off_device_s": 11, '
               '"resident_pages": 30, "session_pages": 32}')  # fmt: skip
-    assert report.parse_session_header(header) == report.SessionView("user", "prewarmed", 12.5, 11.0, 30, 32)
+    assert parse_session_header(header) == SessionView("user", "prewarmed", 12.5, 11.0, 30, 32)
     new = session_json("tool", "new", None, None, 0, 0)
-    assert report.parse_session_header(new) == report.SessionView("tool", "new", None, None, 0, 0)
-    assert report.parse_session_header(None) is None
+    assert parse_session_header(new) == SessionView("tool", "new", None, None, 0, 0)
+    assert parse_session_header(None) is None
     with pytest.raises(ValueError, match="invalid JSON"):
-        report.parse_session_header("{nope")
+        parse_session_header("{nope")
     with pytest.raises(ValueError, match="state: expected one of"):
-        report.parse_session_header(header.replace("prewarmed", "asleep"))
+        parse_session_header(header.replace("prewarmed", "asleep"))
     with pytest.raises(ValueError, match="missing 'session_pages'"):
-        report.parse_session_header('{"call": "user", "state": "held", "resident_pages": 1}')
+        parse_session_header('{"call": "user", "state": "held", "resident_pages": 1}')
     with pytest.raises(ValueError, match="resident_pages: expected a page count"):
-        report.parse_session_header(header.replace("30", "-1"))
+        parse_session_header(header.replace("30", "-1"))
 
 
 def test_markdown_and_plots(tmp_path: Path) -> None:
     records = [record("within", ttft_s=0.1), record("cross", ttft_s=0.3, session=view("held", 1.0, 0.0))]
-    summary = report.summarize(records, [], PAGE, wall_s=1.0)
+    summary = summarize(records, [], PAGE, wall_s=1.0)
     result = {"systems": {"rayturn": summary}, "traces": ["t"], "conversations": 1, "truncated_conversations": [],
               "dropped_conversations": [], "model": "tiny", "token_scale": 1 / 64, "time_scale": 1 / 60,
               "device_kv_pages": 100, "kv_demand_over_device_capacity": 2.5}  # fmt: skip
-    text = report.markdown(result)
+    text = markdown(result)
     assert "| metric | rayturn |" in text
     assert "| hit_within_turn | 0.9 |" in text
     assert "| target: idle_capture >= 0.9 | not met |" in text
-    paths = report.write_plots({"rayturn": records}, {"rayturn": summary}, tmp_path)
+    paths = write_plots({"rayturn": records}, {"rayturn": summary}, tmp_path)
     assert [p.name for p in paths] == ["replay_ttft_cdf.png", "replay_hit_vs_bound.png"]
     assert all(p.stat().st_size > 0 for p in paths)
 
@@ -436,7 +446,7 @@ def test_a_call_sends_token_ids_and_headers_and_records_the_answer(tmp_path: Pat
     assert result.ok and result.kind == "within" and result.call_index == 1
     assert result.prompt_tokens == 16 and result.cached_tokens == 15 and result.store_tokens == 3
     assert len(result.itl_s) == call.max_tokens - 1
-    assert result.session == report.SessionView("tool", "held", None, None, 3, 3)
+    assert result.session == SessionView("tool", "held", None, None, 3, 3)
 
 
 def test_a_failed_call_is_recorded() -> None:
@@ -445,13 +455,13 @@ def test_a_failed_call_is_recorded() -> None:
             raise ConnectionError("refused")
 
     client = Refusing()
-    call = workload.PlannedCall("c", 0, "c", "first", "user", "user", (1, 2), 1, 0.0)
+    call = PlannedCall("c", 0, "c", "first", "user", "user", (1, 2), 1, 0.0)
     result = asyncio.run(driver.timed_call(client, "tiny", call))
     assert not result.ok and result.error == "ConnectionError: refused"
 
 
 def test_conversation_order_and_the_deadline(tmp_path: Path) -> None:
-    (item,) = workload.read_traces([with_subagent(tmp_path)])
+    (item,) = read_traces([with_subagent(tmp_path)])
     conversation_plan = plan(item, time_scale=0.01)  # gaps of 80-90 ms
     order: list[str] = []
 
@@ -475,14 +485,14 @@ def test_a_bad_trace_file_names_the_file_and_the_field(tmp_path: Path) -> None:
     del bad["in"]
     path = weka_file(tmp_path, "bad", [bad])
     with pytest.raises(ValueError, match=r"bad\.json: requests\[0\]\.in: missing key"):
-        workload.read_traces([path])
+        read_traces([path])
     weka_file(tmp_path / "other", "prefix", [request(0.0, [1], text=True)])
     data = json.loads((tmp_path / "other" / "prefix.json").read_text())
     (tmp_path / "other" / "prefix.json").write_text(json.dumps({**data, "tool_tokens": "many"}))
     with pytest.raises(ValueError, match=r"prefix\.json: tool_tokens: expected a non-negative integer"):
-        workload.read_traces([tmp_path / "other"])
+        read_traces([tmp_path / "other"])
     with pytest.raises(ValueError, match="no such trace file or folder"):
-        workload.read_traces([tmp_path / "absent"])
+        read_traces([tmp_path / "absent"])
 
 
 def test_no_traces_folder_skips_with_a_message(
@@ -536,18 +546,29 @@ def test_rayturn_replay_passes_its_arguments_to_the_replayer(capsys: pytest.Capt
 
 
 def test_with_context_stretches_a_preset_copy(tmp_path: Path) -> None:
-    stretched = Path(workload.with_context("tiny", 16384, tmp_path))
+    stretched = Path(with_context("tiny", 16384, tmp_path))
     assert json.loads((stretched / "config.json").read_text())["max_position_embeddings"] == 16384
-    assert workload.model_vocabulary(str(stretched)).context_tokens == 16384
-    assert workload.model_vocabulary(str(stretched)).token_ids == workload.model_vocabulary("tiny").token_ids
-    assert workload.with_context("tiny", 1024, tmp_path) == "tiny"  # long enough already
+    assert model_vocabulary(str(stretched)).context_tokens == 16384
+    assert model_vocabulary(str(stretched)).token_ids == model_vocabulary("tiny").token_ids
+    assert with_context("tiny", 1024, tmp_path) == "tiny"  # long enough already
     with pytest.raises(ValueError, match="stretches a preset"):
-        workload.with_context(str(tmp_path), 16384, tmp_path)
+        with_context(str(tmp_path), 16384, tmp_path)
 
 
 # -- the idle frontier -------------------------------------------------------------
 
-frontier: ModuleType = load_bench(Path(REPLAY_SCRIPT).with_name("idle_frontier.py"), "idle_frontier")
+
+def load_script(path: Path) -> ModuleType:
+    """A benchmark script of ``bench/`` as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+frontier: ModuleType = load_script(BENCH / "idle_frontier.py")
 
 
 def test_hindsight_hold_picks_each_sessions_best_threshold() -> None:

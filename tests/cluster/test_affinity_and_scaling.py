@@ -27,9 +27,9 @@ requests = pytest.importorskip("requests")
 from ray import serve  # noqa: E402
 from small_cluster import serving, small_cluster  # noqa: E402
 
+from rayturn.api.ingress import REPLICA_HEADER  # noqa: E402
 from rayturn.cluster.app import APP_NAME, build_app  # noqa: E402
 from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
-from rayturn.cluster.ingress import REPLICA_HEADER  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.router.scoring import preferred_replica  # noqa: E402
 

@@ -12,16 +12,15 @@ from typing import Any
 import pytest
 import yaml
 
+from rayturn.api.settings import ServerSettings
 from rayturn.cluster import config as config_module
 from rayturn.cluster.config import (
     ClusterConfig,
-    KVStoreSpec,
-    ModelSpec,
     PoolSpec,
-    ServerSpec,
-    UCXSpec,
     load_config,
 )
+from rayturn.engine.settings import ModelSettings
+from rayturn.kvstore.settings import KVStoreSettings, UCXSettings
 
 EXAMPLE = Path(config_module.__file__).parent / "examples" / "rayturn.yaml"
 
@@ -36,7 +35,7 @@ def _key_tree(data: dict[str, Any]) -> dict[str, Any]:
 
 def test_defaults() -> None:
     config = ClusterConfig()
-    assert config.model == ModelSpec("tiny", None, "float32", 16, None, 64, 2048, None, None)
+    assert config.model == ModelSettings("tiny", None, "float32", 16, None, 64, 2048, None, None)
     assert config.prefill == config.decode == PoolSpec()
     assert (config.decode.min_replicas, config.decode.max_replicas, config.decode.initial_replicas) == (1, 1, None)
     assert (config.decode.num_cpus, config.decode.num_gpus, dict(config.decode.resources)) == (0.5, 0.0, {})
@@ -46,9 +45,9 @@ def test_defaults() -> None:
     assert config.kvstore.store_node_bytes == 1 << 30
     assert (config.kvstore.store_nodes, config.kvstore.replicas, config.kvstore.transport) == (0, 1, "auto")
     assert (config.kvstore.high_watermark, config.kvstore.low_watermark) == (0.90, 0.80)
-    assert config.kvstore.ucx == UCXSpec(None, None, 0)
+    assert config.kvstore.ucx == UCXSettings(None, None, 0)
     assert dataclasses.astuple(config.router) == ("kv_aware", 1.0, 1.0, 0.5, 512, 1.0)
-    assert config.server == ServerSpec("127.0.0.1", 8000, 9000, (), {}, 8 << 20, 1, 0.25)
+    assert config.server == ServerSettings("127.0.0.1", 8000, 9000, (), {}, 8 << 20, 1, 0.25)
     assert config.tenant == "default"
     assert load_config() == ClusterConfig.from_dict({}) == config
 
@@ -331,7 +330,7 @@ def test_overrides_apply_over_the_file(tmp_path: Path) -> None:
 
 
 def test_overrides_without_a_file() -> None:
-    assert load_config(**{"model.page_size": 32}) == ClusterConfig(model=ModelSpec(page_size=32))
+    assert load_config(**{"model.page_size": 32}) == ClusterConfig(model=ModelSettings(page_size=32))
 
 
 def test_bad_overrides_name_the_key() -> None:
@@ -413,22 +412,25 @@ def test_ray_actor_options_with_custom_resources() -> None:
 
 
 def test_ucx_config_sets_only_given_options() -> None:
-    assert KVStoreSpec().ucx_config() == {}
-    both = KVStoreSpec(ucx=UCXSpec(tls="rc,tcp,self", net_devices="mlx5_0:1", port=5000))
+    assert KVStoreSettings().ucx_config() == {}
+    both = KVStoreSettings(ucx=UCXSettings(tls="rc,tcp,self", net_devices="mlx5_0:1", port=5000))
     assert both.ucx_config() == {"UCX_TLS": "rc,tcp,self", "UCX_NET_DEVICES": "mlx5_0:1"}
-    assert KVStoreSpec(ucx=UCXSpec(net_devices="eth0")).ucx_config() == {"UCX_NET_DEVICES": "eth0"}
+    assert KVStoreSettings(ucx=UCXSettings(net_devices="eth0")).ucx_config() == {"UCX_NET_DEVICES": "eth0"}
 
 
 def test_kv_transports_match_the_store() -> None:
-    from rayturn.kvstore.client import TRANSPORTS
+    from rayturn.kvstore.transports import TRANSPORTS
 
-    assert config_module.KV_TRANSPORTS == TRANSPORTS
+    for name in TRANSPORTS.names():
+        assert load_config(**{"kvstore.transport": name}).kvstore.transport == name
+    with pytest.raises(ValueError, match=r"kvstore\.transport must be one of auto, ucx, got 'rdma'"):
+        load_config(**{"kvstore.transport": "rdma"})
 
 
 def test_engine_kwargs_match_the_engine() -> None:
     from rayturn.engine import LLMEngine
 
-    spec = ModelSpec(dtype="bfloat16", num_pages=128, max_model_len=4096, backend="torch")
+    spec = ModelSettings(dtype="bfloat16", num_pages=128, max_model_len=4096, backend="torch")
     kwargs = spec.engine_kwargs()
     assert kwargs == {
         "backend": "torch",
@@ -454,7 +456,7 @@ def test_engine_kwargs_match_the_engine() -> None:
     ],
 )
 def test_model_name(name: str, served_name: str | None, expected: str) -> None:
-    assert ModelSpec(name=name, served_name=served_name).model_name == expected
+    assert ModelSettings(name=name, served_name=served_name).model_name == expected
 
 
 def test_pools_and_store_switches() -> None:
@@ -471,26 +473,30 @@ def test_pools_and_store_switches() -> None:
     assert load_config(**{"router.policy": "round_robin"}).router.policy == "round_robin"
 
 
-def test_idle_predictors_match_the_router() -> None:
-    from rayturn.router.idle import PREDICTORS
+def test_idle_predictors_match_the_registry() -> None:
+    from rayturn.decode.lifecycle.predictors import PREDICTORS
 
-    assert set(config_module.IDLE_PREDICTORS) == set(PREDICTORS)
+    # The config accepts every registered predictor name, and those are the ones it documents.
+    accepted = [load_config(**{"lifecycle.predictor": name}).lifecycle.predictor for name in PREDICTORS.names()]
+    assert set(accepted) == set(PREDICTORS.names()) == {"hazard", "session", "prior"}
 
 
 def test_lifecycle_settings_reach_the_decode_planner() -> None:
-    from rayturn.decode.lifecycle import LifecycleSettings
+    from rayturn.decode.lifecycle.settings import LifecycleSettings
 
     config = load_config(**{"lifecycle.time_scale": 0.01, "lifecycle.enabled": False})
-    settings = LifecycleSettings.from_mapping(config.lifecycle.settings())
-    assert settings == LifecycleSettings(enabled=False, time_scale=0.01)
-    assert LifecycleSettings.from_mapping(load_config().lifecycle.settings()) == LifecycleSettings()
+    assert config.lifecycle == LifecycleSettings(enabled=False, time_scale=0.01)
+    assert load_config().lifecycle == LifecycleSettings()
+    with pytest.raises(ValueError, match=r"unknown key 'lifecycle\.time_scael'"):
+        load_config(**{"lifecycle.time_scael": 1.0})
     with pytest.raises(ValueError, match=r"lifecycle\.time_scale must be > 0"):
         load_config(**{"lifecycle.time_scale": 0})
     with pytest.raises(ValueError, match=r"lifecycle\.tool_hold_max_s must be >= tool_hold_min_s"):
         load_config(**{"lifecycle.tool_hold_min_s": 10, "lifecycle.tool_hold_max_s": 5})
+    # The choices are the predictor registry's names, in its (sorted) order.
     with pytest.raises(ValueError, match=r"lifecycle\.predictor must be one of hazard, session, prior"):
         load_config(**{"lifecycle.predictor": "oracle"})
-    held = LifecycleSettings.from_mapping(load_config(**{"lifecycle.composing_hold_s": 30}).lifecycle.settings())
+    held = load_config(**{"lifecycle.composing_hold_s": 30}).lifecycle
     assert held.composing_hold_s == 30.0
     with pytest.raises(ValueError, match=r"lifecycle\.composing_hold_s must be > 0"):
         load_config(**{"lifecycle.composing_hold_s": 0})

@@ -30,13 +30,13 @@ requests = pytest.importorskip("requests")
 
 from small_cluster import serving, small_cluster  # noqa: E402
 
+from rayturn.api.session import SESSION_STATE_HEADER  # noqa: E402
+from rayturn.api.tenants import key_digest  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.cluster.listeners import ListenerError, check_ports_free  # noqa: E402
-from rayturn.cluster.tenants import key_digest  # noqa: E402
 from rayturn.engine import LLMEngine  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
-from rayturn.router.session import SESSION_STATE_HEADER  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18471, 19471
 KEY_A, KEY_B = "sk-alice-2f7c9e1d5a8b4c3e", "sk-bob-8d1e4b7a2c9f6e5d"

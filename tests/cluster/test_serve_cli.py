@@ -47,7 +47,7 @@ Process = tuple[int, int]
 
 def rayturn_command() -> list[str]:
     script = Path(sys.executable).with_name("rayturn")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cluster.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cli"]
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:

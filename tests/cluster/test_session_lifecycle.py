@@ -29,11 +29,11 @@ requests = pytest.importorskip("requests")
 
 from small_cluster import serving, small_cluster  # noqa: E402
 
+from rayturn.api.session import SESSION_STATE_HEADER  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
-from rayturn.router.session import SESSION_STATE_HEADER  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18461, 19461
 SNAPSHOT_DIR = tempfile.mkdtemp(prefix="rayturn-lifecycle-")

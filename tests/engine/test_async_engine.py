@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import pytest
+import torch
 
 from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.engine.async_engine import AsyncEngine
+from rayturn.engine.page_hash import hash_pages
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -62,3 +65,57 @@ def test_a_duplicate_request_id_fails_alone(server: AsyncEngine) -> None:
 
     tokens, _ = asyncio.run(main())
     assert len(tokens) == 4  # the first request kept its listener and finished
+
+
+def test_the_facade_describes_the_engine_and_reads_beside_its_thread(server: AsyncEngine) -> None:
+    engine: LLMEngine = server.call(lambda engine: engine).result(timeout=5)
+    assert (server.backend_name, server.device) == (engine.backend.name, str(engine.device))
+    assert (server.model_id, server.page_size) == (engine.model_id, engine.page_size)
+    assert server.bytes_per_page == engine.runner.kv_cache[0].nbytes
+    assert server.has_store is False and server.store_prefix_pages([b"\0" * 32], "") == 0
+    assert server.session_residency("nobody") == (0, 0)
+    prompt = list(range(3, 3 + 2 * server.page_size + 1))
+    hashes = hash_pages(prompt[: 2 * server.page_size], server.page_size, server.model_id)
+
+    async def main() -> list[int]:
+        tokens: list[int] = []
+        async for output in server.generate(prompt, PARAMS, "hashed", page_hashes=hashes):
+            tokens = list(output.completions[0].token_ids)
+        return tokens
+
+    assert len(asyncio.run(main())) == 4
+    assert server.prefix_residency(prompt, page_hashes=hashes[:1]) == (hashes, 2)
+    assert server.has_unfinished_requests() is False
+
+
+class CountingConnector:
+    """A KVConnector whose store holds the pages it was given; counts lookups."""
+
+    def __init__(self, held: list[bytes]) -> None:
+        self.held = held
+        self.lookups: list[tuple[list[bytes], str]] = []
+
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        self.lookups.append((list(keys), tenant))
+        count = 0
+        while count < len(keys) and keys[count] in self.held:
+            count += 1
+        return count
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
+        return [False] * len(keys)
+
+    def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
+        return [False] * len(keys)
+
+
+def test_store_prefix_pages_asks_the_engines_store() -> None:
+    connector = CountingConnector([b"a" * 32, b"b" * 32])
+    server = AsyncEngine(LLMEngine.from_pretrained("tiny", backend="torch", num_pages=16, kv_connector=connector))
+    try:
+        assert server.has_store is True
+        keys = [b"a" * 32, b"b" * 32, b"c" * 32]
+        assert server.store_prefix_pages(keys, "alice") == 2
+        assert connector.lookups == [(keys, "alice")]
+    finally:
+        server.shutdown()

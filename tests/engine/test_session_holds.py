@@ -291,7 +291,7 @@ def test_offload_keeps_what_the_store_cannot_take_and_pages_other_sessions_share
     move = engine.offload_session("a")
     # The store took nothing: every page stays on the device, and the engine forgets it ever stored them.
     assert (move.pages, move.resident_pages) == (0, 3)
-    assert len(refused) == 3 and not any(key in engine._stored for key in refused)
+    assert len(refused) == 3 and not any(key in engine.kv_transfer.stored for key in refused)
 
     del connector.save  # the store works again
     move = engine.offload_session("a")

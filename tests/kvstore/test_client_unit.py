@@ -16,7 +16,7 @@ import pytest
 from rayturn.kvstore.client import KVStoreClient
 from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster
 from rayturn.kvstore.master import KVMaster
-from rayturn.kvstore.master_state import MasterConfig
+from rayturn.kvstore.master_types import MasterConfig
 from rayturn.kvstore.segment import Segment
 
 PAGE = 4096

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rayturn.kvstore.master_state import Location, MasterConfig, MasterState, ObjectState
+from rayturn.kvstore.master_state import MasterState
+from rayturn.kvstore.master_types import Location, MasterConfig, ObjectState
 
 PAGE = 1024
 

@@ -2,8 +2,8 @@
 
 The cross-process tests run small scripts in fresh interpreters and capture their stderr, which is
 also where their resource tracker prints its warnings (it inherits the script's stderr). The scripts
-load ``segment.py`` straight from its file: it imports nothing from the package, and this keeps the
-children fast and independent of the package's other imports.
+load ``segment.py`` straight from its file: it imports only ``bytes_view`` from the package, and this
+keeps the children fast and independent of the package's other imports.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from rayturn.kvstore import segment as segment_module
-from rayturn.kvstore.segment import Segment, as_bytes_view, as_writable_view, cleanup_stale_segments
+from rayturn.kvstore.bytes_view import as_writable_view
+from rayturn.kvstore.segment import Segment, cleanup_stale_segments
 
 # A prefix of this test run only, so that stale-segment cleanup never touches anyone else's segments.
 PREFIX = f"rtkvtest{os.getpid()}"
@@ -206,62 +207,6 @@ def test_close_with_a_live_view_raises_but_still_unlinks() -> None:
 def test_attach_unknown_name_raises() -> None:
     with pytest.raises(FileNotFoundError):
         Segment.attach(f"{PREFIX}-1-doesnotexist")
-
-
-# -- bytes views ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        b"\x00\x01\x02\x03" * 4,
-        bytearray(16),
-        np.zeros((2, 2), dtype=np.float32).data,
-        np.zeros((2, 2), dtype=np.float32),
-        np.zeros(2, dtype=[("a", np.int32), ("b", np.float32)]),
-        np.zeros(2, dtype="datetime64[ns]"),
-        FakeTensor(np.zeros((4,), dtype=np.float32)),
-    ],
-    ids=["bytes", "bytearray", "memoryview-2d", "numpy-2d", "structured", "datetime", "tensor"],
-)
-def test_as_bytes_view_is_flat_bytes(value: object) -> None:
-    view = as_bytes_view(value)
-    assert (view.format, view.ndim, view.nbytes) == ("B", 1, 16)
-
-
-def test_as_bytes_view_does_not_copy() -> None:
-    array = np.zeros(4, dtype=np.int32)
-    tensor = FakeTensor(np.zeros(4, dtype=np.int32))
-    as_writable_view(array)[0] = 7
-    as_writable_view(tensor)[4] = 9
-    assert array[0] == 7 and tensor.numpy()[1] == 9
-    assert as_bytes_view(array).tobytes()[:1] == b"\x07"
-
-
-@pytest.mark.parametrize(
-    ("value", "error", "message"),
-    [
-        (np.zeros((4, 4))[:, ::2], ValueError, "contiguous"),
-        (memoryview(bytearray(8))[::2], ValueError, "contiguous"),
-        (FakeTensor(np.zeros((4, 4))[::2]), ValueError, r"contiguous\(\)"),
-        (np.array([object()]), ValueError, "object"),
-        (FakeTensor(np.zeros(2), numpy_error=TypeError("Got unsupported ScalarType BFloat16")), TypeError, "bfloat16"),
-        (12, TypeError, "bytes-like"),
-    ],
-    ids=["strided-numpy", "strided-memoryview", "strided-tensor", "object-dtype", "bfloat16-tensor", "int"],
-)
-def test_as_bytes_view_refuses(value: object, error: type[Exception], message: str) -> None:
-    with pytest.raises(error, match=message):
-        as_bytes_view(value)
-
-
-def test_as_writable_view_refuses_read_only() -> None:
-    frozen = np.zeros(4)
-    frozen.flags.writeable = False
-    for value in (b"abc", memoryview(b"abc"), frozen):
-        with pytest.raises(ValueError, match="read-only"):
-            as_writable_view(value)
-    assert not as_writable_view(bytearray(3)).readonly
 
 
 # -- across processes -------------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""``/v1/chat/completions`` request bodies, validated into ``ChatRequest`` (fields: ``protocol``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from rayturn.engine.sampling_params import MAX_LOGPROBS
+
+from .errors import invalid_request, unsupported
+from .json_fields import Fields, body_fields, range_error, type_error
+from .protocol import JSON, ChatRequest, ToolChoice, include_usage, model_field, sampling_spec
+
+MAX_TOOLS = 128
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def parse_chat_request(body: object, served_model: str) -> ChatRequest:
+    fields = body_fields(body)
+    model = model_field(fields, served_model)
+    messages = _messages(fields)
+    tools = _tools(fields)
+    tool_choice = _tool_choice(fields, tools)
+    _reject_unsupported_chat_fields(fields)
+    logprobs = fields.boolean("logprobs") or False
+    top_logprobs = fields.integer("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid_request("Invalid 'top_logprobs': requires 'logprobs' to be true.", param="top_logprobs")
+    max_tokens = fields.integer("max_tokens", minimum=1)
+    max_completion_tokens = fields.integer("max_completion_tokens", minimum=1)
+    stream = fields.boolean("stream") or False
+    parallel_tool_calls = fields.boolean("parallel_tool_calls")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        sampling=sampling_spec(
+            fields,
+            max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        ),
+        stream=stream,
+        include_usage=include_usage(fields, stream),
+        user=fields.string("user"),
+        parallel_tool_calls=True if parallel_tool_calls is None else parallel_tool_calls,
+    )
+
+
+def _reject_unsupported_chat_fields(fields: Fields) -> None:
+    response_format = fields.nested("response_format")
+    if response_format is not None:
+        format_type = response_format.required_string("type")
+        if format_type != "text":
+            message = f"Unsupported 'response_format.type': only 'text' is supported, got {format_type!r}."
+            raise unsupported(message, param="response_format.type")
+    for legacy, replacement in (("functions", "tools"), ("function_call", "tool_choice")):
+        if fields.raw(legacy) is not None:
+            raise unsupported(f"Unsupported '{legacy}': use '{replacement}' instead.", param=legacy)
+
+
+def _messages(fields: Fields) -> list[JSON]:
+    messages = fields.present("messages")
+    if not isinstance(messages, list):
+        raise type_error("messages", "an array", messages)
+    if not messages:
+        raise invalid_request("Invalid 'messages': expected a non-empty array.", param="messages")
+    return [_message(Fields(item, f"messages[{i}]")) for i, item in enumerate(messages)]
+
+
+def _message(fields: Fields) -> JSON:
+    role = fields.required_string("role")
+    if role not in MESSAGE_ROLES:
+        raise range_error(fields.path("role"), f"one of {', '.join(MESSAGE_ROLES)}", role)
+    message: JSON = {"role": "system" if role == "developer" else role}
+    tool_calls = _assistant_tool_calls(fields) if role == "assistant" else None
+    content = _content(fields, required=tool_calls is None)
+    if content is not None:
+        message["content"] = content
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    name = fields.string("name")
+    if name is not None:
+        message["name"] = name
+    if role == "tool":
+        message["tool_call_id"] = fields.required_string("tool_call_id")
+    reasoning = fields.string("reasoning_content") if role == "assistant" else None
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def _content(fields: Fields, *, required: bool) -> str | None:
+    parts = fields.present("content") if required else fields.raw("content")
+    if parts is None or isinstance(parts, str):
+        return parts
+    path = fields.path("content")
+    if not isinstance(parts, list):
+        raise type_error(path, "a string or an array of content parts", parts)
+    texts = []
+    for i, part in enumerate(parts):
+        part_fields = Fields(part, f"{path}[{i}]")
+        part_type = part_fields.required_string("type")
+        if part_type != "text":
+            message = f"Unsupported '{part_fields.path('type')}': only 'text' content parts are supported, "
+            raise unsupported(message + f"got {part_type!r}.", param=part_fields.path("type"))
+        texts.append(part_fields.required_string("text"))
+    return "\n".join(texts)
+
+
+def _assistant_tool_calls(fields: Fields) -> list[JSON] | None:
+    calls = fields.array("tool_calls")
+    if not calls:
+        return None
+    normalized = []
+    for i, item in enumerate(calls):
+        call = Fields(item, fields.path(f"tool_calls[{i}]"))
+        call_type = call.string("type")
+        if call_type not in (None, "function"):
+            raise unsupported(f"Unsupported '{call.path('type')}': expected 'function'.", param=call.path("type"))
+        function = call.required_nested("function")
+        arguments = function.required_string("arguments")
+        normalized.append(
+            {
+                "id": call.required_string("id"),
+                "type": "function",
+                "function": {"name": function.required_string("name"), "arguments": _decoded(arguments)},
+            }
+        )
+    return normalized
+
+
+def _decoded(arguments: str) -> JSON | str:
+    """A JSON-object argument string as a dict; anything else (models emit bad JSON) stays a string."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _tools(fields: Fields) -> list[JSON] | None:
+    tools = fields.array("tools")
+    if tools is None:
+        return None
+    if not 1 <= len(tools) <= MAX_TOOLS:
+        message = f"Invalid 'tools': expected an array of 1 to {MAX_TOOLS} tools, got {len(tools)}."
+        raise invalid_request(message, param="tools")
+    normalized: list[JSON] = []
+    names: set[str] = set()
+    for i, item in enumerate(tools):
+        tool = Fields(item, f"tools[{i}]")
+        if tool.required_string("type") != "function":
+            raise unsupported(f"Unsupported '{tool.path('type')}': expected 'function'.", param=tool.path("type"))
+        function = tool.required_nested("function")
+        name = function.required_string("name")
+        if not _TOOL_NAME.fullmatch(name):
+            raise range_error(function.path("name"), "1 to 64 characters of a-z, A-Z, 0-9, _ or -", name)
+        if name in names:
+            raise invalid_request(
+                f"Invalid '{function.path('name')}': duplicate tool {name!r}.", param=function.path("name")
+            )
+        names.add(name)
+        spec: JSON = {"name": name}
+        description = function.string("description")
+        if description is not None:
+            spec["description"] = description
+        parameters = function.nested("parameters")
+        if parameters is not None:
+            spec["parameters"] = function.raw("parameters")
+        strict = function.boolean("strict")
+        if strict is not None:
+            spec["strict"] = strict
+        normalized.append({"type": "function", "function": spec})
+    return normalized
+
+
+def _tool_choice(fields: Fields, tools: list[JSON] | None) -> ToolChoice:
+    value = fields.raw("tool_choice")
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICE_MODES:
+            raise range_error("tool_choice", f"one of {', '.join(TOOL_CHOICE_MODES)} or an object", value)
+        if value != "none" and tools is None:
+            raise invalid_request(f"Invalid 'tool_choice': {value!r} requires 'tools'.", param="tool_choice")
+        return value
+    if not isinstance(value, dict):
+        raise type_error("tool_choice", "a string or an object", value)
+    choice = Fields(value, "tool_choice")
+    if choice.required_string("type") != "function":
+        raise unsupported("Unsupported 'tool_choice.type': expected 'function'.", param="tool_choice.type")
+    function = choice.required_nested("function")
+    name = function.required_string("name")
+    declared = [tool["function"]["name"] for tool in tools or []]
+    if name not in declared:
+        message = f"Invalid 'tool_choice.function.name': no tool named {name!r} is declared in 'tools'."
+        raise invalid_request(message, param="tool_choice.function.name")
+    return {"type": "function", "function": {"name": name}}

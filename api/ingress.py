@@ -1,0 +1,112 @@
+"""The ingress: OpenAI-compatible HTTP and rayturn's gRPC API in one Serve deployment.
+
+Per call it authenticates the caller's key (its tenant), bounds and parses
+the body, applies the chat template, tokenizes, computes the prompt's page
+hashes once (the routing hint the decode pool's router weighs against what
+each replica holds, and what every replica and engine on the call's path
+uses; salted by tenant), finds the session id, and streams the decode pool's
+per-step deltas back as SSE or gRPC messages. Each API is one module:
+``serving_chat``, ``serving_completion``, ``grpc_service``, on the shared
+``pipeline.CallPipeline``. Bad input is answered here with a 4xx in the
+OpenAI error shape (gRPC: INVALID_ARGUMENT) and never reaches a replica; a
+full decode queue answers 429, a failed replica 503.
+
+Every HTTP answer from the decode pool carries the header ``x-rayturn-replica``:
+the Serve id of the decode replica that served the call, so clients and tests
+can see where a session's calls land.
+"""
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import generate_latest
+from ray import serve
+
+from .bodies import models_list
+from .errors import APIError, invalid_request
+from .grpc_service import GrpcService
+from .pipeline import CallPipeline, new_request_id
+from .serving import REPLICA_HEADER, HTTPServing
+from .serving_chat import ServingChat
+from .serving_completion import ServingCompletion
+from .session import required_session_id
+from .settings import IngressSettings
+
+__all__ = ["REPLICA_HEADER", "Ingress", "app"]
+
+app = FastAPI(title="rayturn", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, decode: Any, prefill: Any, store_nodes: Any, settings: IngressSettings) -> None:
+        self.pipeline = CallPipeline(decode, prefill, store_nodes, settings)
+        self.http = HTTPServing(self.pipeline)
+        self.chat = ServingChat(self.pipeline)
+        self.completion = ServingCompletion(self.pipeline)
+        self.grpc = GrpcService(self.pipeline)
+        self.created = int(time.time())
+
+    # -- gRPC (Serve's gRPC proxy calls these by name) ----------------------
+
+    async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
+        async for response in self.grpc.generate(request, grpc_context):
+            yield response
+
+    async def Prewarm(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.grpc.prewarm(request, grpc_context)
+
+    async def Health(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.grpc.health(request, grpc_context)
+
+    # -- HTTP -------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.chat.create(request, new_request_id())
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self.completion.create(request, new_request_id())
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.http.authorize(request)
+        except APIError as err:
+            return self.http.failure("models", err, new_request_id())
+        return JSONResponse(models_list(self.pipeline.served_model, self.created))
+
+    @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
+    async def prewarm(self, session_id: str, request: Request) -> JSONResponse:
+        """The session's user has started typing: bring its KV back to the device before the call."""
+        request_id = new_request_id()
+        try:
+            tenant = self.http.authorize(request)
+            try:
+                session = required_session_id(session_id, "path")
+            except ValueError as err:
+                raise invalid_request(str(err), param="session_id") from err
+            answer = await self.pipeline.prewarm(request_id, tenant, session)
+        except Exception as err:
+            return self.http.failure("prewarm", err, request_id)
+        self.http.succeeded("prewarm")
+        headers = {REPLICA_HEADER: answer.replica_id} if answer.replica_id else {}
+        body = {"object": "session.prewarm", "session_id": session, "state": answer.state}
+        return JSONResponse(body, status_code=202, headers=headers)
+
+    @app.get("/health")
+    async def health(self, request: Request) -> JSONResponse:
+        """Every pool's replica counts for anyone (load balancers probe it); replica states, the model and the
+        replicas' own reports only for a caller with a valid key, when keys are set."""
+        detailed = self.pipeline.tenant(request.headers) is not None
+        status, body = await self.pipeline.health(detailed)
+        return JSONResponse({"status": status, **body}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        registry = self.pipeline.telemetry.registry
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,118 @@
+"""Typed reads from a JSON request body; every error names the field's dotted path (``messages[2].content``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import APIError, invalid_request
+
+
+class Fields:
+    """Typed reads from one JSON object; null counts as absent, errors name the dotted path."""
+
+    __slots__ = ("_object", "_prefix")
+
+    def __init__(self, value: object, prefix: str) -> None:
+        if not isinstance(value, dict):
+            raise type_error(prefix, "an object", value)
+        self._object: Mapping[str, Any] = value
+        self._prefix = prefix
+
+    def path(self, key: str) -> str:
+        return f"{self._prefix}.{key}" if self._prefix else key
+
+    def raw(self, key: str) -> Any:
+        return self._object.get(key)
+
+    def present(self, key: str) -> Any:
+        value = self._object.get(key)
+        if value is None:
+            raise invalid_request(f"Missing required parameter: '{self.path(key)}'.", param=self.path(key))
+        return value
+
+    def string(self, key: str) -> str | None:
+        value = self.raw(key)
+        if value is not None and not isinstance(value, str):
+            raise type_error(self.path(key), "a string", value)
+        return value
+
+    def required_string(self, key: str) -> str:
+        value = self.present(key)
+        if not isinstance(value, str):
+            raise type_error(self.path(key), "a string", value)
+        return value
+
+    def boolean(self, key: str) -> bool | None:
+        value = self.raw(key)
+        if value is not None and not isinstance(value, bool):
+            raise type_error(self.path(key), "a boolean", value)
+        return value
+
+    def integer(self, key: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+        value = self.raw(key)
+        if value is None:
+            return None
+        if not is_integer(value):
+            raise type_error(self.path(key), "an integer", value)
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise range_error(self.path(key), f"an integer {_bounds(minimum, maximum)}", value)
+        return int(value)
+
+    def number(self, key: str, *, minimum: float, maximum: float, exclusive_minimum: bool = False) -> float | None:
+        value = self.raw(key)
+        if value is None:
+            return None
+        if not is_number(value):
+            raise type_error(self.path(key), "a number", value)
+        if value < minimum or (exclusive_minimum and value == minimum) or value > maximum:
+            interval = f"({minimum:g}, {maximum:g}]" if exclusive_minimum else f"[{minimum:g}, {maximum:g}]"
+            raise range_error(self.path(key), f"a number in {interval}", value)
+        return float(value)
+
+    def nested(self, key: str) -> Fields | None:
+        value = self.raw(key)
+        return None if value is None else Fields(value, self.path(key))
+
+    def required_nested(self, key: str) -> Fields:
+        return Fields(self.present(key), self.path(key))
+
+    def array(self, key: str) -> list[Any] | None:
+        value = self.raw(key)
+        if value is not None and not isinstance(value, list):
+            raise type_error(self.path(key), "an array", value)
+        return value
+
+
+def is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"in [{minimum}, {maximum}]"
+    return f">= {minimum}" if minimum is not None else f"<= {maximum}"
+
+
+def json_type(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def type_error(param: str, expected: str, value: object) -> APIError:
+    return invalid_request(f"Invalid type for '{param}': expected {expected}, got {json_type(value)}.", param=param)
+
+
+def range_error(param: str, expected: str, value: object) -> APIError:
+    return invalid_request(f"Invalid '{param}': expected {expected}, got {value!r}.", param=param)
+
+
+def body_fields(body: object) -> Fields:
+    if not isinstance(body, dict):
+        raise invalid_request(f"The request body must be a JSON object, got {json_type(body)}.", param=None)
+    return Fields(body, "")

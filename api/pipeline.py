@@ -1,0 +1,297 @@
+"""The call pipeline HTTP and gRPC share: caller -> prompt -> routing hints -> decode pool -> steps.
+
+    caller's key --> tenant (or 401 / UNAUTHENTICATED)
+    body/messages --> prompt token ids       (bounded, off the event loop when large: request_limits)
+    token ids ------> serve request          (page hashes computed once, salted by the tenant)
+    serve request --> decode pool            (KV-aware routing on those hashes)
+    per-step deltas --> folded into a CallResult as they pass to the API's own stream
+
+The API modules own their wire formats; this module owns everything in
+between, so a call costs the same through every door.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rayturn.engine.config import ModelConfig
+from rayturn.engine.llm_engine import model_identity
+from rayturn.engine.page_hash import hash_pages
+from rayturn.engine.presets import PRESETS, preset_dir
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.sequence import TokenLogprob
+from rayturn.engine.tokenizer import Message, Tokenizer, Tool
+from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
+from rayturn.messages import Call, Delta, PrewarmAnswer, SessionAnnouncement, Step
+
+from .bodies import usage
+from .errors import client_error, invalid_request
+from .metrics import IngressMetrics
+from .pool_health import PoolHealthProbe
+from .request_limits import PromptBudget, off_loop
+from .session import LifecycleHints
+from .settings import IngressSettings
+from .tenants import presented_key
+
+logger = logging.getLogger(__name__)
+
+NO_HINTS = LifecycleHints()
+Steps = AsyncIterator[tuple[Delta, ...]]
+
+
+@dataclass
+class CompletionState:
+    """One completion's accumulated output, for non-streaming answers and usage."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    # The decode replica's split of the text into prose and tool calls (calls that offered tools).
+    tool_parse: list[ToolCallDelta] = field(default_factory=list)
+
+    def parsed_tool_calls(self) -> ParsedToolCalls | None:
+        """The whole text's prose and tool calls as the replica split it, or None when it did not."""
+        if not self.tool_parse:
+            return None
+        content = "".join(piece.content for piece in self.tool_parse)
+        calls = tuple(call for piece in self.tool_parse for call in piece.tool_calls)
+        return ParsedToolCalls(content=content or None, tool_calls=calls)
+
+
+@dataclass
+class CallResult:
+    completions: dict[int, CompletionState]
+    request_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    loaded_tokens: int = 0
+    path: str = "local"
+    replica_id: str | None = None
+    session: Mapping[str, Any] | None = None  # the decode replica's view of the session at arrival
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions.values())
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
+
+
+NO_STEP = object()
+
+
+async def first_step(steps: Steps, request_id: str = "") -> Any:
+    """The first step of a call, so failures before any token become API errors, not broken streams."""
+    try:
+        return await anext(steps)
+    except StopAsyncIteration:
+        return NO_STEP
+    except Exception as err:
+        raise client_error(err, request_id) from err
+
+
+async def announced(answer: Awaitable[PrewarmAnswer], request_id: str = "") -> PrewarmAnswer:
+    """A decode replica's answer to an announcement; a full queue is a 429, a failed replica a 503."""
+    try:
+        return await answer
+    except Exception as err:  # the announcement is lost, nothing else: the call itself still comes
+        raise client_error(err, request_id) from err
+
+
+def new_request_id() -> str:
+    """A call's id, minted when it arrives: its steps, its errors and its log lines carry it."""
+    return uuid.uuid4().hex
+
+
+async def chain_steps(first: Any, steps: Steps) -> Steps:
+    if first is not NO_STEP:
+        yield first
+        async for step in steps:
+            yield step
+
+
+class CallPipeline:
+    """One ingress replica's model, keys and pool handles, and the steps every call takes through them."""
+
+    def __init__(self, decode: Any, prefill: Any, store_nodes: Any, settings: IngressSettings) -> None:
+        self.decode = decode
+        self.prefill = prefill
+        self.store_nodes = store_nodes
+        model = settings.model
+        model_dir = preset_dir(model) if model in PRESETS else Path(model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        model_config = ModelConfig.from_file(model_dir / "config.json")
+        limit = settings.max_model_len
+        self.max_model_len = min(limit or model_config.max_model_len, model_config.max_model_len)
+        self.vocab_size = model_config.vocab_size
+        self.model_id = model_identity(model_dir)
+        self.page_size = settings.page_size
+        self.served_model = settings.served_model_name
+        self.keys = settings.keys
+        self.max_request_bytes = settings.max_request_bytes
+        self.budget = PromptBudget(self.max_model_len, self.tokenizer.max_token_chars)
+        self.health_probe = PoolHealthProbe(settings.app_name, settings.pools)
+        self.telemetry = IngressMetrics()
+
+    # -- the caller -------------------------------------------------------
+
+    def tenant(self, credentials: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> str | None:
+        """The tenant of a caller's headers (or gRPC metadata); None when keys are on and none is valid."""
+        return self.keys.tenant_of(presented_key(credentials))
+
+    # -- prompts ----------------------------------------------------------
+
+    async def chat_prompt(self, messages: Sequence[Message], tools: Sequence[Tool] | None, num_bytes: int) -> list[int]:
+        """Render and tokenize a chat (in a worker thread when its body was large); 400 when it cannot fit."""
+
+        def encode() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tools=tools)
+            except (ValueError, RecursionError) as err:
+                raise invalid_request(f"cannot apply the chat template: {err}", param="messages") from err
+            self.budget.check(text, param="messages")
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await off_loop(num_bytes, encode)
+
+    async def text_prompt(self, text: str, *, param: str) -> list[int]:
+        """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it."""
+        self.budget.check(text, param=param)
+        return await off_loop(len(text), lambda: self.tokenizer.encode(text))
+
+    def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    # -- the call ---------------------------------------------------------
+
+    async def serve_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        session_id: str | None,
+        hints: LifecycleHints = NO_HINTS,
+        tools: bool = False,
+    ) -> Call:
+        """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
+        salt = self.keys.cache_salt(tenant)
+        usable = (len(prompt_ids) - 1) // self.page_size
+        hashes = await off_loop(
+            usable * 64, lambda: hash_pages(prompt_ids[: usable * self.page_size], self.page_size, self.model_id, salt)
+        )
+        return Call(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_ids),
+            params=params,
+            cache_salt=salt,
+            session_id=self.keys.session(tenant, session_id),
+            page_hashes=tuple(hashes),
+            call=hints.call,
+            after=hints.after,
+            tools=tools,
+        )
+
+    async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
+        """Send a call to the decode pool; its result, its steps and its first step (API errors before it)."""
+        result = CallResult(completions={}, request_id=call.request_id)
+        steps = self._steps(call, result)
+        return result, steps, await first_step(steps, call.request_id)
+
+    async def _steps(self, call: Call, result: CallResult) -> Steps:
+        """The decode pool's per-step deltas, folded into ``result`` as they pass."""
+        start = time.perf_counter()
+        last = start
+        first = True
+        generator = self.decode.generate.options(stream=True).remote(call)
+        done = False
+        try:
+            async for step in generator:
+                assert isinstance(step, Step)
+                now = time.perf_counter()
+                if first:
+                    self.telemetry.ttft.labels(step.path).observe(now - start)
+                    first = False
+                else:
+                    self.telemetry.itl.observe(now - last)
+                last = now
+                result.prompt_tokens = step.prompt_tokens
+                result.cached_tokens = step.cached_tokens
+                result.loaded_tokens = step.loaded_tokens
+                result.path = step.path
+                result.replica_id = step.replica_id
+                if step.session is not None:
+                    result.session = step.session
+                    self.telemetry.count_session(step.session)
+                for delta in step.deltas:
+                    state = result.completions.setdefault(delta.index, CompletionState())
+                    state.token_ids.extend(delta.token_ids)
+                    state.text += delta.text
+                    if delta.logprobs:
+                        state.logprobs.extend(delta.logprobs)
+                    state.finish_reason = delta.finish_reason
+                    state.tool_parse.extend(delta.tool_parse)
+                yield step.deltas
+            done = True
+        finally:
+            if not done:
+                generator.cancel()
+            self.telemetry.e2e.observe(time.perf_counter() - start)
+            self._count_tokens(result)
+
+    def _count_tokens(self, result: CallResult) -> None:
+        local = result.cached_tokens - result.loaded_tokens
+        self.telemetry.prompt_tokens.labels("device").inc(max(local, 0))
+        self.telemetry.prompt_tokens.labels("store").inc(result.loaded_tokens)
+        self.telemetry.prompt_tokens.labels("computed").inc(max(result.prompt_tokens - result.cached_tokens, 0))
+        self.telemetry.completion_tokens.inc(result.completion_tokens)
+
+    async def prewarm(self, request_id: str, tenant: str, session_id: str) -> PrewarmAnswer:
+        """Announce a session's next call to the decode replica that follows the session."""
+        session = self.keys.session(tenant, session_id)
+        assert session is not None  # a named session stays named
+        announcement = SessionAnnouncement(session)
+        return await announced(self.decode.prewarm.remote(announcement), request_id)
+
+    # -- health -----------------------------------------------------------
+
+    async def health(self, detailed: bool) -> tuple[str, dict[str, Any]]:
+        """``ok`` or ``degraded``, with every pool's replica counts; ``detailed`` adds replica states, the model
+        and one decode and prefill replica's own report (for callers allowed to see them)."""
+        body: dict[str, Any] = {}
+        try:
+            pools = await self.health_probe.check()
+        except Exception as err:  # Serve's controller is away: nothing can be vouched for
+            logger.warning("health: Serve's controller did not answer: %s: %s", type(err).__name__, err)
+            return "degraded", {"pools": {}, "error": "the cluster's controller did not answer"}
+        status = "ok" if all(pool.ok for pool in pools) else "degraded"
+        body["pools"] = {pool.name: pool.detail() if detailed else pool.summary() for pool in pools}
+        if not detailed:
+            return status, body
+        details: dict[str, Any] = {"model": self.served_model, "model_id": self.model_id}
+        for pool in pools:
+            details[f"{pool.name}.replicas"] = pool.num_ok
+        handles: Sequence[tuple[str, Any]] = [("decode", self.decode), ("prefill", self.prefill)]
+        for name, handle in handles:
+            if handle is None:
+                continue
+            try:
+                report = await handle.health.remote()
+            except Exception as err:
+                details[f"{name}.error"] = client_error(err, f"health-{name}").message
+                continue
+            for key, value in report.items():
+                details[f"{name}.{key}"] = value
+        body["details"] = details
+        return status, body

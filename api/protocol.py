@@ -1,0 +1,280 @@
+"""The OpenAI HTTP API at its edge: request bodies in, response bodies out.
+
+Everything here is pure: JSON-decoded bodies are validated into frozen
+request objects, and engine results are turned into plain dicts in the exact
+shapes of OpenAI's chat completions, completions and models endpoints. The
+HTTP server owns transport, authentication and the engine; this module owns
+the wire format.
+
+Supported request fields (any other top-level field is ignored, since OpenAI
+clients routinely send extras such as ``metadata`` or ``store``):
+
+* both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``,
+  ``n``, ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``,
+  ``user``; ``frequency_penalty``/``presence_penalty`` only at 0 and
+  ``logit_bias`` only empty; the extensions ``top_k``, ``stop_token_ids`` and
+  ``ignore_eos``.
+* ``/v1/chat/completions``: ``messages`` (text content only),
+  ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
+  ``top_logprobs``, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+  ``response_format`` of type ``text``.
+* ``/v1/completions``: ``prompt`` (one string or one list of token ids),
+  ``logprobs`` (an integer), ``echo`` only false, ``suffix`` only empty,
+  ``best_of`` only equal to ``n``.
+
+A supported field with a bad value is a 400 whose ``param`` is the field's
+dotted path (``messages[2].content``) and whose message quotes that path; a
+field this server recognises but cannot honour (images, JSON mode, penalties) is a 400
+too, rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rayturn.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
+from .json_fields import Fields, body_fields, is_integer, range_error, type_error
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 4
+MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_ENGINE_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
+
+JSON = dict[str, Any]
+ToolChoice = str | JSON
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Sampling as the client asked for it, before the prompt length is known."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated chat completions request.
+
+    ``messages`` are ready for the chat template: content is a string (text
+    parts joined with newlines, as vLLM does), ``developer`` became ``system``
+    (open-weight templates know only the latter), and assistant tool-call
+    ``arguments`` holding a JSON object are decoded into a dict, the form Hugging
+    Face templates render with ``tojson``.
+    """
+
+    model: str
+    messages: list[JSON]
+    tools: list[JSON] | None
+    tool_choice: ToolChoice
+    sampling: SamplingSpec
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def prompt_tools(self) -> list[JSON] | None:
+        """The tools to show the model: none for ``tool_choice="none"``, only the named one for a named choice.
+
+        Nothing constrains decoding, so ``"required"`` and a named choice are
+        requests the model is trusted to follow, not guarantees.
+        """
+        if self.tools is None or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return [tool for tool in self.tools if tool["function"]["name"] == name]
+        return self.tools
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated legacy completions request; ``prompt`` is text or token ids."""
+
+    model: str
+    prompt: str | list[int]
+    sampling: SamplingSpec
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_completion_request(body: object, served_model: str) -> CompletionRequest:
+    fields = body_fields(body)
+    model = model_field(fields, served_model)
+    prompt = _prompt(fields)
+    if fields.boolean("echo"):
+        raise unsupported("Unsupported 'echo': echoing the prompt is not supported; send false.", param="echo")
+    if fields.string("suffix"):
+        raise unsupported("Unsupported 'suffix': insertion after a suffix is not supported.", param="suffix")
+    logprobs = fields.integer("logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    sampling = sampling_spec(
+        fields,
+        max_tokens=fields.integer("max_tokens", minimum=1),
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs,
+    )
+    best_of = fields.integer("best_of", minimum=1)
+    if best_of is not None and best_of != sampling.n:
+        raise unsupported(f"Unsupported 'best_of': only best_of == n ({sampling.n}) is supported.", param="best_of")
+    stream = fields.boolean("stream") or False
+    return CompletionRequest(
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage(fields, stream),
+        user=fields.string("user"),
+    )
+
+
+def to_sampling_params(
+    spec: SamplingSpec,
+    *,
+    default_max_tokens: int,
+    prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str = "messages",
+) -> SamplingParams:
+    """Engine settings once the prompt length is known.
+
+    Without ``max_tokens`` a request may fill the rest of the context, capped
+    at ``default_max_tokens``. ``prompt_param`` is the field blamed when the
+    prompt alone is too long (``"prompt"`` for completions).
+    """
+    if prompt_tokens >= max_model_len:
+        raise context_length_exceeded(prompt_tokens, max_model_len, param=prompt_param)
+    room_tokens = max_model_len - prompt_tokens
+    if spec.max_tokens is None:
+        max_tokens = min(default_max_tokens, room_tokens)
+    elif spec.max_tokens > room_tokens:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + spec.max_tokens} tokens ({prompt_tokens} in the '{prompt_param}', "
+            f"{spec.max_tokens} in 'max_tokens'). Please reduce the length of the '{prompt_param}' or 'max_tokens'."
+        )
+        raise invalid_request(message, param="max_tokens", code="context_length_exceeded")
+    else:
+        max_tokens = spec.max_tokens
+    try:
+        return SamplingParams(
+            n=spec.n,
+            max_tokens=max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            seed=spec.seed,
+            stop=spec.stop,
+            stop_token_ids=spec.stop_token_ids,
+            ignore_eos=spec.ignore_eos,
+            logprobs=(spec.top_logprobs or 0) if spec.logprobs else None,
+        )
+    except ValueError as error:
+        match = _ENGINE_FIELD.match(str(error))
+        field_name = match.group(1) if match else None
+        raise invalid_request(f"Invalid '{field_name}': {error}", param=field_name) from error
+
+
+def model_field(fields: Fields, served_model: str) -> str:
+    model = fields.required_string("model")
+    if model != served_model:
+        raise model_not_found(model, served_model)
+    return model
+
+
+def sampling_spec(fields: Fields, *, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingSpec:
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if fields.number(penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY):
+            raise unsupported(f"Unsupported '{penalty}': only 0 is supported.", param=penalty)
+    if fields.nested("logit_bias") is not None and fields.raw("logit_bias"):
+        raise unsupported("Unsupported 'logit_bias': only an empty object is supported.", param="logit_bias")
+    temperature = fields.number("temperature", minimum=0.0, maximum=MAX_TEMPERATURE)
+    top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
+    top_k = fields.integer("top_k", minimum=-1)
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None else top_k,
+        seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
+        stop=_stop(fields),
+        stop_token_ids=_stop_token_ids(fields),
+        n=fields.integer("n", minimum=1, maximum=MAX_N) or 1,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        ignore_eos=fields.boolean("ignore_eos") or False,
+    )
+
+
+def _stop(fields: Fields) -> tuple[str, ...]:
+    value = fields.raw("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        entries = [("stop", value)]
+    elif isinstance(value, list):
+        if len(value) > MAX_STOP_SEQUENCES:
+            message = f"Invalid 'stop': expected at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}."
+            raise invalid_request(message, param="stop")
+        entries = [(f"stop[{i}]", entry) for i, entry in enumerate(value)]
+    else:
+        raise type_error("stop", "a string or an array of strings", value)
+    for param, entry in entries:
+        if not isinstance(entry, str):
+            raise type_error(param, "a string", entry)
+        if not entry:
+            raise invalid_request(f"Invalid '{param}': stop sequences must not be empty.", param=param)
+    return tuple(entry for _, entry in entries)
+
+
+def _stop_token_ids(fields: Fields) -> tuple[int, ...]:
+    values = fields.array("stop_token_ids") or []
+    for i, token_id in enumerate(values):
+        if not is_integer(token_id) or token_id < 0:
+            raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)
+    return tuple(values)
+
+
+def include_usage(fields: Fields, stream: bool) -> bool:
+    options = fields.nested("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        message = "Invalid 'stream_options': only allowed when 'stream' is true."
+        raise invalid_request(message, param="stream_options")
+    return options.boolean("include_usage") or False
+
+
+def _prompt(fields: Fields) -> str | list[int]:
+    prompt = fields.present("prompt")
+    path = "prompt"
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt, path = prompt[0], "prompt[0]"
+    if isinstance(prompt, str | list) and not prompt:
+        raise invalid_request(f"Invalid '{path}': the prompt must not be empty.", param=path)
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise type_error(path, "a string or an array of token ids", prompt)
+    if all(isinstance(entry, str | list) for entry in prompt):
+        raise unsupported(f"Unsupported '{path}': batched prompts are not supported; send one per request.", param=path)
+    for i, token_id in enumerate(prompt):
+        if not is_integer(token_id) or token_id < 0:
+            raise range_error(f"{path}[{i}]", "a non-negative integer token id", token_id)
+    return list(prompt)

@@ -1,0 +1,113 @@
+"""What every HTTP route of the ingress does around its own API: key, body, session, start, failure.
+
+    request --> tenant (401)  --> JSON body (413 / 400) --> API's own parse and prompt
+            --> routing and life-cycle hints --> ``CallPipeline.start`` --> the API's answer or stream
+
+The API modules (``serving_chat``, ``serving_completion``) hold only their
+own wire format; this one holds the steps they share, so each API's call is
+one straight pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rayturn.engine.sampling_params import SamplingParams
+
+from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
+from .pipeline import CallPipeline, CallResult, Steps
+from .request_limits import off_loop, parse_json, read_body
+from .session import SESSION_STATE_HEADER, LifecycleHints, lifecycle_hints, session_id_from_headers
+from .streaming import sse
+
+# The response header naming the decode replica that served a call.
+REPLICA_HEADER = "x-rayturn-replica"
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status_code in (429, 503) else None
+    return JSONResponse(err.to_dict(), status_code=err.status_code, headers=headers)
+
+
+def replica_headers(result: CallResult) -> dict[str, str]:
+    headers = {REPLICA_HEADER: result.replica_id} if result.replica_id else {}
+    if result.session is not None:
+        headers[SESSION_STATE_HEADER] = json.dumps(result.session, separators=(",", ":"))
+    return headers
+
+
+def sse_response(events: AsyncIterator[str], result: CallResult) -> StreamingResponse:
+    # The first step has arrived before the response starts, so the replica is known.
+    headers = {"Cache-Control": "no-cache", **replica_headers(result)}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+def stream_failure(err: Exception, result: CallResult) -> str:
+    """The SSE error event for a stream that failed after its headers went out (details only in the log)."""
+    return sse(client_error(err, result.request_id).to_dict())
+
+
+class HTTPServing:
+    """The steps every HTTP API of the ingress shares, on one replica's call pipeline."""
+
+    def __init__(self, pipeline: CallPipeline) -> None:
+        self.pipeline = pipeline
+        self.telemetry = pipeline.telemetry
+        self.served_model = pipeline.served_model
+
+    def authorize(self, request: Request) -> str:
+        """The caller's tenant; a 401 when keys are set and the request presents no valid one."""
+        tenant = self.pipeline.tenant(request.headers)
+        if tenant is None:
+            raise authentication_failed()
+        return tenant
+
+    async def json_body(self, request: Request) -> tuple[object, int]:
+        """The parsed body and its size in bytes; 413 past ``server.max_request_bytes``, 400 if not JSON."""
+        raw = await read_body(request.headers, request.stream(), self.pipeline.max_request_bytes)
+        return await off_loop(len(raw), lambda: parse_json(raw)), len(raw)
+
+    def failure(self, api: str, err: Exception, request_id: str) -> JSONResponse:
+        api_error = client_error(err, request_id)
+        self.telemetry.requests.labels(api, outcome(api_error.status_code)).inc()
+        return error_response(api_error)
+
+    def succeeded(self, api: str) -> None:
+        self.telemetry.requests.labels(api, "ok").inc()
+
+    async def start(
+        self,
+        request_id: str,
+        request: Request,
+        body: object,
+        tenant: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        hints: LifecycleHints | None = None,
+        tools: bool = False,
+    ) -> tuple[CallResult, Steps, Any]:
+        """Send a validated call to the decode pool; returns its result, its steps and the first step.
+
+        ``hints``: what the API itself knows of the call's place in its session; the client's headers win.
+        """
+        assert isinstance(body, dict)  # the parsers accept only JSON objects
+        try:
+            said = lifecycle_hints(dict(request.headers))
+        except ValueError as err:
+            raise invalid_request(str(err), param=None) from err
+        if hints is not None:
+            said = LifecycleHints(said.call or hints.call, said.after or hints.after)
+        try:
+            session_id = session_id_from_headers(dict(request.headers), body)
+        except ValueError as err:
+            raise invalid_request(str(err), param="user") from err
+        call = await self.pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, said, tools)
+        return await self.pipeline.start(call)
+
+    def token_text(self, token_id: int) -> str:
+        return self.pipeline.tokenizer.decode([token_id])

@@ -1,0 +1,130 @@
+"""``POST /v1/chat/completions``: one straight pass from the body to the answer or its stream.
+
+body --> ChatRequest (chat_request) --> chat template + tokens (pipeline) --> SamplingParams (protocol)
+     --> call, classified as user / tool continuation from its messages --> decode pool
+     --> steps --> one chat.completion, or chat.completion.chunk events (streaming.ChatStreamState)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .bodies import (
+    assistant_output,
+    chat_choice,
+    chat_chunk,
+    chat_completion,
+    chat_completion_id,
+    chat_logprobs,
+    chat_usage_chunk,
+)
+from .chat_request import parse_chat_request
+from .pipeline import CallResult, Steps, chain_steps
+from .protocol import JSON, ChatRequest, to_sampling_params
+from .serving import HTTPServing, replica_headers, sse_response, stream_failure
+from .session import LifecycleHints, classify_call
+from .streaming import SSE_DONE, ChatStreamState, sse
+
+API = "chat"
+
+
+class ServingChat(HTTPServing):
+    async def create(self, request: Request, request_id: str) -> Response:
+        try:
+            tenant = self.authorize(request)
+            body, num_bytes = await self.json_body(request)
+            chat = parse_chat_request(body, self.served_model)
+            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+            params = to_sampling_params(
+                chat.sampling,
+                default_max_tokens=self.pipeline.max_model_len,
+                prompt_tokens=len(prompt_ids),
+                max_model_len=self.pipeline.max_model_len,
+            )
+            hints = LifecycleHints(classify_call(chat.messages))
+            tools = chat.prompt_tools is not None
+            result, steps, first = await self.start(request_id, request, body, tenant, prompt_ids, params, hints, tools)
+            if chat.stream:
+                return sse_response(self._stream(chat, steps, first, result), result)
+            async for _ in chain_steps(first, steps):
+                pass
+        except Exception as err:
+            return self.failure(API, err, request_id)
+        self.succeeded(API)
+        return JSONResponse(self._body(chat, result), headers=replica_headers(result))
+
+    def _body(self, chat: ChatRequest, result: CallResult) -> JSON:
+        choices = []
+        for index, state in sorted(result.completions.items()):
+            parsed = assistant_output(state.text, chat, parsed=state.parsed_tool_calls())
+            logprobs = chat_logprobs(state.logprobs, self.token_text) if chat.sampling.logprobs else None
+            choices.append(
+                chat_choice(
+                    index,
+                    content=parsed.content if parsed.content or not parsed.tool_calls else None,
+                    tool_calls=parsed.tool_calls,
+                    finish_reason=state.finish_reason,
+                    logprobs=logprobs,
+                )
+            )
+        return chat_completion(
+            response_id=chat_completion_id(),
+            model=self.served_model,
+            created=int(time.time()),
+            choices=choices,
+            usage=result.usage(),
+        )
+
+    async def _stream(self, chat: ChatRequest, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
+        response_id, created = chat_completion_id(), int(time.time())
+        states = {index: ChatStreamState.for_request(chat, index) for index in range(chat.sampling.n)}
+
+        def chunk(choices: list[JSON]) -> str:
+            return sse(
+                chat_chunk(
+                    response_id=response_id,
+                    model=self.served_model,
+                    created=created,
+                    choices=choices,
+                    include_usage=chat.include_usage,
+                )
+            )
+
+        yield chunk([state.start() for state in states.values()])
+        try:
+            async for deltas in chain_steps(first, steps):
+                texts, endings = [], []  # one choice per index per chunk: text first, then the finish
+                for delta in deltas:
+                    state = states[delta.index]
+                    logprobs = (
+                        chat_logprobs(delta.logprobs, self.token_text)
+                        if chat.sampling.logprobs and delta.logprobs
+                        else None
+                    )
+                    # The replica's split of the text into prose and tool calls (a call that offered tools).
+                    pushed, held = (delta.tool_parse + (None, None))[:2]
+                    if delta.text or delta.finish_reason is None:
+                        choice = state.push(delta.text, logprobs, pushed)
+                        logprobs = None
+                        if choice is not None:
+                            texts.append(choice)
+                    if delta.finish_reason is not None:
+                        endings.append(state.finish(delta.finish_reason, logprobs, held))
+                for choices in (texts, endings):
+                    if choices:
+                        yield chunk(choices)
+        except Exception as err:  # after the headers went out, errors travel in the stream
+            self.telemetry.requests.labels(API, "failed").inc()
+            yield stream_failure(err, result)
+            yield SSE_DONE
+            return
+        if chat.include_usage:
+            usage = result.usage()
+            yield sse(chat_usage_chunk(response_id=response_id, model=self.served_model, created=created, usage=usage))
+        self.succeeded(API)
+        yield SSE_DONE

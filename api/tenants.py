@@ -1,0 +1,104 @@
+"""Who is calling: API keys, the tenant each belongs to, and what a tenant keeps to itself.
+
+A cluster without keys serves every caller as one tenant (the config's
+``tenant``). With keys (``server.api_keys``, ``server.tenant_keys``,
+``rayturn serve --api-key``) every call must present one, on HTTP as
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (what the Anthropic
+SDK sends), on gRPC as the same two metadata keys; each key belongs to one
+tenant: a key of ``api_keys`` to a tenant of its own (``key-`` and 12 hex
+digits of the key's SHA-256), the keys of one ``tenant_keys`` entry to the
+tenant named there.
+
+A tenant's cached prefixes are its own on every tier: the ingress salts the
+page hashes of a call with its tenant (``cache_salt``), so the device caches,
+the store's keys and the routing hints of two tenants never name the same
+page, and the store answers a lookup only with the pages of the tenant that
+asks. A tenant's session ids are its own too: with keys, the session the
+cluster follows is ``<tenant>/<session id>``, so another tenant naming the
+same id neither lands on nor learns about it.
+
+Raw keys never leave the process that read the config: the ingress is built
+from SHA-256 digests (a ``KeyTable``), so Serve's stored deployment
+arguments, Ray's object store and the logs never see a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+KEY_TENANT_PREFIX = "key-"
+API_KEY_HEADER = "x-api-key"
+AUTHORIZATION_HEADER = "authorization"
+
+
+def key_digest(api_key: str) -> str:
+    """The hex SHA-256 of a key: what the ingress compares a presented key by."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def key_tenant(api_key: str) -> str:
+    """The tenant of a key that names none: one tenant per key, named by the key's digest (never the key)."""
+    return f"{KEY_TENANT_PREFIX}{key_digest(api_key)[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyTable:
+    """Key digests -> tenants; empty when the cluster takes calls without keys."""
+
+    tenants: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
+    default_tenant: str = "default"
+
+    @classmethod
+    def build(
+        cls, api_keys: Iterable[str], tenant_keys: Mapping[str, Iterable[str]], default_tenant: str = "default"
+    ) -> KeyTable:
+        """From the config's keys; ValueError when one key is given twice (it could belong to one tenant only)."""
+        tenants: dict[str, str] = {}
+        entries = [(key, key_tenant(key)) for key in api_keys]
+        entries += [(key, tenant) for tenant, keys in tenant_keys.items() for key in keys]
+        for api_key, tenant in entries:
+            digest = key_digest(api_key)
+            if digest in tenants:
+                raise ValueError("an API key is given twice (server.api_keys, server.tenant_keys, --api-key)")
+            tenants[digest] = tenant
+        return cls(tenants, default_tenant)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants)
+
+    def tenant_of(self, presented_key: str | None) -> str | None:
+        """The caller's tenant, or None when keys are on and ``presented_key`` is missing or unknown."""
+        if not self.tenants:
+            return self.default_tenant
+        if not presented_key:
+            return None
+        # A dict lookup by SHA-256 digest: what it takes to answer says nothing about any key.
+        return self.tenants.get(key_digest(presented_key))
+
+    def cache_salt(self, tenant: str) -> str:
+        """The page-hash salt of a tenant's calls: the tenant itself, and none for a cluster without keys."""
+        return tenant if self.tenants else ""
+
+    def session(self, tenant: str, session_id: str | None) -> str | None:
+        """The session the cluster follows for a tenant's session id (scoped by tenant when keys are on)."""
+        if session_id is None or not self.tenants:
+            return session_id
+        return f"{tenant}/{session_id}"
+
+
+def presented_key(headers: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The key a caller presents in HTTP headers or gRPC metadata: ``Authorization: Bearer`` first, then
+    ``x-api-key``; None when neither holds one."""
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    by_name = {name.lower(): value for name, value in items if isinstance(value, str)}
+    scheme, _, credential = by_name.get(AUTHORIZATION_HEADER, "").strip().partition(" ")
+    if scheme.lower() == "bearer" and credential.strip():
+        return credential.strip()
+    api_key = by_name.get(API_KEY_HEADER, "").strip()
+    return api_key or None

@@ -1,0 +1,72 @@
+"""A call's answers as they grow: per-step deltas, and the split of their text into prose and tool calls.
+
+The engine reports each completion's whole output so far; ``AnswerTracker``
+sends only what is new since the last step (``Delta``). For a call that
+offered tools it also runs the one tool-call parser
+(``rayturn.engine.tool_calls.ToolCallStream``) over each completion's text as
+it arrives, so the ingress formats the calls without parsing them again, and
+the session planner learns whether the answer called a tool (the agent will
+be back in seconds) from the same parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rayturn.engine import RequestOutput
+from rayturn.engine.outputs import CompletionOutput
+from rayturn.engine.tool_calls import ToolCallDelta, ToolCallStream
+from rayturn.messages import Delta
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What one completion has sent so far."""
+
+    tokens: int = 0
+    chars: int = 0
+    logprobs: int = 0
+    finished: bool = False
+    tool_calls: ToolCallStream | None = None
+
+
+@dataclass(slots=True)
+class AnswerTracker:
+    tools: bool
+    _sent: dict[int, _Sent] = field(default_factory=dict)
+
+    def deltas(self, output: RequestOutput) -> tuple[Delta, ...]:
+        """What each completion gained since the last call: new token ids, text, logprobs, finish reason."""
+        return tuple(delta for c in output.completions if (delta := self._delta(c)) is not None)
+
+    def called_tools(self, index: int = 0) -> bool:
+        """Whether completion ``index`` has called a tool (only a call that offered tools can)."""
+        sent = self._sent.get(index)
+        return sent is not None and sent.tool_calls is not None and bool(sent.tool_calls.tool_calls)
+
+    def _delta(self, completion: CompletionOutput) -> Delta | None:
+        sent = self._sent.get(completion.index)
+        if sent is None:
+            sent = self._sent[completion.index] = _Sent(tool_calls=ToolCallStream() if self.tools else None)
+        finished = completion.finish_reason is not None
+        new_tokens = completion.token_ids[sent.tokens :]
+        new_text = completion.text[sent.chars :]
+        if sent.finished or (not new_tokens and not new_text and not finished):
+            return None
+        all_logprobs = completion.logprobs
+        tool_parse: tuple[ToolCallDelta, ...] = ()
+        if sent.tool_calls is not None:
+            pushed = sent.tool_calls.push(new_text)
+            tool_parse = (pushed, sent.tool_calls.finish()) if finished else (pushed,)
+        sent.tokens, sent.chars, sent.finished = len(completion.token_ids), len(completion.text), finished
+        new_logprobs = tuple(all_logprobs[sent.logprobs :]) if all_logprobs is not None else None
+        sent.logprobs = len(all_logprobs) if all_logprobs is not None else 0
+        return Delta(
+            index=completion.index,
+            token_ids=tuple(new_tokens),
+            text=new_text,
+            logprobs=new_logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            tool_parse=tool_parse,
+        )

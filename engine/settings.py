@@ -1,0 +1,56 @@
+"""The engine's settings (the ``model`` section of the cluster config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rayturn.kernels.registry import BACKENDS
+from rayturn.settings import check_at_least, check_choice, check_non_empty
+
+from .loader import DTYPES
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """The ``model`` section: which checkpoint, its dtype, and the engine's paging and batching limits."""
+
+    name: str = "tiny"
+    served_name: str | None = None
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        check_non_empty("name", self.name)
+        check_non_empty("served_name", self.served_name)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_at_least("page_size", self.page_size, 1)
+        check_at_least("num_pages", self.num_pages, 1)
+        check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_at_least("max_model_len", self.max_model_len, 1)
+        if self.backend is not None:
+            check_choice("backend", self.backend, BACKENDS)
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send in the OpenAI ``model`` field: a preset's name, or the model directory's basename."""
+        return self.served_name or Path(self.name).name
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``LLMEngine.from_pretrained(self.name, **kwargs)``."""
+        return {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,177 @@
+"""A client's read path: ask the master where a batch's objects are, then land each from its nearest replica.
+
+The master answers with every replica of every object, best first (see
+``KVMaster.get_locations``), and a read grant per segment. Each object is
+tried at its replicas in order: the client's own segment, a same-node
+segment the transport maps from shared memory, or over UCX. A segment whose
+owner cannot be reached is left alone for ``UNREACHABLE_REST_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .access import ReadGrant
+from .connection import MasterConnection, RemoteClient
+from .landing import Targets, copy_out
+from .metrics import KVMetrics
+from .peers import PeerDirectory
+from .segment import Segment
+from .transports import Transport
+from .ucx_transport import PeerUnreachable, TransportError
+
+logger = logging.getLogger(__name__)
+
+# A segment whose owner could not be reached is not asked again for this long (the master drops a
+# silent owner's segment within its heartbeat timeout): each try would cost a connect timeout.
+UNREACHABLE_REST_S = 10.0
+
+
+class Reader:
+    def __init__(
+        self,
+        master: MasterConnection,
+        segment: Segment,
+        segment_id: str,
+        node_id: str,
+        peers: PeerDirectory,
+        transport: Transport,
+        remote: RemoteClient,
+        metrics: KVMetrics,
+    ) -> None:
+        self._master = master
+        self._segment = segment
+        self._segment_id = segment_id
+        self._node_id = node_id
+        self._peers = peers
+        self._transport = transport
+        self._remote = remote
+        self._metrics = metrics
+        self._unreachable: dict[str, float] = {}  # segment id -> monotonic time to try it again
+
+    def get_batch(self, keys: Sequence[bytes], tenant: str) -> list[bytes | None]:
+        """The values of ``tenant``'s objects; None for a miss."""
+        located = self._locate(keys, tenant)
+        buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
+        landed = self._read(keys, tenant, located, Targets(buffers, len(keys)))
+        return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
+
+    def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str) -> list[bool]:
+        """Land each of ``tenant``'s objects in the caller's buffer (``KVStoreClient.get_into``); False for a miss."""
+        targets = Targets(buffers, len(keys))
+        located = self._locate(keys, tenant)
+        best = located.best
+        wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
+        return self._read(keys, tenant, located, targets)
+
+    def _locate(self, keys: Sequence[bytes], tenant: str) -> _Located:
+        segment_ids, best, more, grants = self._master.call("get_locations", list(keys), self._node_id, tenant)
+        rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
+        read_grants = [ReadGrant.from_wire(grant) for grant in grants]
+        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, read_grants)
+
+    def _read(self, keys: Sequence[bytes], tenant: str, located: _Located, targets: Targets) -> list[bool]:
+        """Land every object the master located; asks once more, for what is left, when the attempts outlived
+        the grants (a dead owner costs a connect timeout), so the other replicas are read under fresh ones."""
+        done = np.zeros(len(keys), dtype=bool)
+        self._read_replicas(located, targets, done)
+        if not done.all() and located.expired() and (located.best[~done, 0] >= 0).any():
+            self._read_replicas(self._locate(keys, tenant), targets, done)
+        return done.tolist()
+
+    def _read_replicas(self, located: _Located, targets: Targets, done: np.ndarray) -> None:
+        """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
+        attempt.
+
+        The first attempt (every key's best replica) is grouped and
+        coalesced with numpy, so a thousand-page batch costs a few
+        Python-level steps, not a thousand.
+        """
+        best = located.best
+        segments = np.where(done, -1, best[:, 0])
+        for segment_index in np.unique(segments[segments >= 0]).tolist():
+            indices = np.flatnonzero(segments == segment_index)
+            if self._read_segment(located, segment_index, best[indices, 1:], indices, targets):
+                done[indices] = True
+        column = 0  # where the attempt's replica sits in ``located.more`` entries
+        while True:
+            by_segment: dict[int, list[int]] = defaultdict(list)
+            for i, entry in located.more.items():
+                if not done[i] and column < len(entry):
+                    by_segment[entry[column]].append(i)
+            if not by_segment:
+                return
+            for segment_index, retry in by_segment.items():
+                ranges = np.array([located.more[i][column + 1 : column + 3] for i in retry], dtype=np.int64)
+                indices = np.array(retry, dtype=np.int64)
+                if self._read_segment(located, segment_index, ranges, indices, targets):
+                    done[indices] = True
+            column += 3
+
+    def _read_segment(
+        self, located: _Located, segment_index: int, ranges: np.ndarray, indices: np.ndarray, targets: Targets
+    ) -> bool:
+        """Land ``ranges`` ([n, 2] offset, num_bytes) of one segment in the targets ``indices``.
+
+        False if that segment cannot serve them.
+        """
+        segment_id = located.segment_ids[segment_index]
+        num_bytes = int(ranges[:, 1].sum())
+        if self._unreachable.get(segment_id, 0.0) > time.monotonic():
+            return False
+        try:
+            if not np.array_equal(ranges[:, 1], targets.sizes[indices]):
+                raise ValueError("a replica's size differs from its buffer's")
+            if segment_id == self._segment_id:
+                copy_out(self._segment, ranges, targets.addresses[indices])
+                return True
+            peer = self._peers.get(segment_id)
+            if peer is None:
+                return False
+            shared = self._transport.shared_segment(segment_id, peer)
+            if shared is not None:
+                copy_out(shared, ranges, targets.addresses[indices])
+                self._metrics.bytes_in(num_bytes)
+                return True
+            if peer.ucx_address is None:
+                return False
+            pairs = [(offset, size) for offset, size in ranges.tolist()]
+            grant = located.grants[segment_index]
+            self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
+            self._metrics.bytes_in(num_bytes)
+            return True
+        except PeerUnreachable as err:
+            logger.warning(
+                "kv read from segment %s failed, not asking it for %.0f s: %s", segment_id, UNREACHABLE_REST_S, err
+            )
+            now_s = time.monotonic()
+            self._unreachable = {sid: until_s for sid, until_s in self._unreachable.items() if until_s > now_s}
+            self._unreachable[segment_id] = now_s + UNREACHABLE_REST_S
+            return False
+        except (TransportError, OSError, ValueError) as err:
+            logger.warning("kv read from segment %s failed: %s", segment_id, err)
+            return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """The master's answer for a batch: see ``KVMaster.get_locations``."""
+
+    segment_ids: list[str]
+    best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
+    more: dict[int, list[int]]  # key index -> further replicas, flat triples
+    grants: list[ReadGrant]  # per segment index: the read grant for its ranges
+
+    def expired(self) -> bool:
+        """Whether a grant of this answer has run out (its leases are then about to)."""
+        return any(grant.expires_at < time.time() for grant in self.grants)

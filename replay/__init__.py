@@ -1,0 +1,1 @@
+"""rayturn.replay: recorded agent traces replayed offline and against a cluster."""

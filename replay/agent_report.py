@@ -1,0 +1,89 @@
+"""What the agent-sessions benchmark reports per system: latency percentiles, throughput, cache hits, ratios."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rayturn.replay.agent_client import CallSample
+from rayturn.replay.harness import percentile
+
+
+def _stat(samples: Sequence[float], q: float) -> float | None:
+    return round(percentile(samples, q), 5) if samples else None
+
+
+def summarize(samples: Sequence[CallSample], wall_s: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    ttfts = [s.ttft_s for s in ok]
+    itls = [gap for s in ok for gap in s.itl_s]
+    prompt_tokens = sum(s.prompt_tokens for s in ok)
+    cached_tokens = sum(s.cached_tokens for s in ok)
+    replicas: dict[str, set[str]] = {}
+    for s in ok:
+        if s.replica is not None:
+            replicas.setdefault(s.session_id, set()).add(s.replica)
+    return {
+        "calls": len(samples),
+        "failures": len(samples) - len(ok),
+        "ttft_p50_s": _stat(ttfts, 50),
+        "ttft_p99_s": _stat(ttfts, 99),
+        "itl_p50_s": _stat(itls, 50),
+        "itl_p99_s": _stat(itls, 99),
+        "output_tok_s": round(sum(s.completion_tokens for s in ok) / wall_s, 2) if wall_s > 0 else None,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "cached_token_fraction": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
+        "replicas_per_session": round(sum(map(len, replicas.values())) / len(replicas), 2) if replicas else None,
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return round(ours / theirs, 3) if ours is not None and theirs else None
+
+
+RATIOS = {  # reported ratio -> the per-system figure it divides
+    "ttft_p50_ratio_vs_baseline": "ttft_p50_s",
+    "ttft_p99_ratio_vs_baseline": "ttft_p99_s",
+    "itl_p50_ratio_vs_baseline": "itl_p50_s",
+    "itl_p99_ratio_vs_baseline": "itl_p99_s",
+    "output_tok_s_ratio_vs_baseline": "output_tok_s",
+}
+
+
+def compare(rayturn: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """rayturn over baseline: latency ratios < 1 and a throughput ratio > 1 favour rayturn."""
+    return {name: _ratio(rayturn[key], baseline[key]) for name, key in RATIOS.items()}
+
+
+def write_plot(ttfts: dict[str, list[float]], title: str, path: Path) -> Path | None:
+    """A TTFT CDF per system, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for system, samples in ttfts.items():
+        ordered = sorted(samples)
+        axes.step([t * 1e3 for t in ordered], [(i + 1) / len(ordered) for i in range(len(ordered))], label=system)
+    axes.set_xscale("log")
+    axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axes.xaxis.set_major_formatter(ScalarFormatter())
+    axes.xaxis.set_minor_formatter(NullFormatter())
+    axes.set_xlabel("time to first token (ms)")
+    axes.set_ylabel("fraction of calls")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
