@@ -66,6 +66,57 @@ def attend_block(  # type: ignore[no-untyped-def]
 
 
 @jit_if_available
+def attend_pages(  # type: ignore[no-untyped-def]
+    query,
+    key_cache_ptr,
+    value_cache_ptr,
+    page_table_row,
+    head_offsets,
+    num_keys,
+    query_positions,
+    page_size,
+    cache_page_stride,
+    cache_slot_stride,
+    qk_scale_log2,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The query tile [ROWS, HEAD_DIM] attends to keys ``0 .. num_keys`` of one sequence's paged cache,
+    ``BLOCK_KEYS`` at a time; ``CAUSAL``: row r sees only keys up to ``query_positions[r]``. Returns the
+    softmax's (running sum, unnormalised output)."""
+    # A finite initial max keeps exp2(old_max - new_max) free of inf - inf.
+    running_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    running_sum = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for key_start in range(0, num_keys, BLOCK_KEYS):
+        key_positions = key_start + tl.arange(0, BLOCK_KEYS)
+        key_mask = key_positions < num_keys
+        token_offsets = paged_token_offsets(
+            page_table_row, key_positions, key_mask, page_size, cache_page_stride, cache_slot_stride
+        )
+        visible = key_mask[None, :]
+        if CAUSAL:
+            visible = visible & (key_positions[None, :] <= query_positions[:, None])
+        running_max, running_sum, acc = attend_block(
+            query,
+            key_cache_ptr,
+            value_cache_ptr,
+            token_offsets[:, None] + head_offsets,
+            key_mask,
+            visible,
+            running_max,
+            running_sum,
+            acc,
+            qk_scale_log2,
+            DOT_PRECISION,
+        )
+    return running_sum, acc
+
+
+@jit_if_available
 def decode_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     key_cache_ptr,
@@ -112,29 +163,24 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
     )
     head_offsets = kv_head * cache_head_stride + dims[None, :] * cache_dim_stride
 
-    # A finite initial max keeps exp2(old_max - new_max) free of inf - inf.
-    running_max = tl.full([BLOCK_GROUP], -1.0e30, dtype=tl.float32)
-    running_sum = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_GROUP, HEAD_DIM], dtype=tl.float32)
-    for key_start in range(0, seq_len, BLOCK_KEYS):
-        key_positions = key_start + tl.arange(0, BLOCK_KEYS)
-        key_mask = key_positions < seq_len
-        token_offsets = paged_token_offsets(
-            page_table_row, key_positions, key_mask, page_size, cache_page_stride, cache_slot_stride
-        )
-        running_max, running_sum, acc = attend_block(
-            query,
-            key_cache_ptr,
-            value_cache_ptr,
-            token_offsets[:, None] + head_offsets,
-            key_mask,
-            key_mask[None, :],
-            running_max,
-            running_sum,
-            acc,
-            qk_scale_log2,
-            DOT_PRECISION,
-        )
+    running_sum, acc = attend_pages(
+        query,
+        key_cache_ptr,
+        value_cache_ptr,
+        page_table_row,
+        head_offsets,
+        seq_len,
+        group,
+        page_size,
+        cache_page_stride,
+        cache_slot_stride,
+        qk_scale_log2,
+        BLOCK_GROUP,
+        HEAD_DIM,
+        BLOCK_KEYS,
+        False,
+        DOT_PRECISION,
+    )
 
     # seq_len 0 (a padding sequence) leaves running_sum 0: write zeros, not NaN.
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -207,28 +253,24 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
 
     # Keys past this block's last row are masked for every row: stop there.
     num_keys = context_len + tl.minimum(first_row + BLOCK_QUERIES, query_len)
-    running_max = tl.full([BLOCK_QUERIES], -1.0e30, dtype=tl.float32)
-    running_sum = tl.zeros([BLOCK_QUERIES], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_QUERIES, HEAD_DIM], dtype=tl.float32)
-    for key_start in range(0, num_keys, BLOCK_KEYS):
-        key_positions = key_start + tl.arange(0, BLOCK_KEYS)
-        key_mask = key_positions < num_keys
-        token_offsets = paged_token_offsets(
-            page_table_row, key_positions, key_mask, page_size, cache_page_stride, cache_slot_stride
-        )
-        running_max, running_sum, acc = attend_block(
-            query,
-            key_cache_ptr,
-            value_cache_ptr,
-            token_offsets[:, None] + head_offsets,
-            key_mask,
-            key_mask[None, :] & (key_positions[None, :] <= query_positions[:, None]),
-            running_max,
-            running_sum,
-            acc,
-            qk_scale_log2,
-            DOT_PRECISION,
-        )
+    running_sum, acc = attend_pages(
+        query,
+        key_cache_ptr,
+        value_cache_ptr,
+        page_table_row,
+        head_offsets,
+        num_keys,
+        query_positions,
+        page_size,
+        cache_page_stride,
+        cache_slot_stride,
+        qk_scale_log2,
+        BLOCK_QUERIES,
+        HEAD_DIM,
+        BLOCK_KEYS,
+        True,
+        DOT_PRECISION,
+    )
 
     # Key 0 is visible to every row, so running_sum > 0.
     out = acc / running_sum[:, None]
