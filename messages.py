@@ -44,6 +44,9 @@ class Call:
     session_id: str | None = None
     # Chained hashes of the prompt's full pages before its last token, in order (salted by the tenant).
     page_hashes: tuple[PageHash, ...] = ()
+    # The same pages in the short form routers match against replica stats (``router.scoring.page_hash_key``),
+    # made once with the hashes rather than on every routing attempt.
+    page_keys: tuple[str, ...] = ()
     call: CallKind | None = None
     after: NextStep | None = None
     # The call offered tools, so an answer holding tool calls means the agent will be back.

@@ -22,13 +22,14 @@ from typing import Any
 
 from rayturn.engine.config import ModelConfig
 from rayturn.engine.llm_engine import model_identity
-from rayturn.engine.page_hash import hash_pages
+from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.presets import PRESETS, preset_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
 from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
 from rayturn.messages import Call, Delta, PrewarmAnswer, SessionAnnouncement, Step
+from rayturn.router.scoring import page_hash_key
 
 from .bodies import usage
 from .errors import client_error, invalid_request
@@ -188,16 +189,20 @@ class CallPipeline:
         """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
         salt = self.keys.cache_salt(tenant)
         usable = (len(prompt_ids) - 1) // self.page_size
-        hashes = await off_loop(
-            usable * 64, lambda: hash_pages(prompt_ids[: usable * self.page_size], self.page_size, self.model_id, salt)
-        )
+
+        def hashed() -> tuple[tuple[PageHash, ...], tuple[str, ...]]:
+            hashes = tuple(hash_pages(prompt_ids[: usable * self.page_size], self.page_size, self.model_id, salt))
+            return hashes, tuple(page_hash_key(page_hash) for page_hash in hashes)
+
+        hashes, keys = await off_loop(usable * 64, hashed)
         return Call(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_ids),
             params=params,
             cache_salt=salt,
             session_id=self.keys.session(tenant, session_id),
-            page_hashes=tuple(hashes),
+            page_hashes=hashes,
+            page_keys=keys,
             call=hints.call,
             after=hints.after,
             tools=tools,

@@ -77,7 +77,6 @@ from rayturn.router.scoring import (
     ReplicaStats,
     ScoringWeights,
     following_replicas,
-    page_hash_key,
     scored_replicas,
 )
 
@@ -114,7 +113,7 @@ class RoutingHints:
 
     @classmethod
     def from_call(cls, call: Call) -> RoutingHints:
-        return cls(call.session_id, tuple(page_hash_key(h) for h in call.page_hashes), call.prompt_tokens)
+        return cls(call.session_id, call.page_keys, call.prompt_tokens)
 
     @classmethod
     def from_request(cls, request: Mapping[str, Any]) -> RoutingHints:

@@ -132,10 +132,16 @@ UNSERVED_REPLICA_ID = "unserved"
 def routing_report(
     engine_stats: Mapping[str, Any], replica_id: str | None, sessions: Mapping[str, float] | None = None
 ) -> dict[str, Any]:
-    """What a replica's ``record_routing_stats`` returns: its engine's figures as ``ReplicaStats``, checked
-    here, in the plain form Serve ships to every router (which reads them back with ``from_dict``)."""
-    data = {**engine_stats, "sessions": dict(sessions or {})}
-    return ReplicaStats.from_dict(data, replica_id=replica_id or UNSERVED_REPLICA_ID).to_dict()
+    """What a replica's ``record_routing_stats`` returns: its engine's figures (``AsyncEngine.stats``) as
+    ``ReplicaStats``, in the plain form Serve ships to every router (which reads it back with ``from_dict``)."""
+    stats = ReplicaStats(
+        replica_id=replica_id or UNSERVED_REPLICA_ID,
+        cached_page_hashes=frozenset(engine_stats["cached_page_hashes"]),
+        page_size=engine_stats["page_size"],
+        sessions=dict(sessions or {}),
+        **{name: engine_stats[name] for name in _COUNT_FIELDS},
+    )
+    return stats.to_dict()
 
 
 def _int_field(data: Mapping[str, Any], name: str) -> int:
