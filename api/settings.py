@@ -12,6 +12,7 @@ from .tenants import KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
 
 # A request body this small could not hold a chat request worth serving.
 MIN_REQUEST_BYTES = 1024
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,7 @@ class ServerSettings:
     tenant_keys: Mapping[str, tuple[str, ...]] = field(
         default_factory=dict, hash=False, repr=False, metadata={"secret": True}
     )
-    max_request_bytes: int = field(default=8 << 20, metadata={"size": True})
+    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata={"size": True})
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
 
@@ -79,7 +80,7 @@ class IngressSettings:
     page_size: int
     # Digests of the keys, never the keys: Serve stores these arguments and shows them to its tools.
     keys: KeyTable = field(default_factory=KeyTable)
-    max_request_bytes: int = 8 << 20
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_model_len: int | None = None
     app_name: str = "rayturn"
     # The Serve deployments whose replicas ``/health`` reports.
