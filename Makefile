@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export MYPYPATH := .typing
 
-.PHONY: install test lint typecheck pytest protos serve bench clean
+.PHONY: install test lint typecheck pytest protos serve bench clean agents
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ serve: install
 bench: install
 	$(PY) bench/engine_throughput.py --quick
 	$(PY) bench/prefix_ttft.py --quick
+
+# The coding-agent CLIs that tests/agents runs against `rayturn serve` (Claude Code, Codex, OpenCode;
+# versions pinned in tests/agents/agent_clis.py), installed with npm outside the repo, under
+# ${RAYTURN_AGENTS_DIR:-${RAYTURN_CACHE_DIR:-~/.cache/rayturn}/agents}; quick once installed.
+agents:
+	$(PYTHON) tests/agents/agent_clis.py install
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

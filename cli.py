@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset name (tiny, small) or a Hugging Face model directory")
+    parser.add_argument("--model", default="tiny", help="preset (tiny, small, tiny-bpe) or a model directory")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--backend", default=None, help="kernel backend (torch, triton); default: chosen per device")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
         "server.http_port": args.http_port,
         "server.grpc_port": args.grpc_port,
         "server.host": args.host,
+        "model.tool_call_parser": args.tool_call_parser,
     }
     config = load_config(args.config, **{key: value for key, value in flags.items() if value is not None})
     if args.api_key:
@@ -83,13 +84,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_engine_args(gen)
     gen.add_argument("prompts", nargs="+", help="prompts (raw text)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    serve = sub.add_parser("serve", help="run the cluster: OpenAI HTTP + gRPC on Ray Serve")
+    serve = sub.add_parser(
+        "serve", help="run the cluster: OpenAI, Anthropic Messages and Responses HTTP + gRPC on Ray Serve"
+    )
     serve.add_argument("--config", default=None, help="cluster YAML (see cluster/examples/rayturn.yaml)")
-    serve.add_argument("--model", default=None, help="preset (tiny, small) or a Hugging Face model directory")
+    serve.add_argument("--model", default=None, help="preset (tiny, small, tiny-bpe) or a model directory")
     serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     serve.add_argument("--http-port", type=int, default=None)
     serve.add_argument("--grpc-port", type=int, default=None)
     serve.add_argument("--host", default=None, help="HTTP and gRPC bind address (default from config: 127.0.0.1)")
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the format the model calls tools in (hermes, qwen3_coder, llama3_json, mistral); "
+        "default: the one its chat template shows",
+    )
     serve.add_argument(
         "--api-key",
         action="append",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rayturn.engine.page_hash import PageHash
+from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import ToolCallDelta
@@ -51,6 +52,9 @@ class Call:
     after: NextStep | None = None
     # The call offered tools, so an answer holding tool calls means the agent will be back.
     tools: bool = False
+    # The client's cache retention contract: keep the prompt's first pages cached this long
+    # (``rayturn.engine.prefix_pins``); None: cached as any prompt is, no promise.
+    retention: Retention | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -9,12 +9,20 @@ from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, range_error, type_error
-from .protocol import JSON, ChatRequest, ToolChoice, include_usage, model_field, sampling_spec
+from .protocol import (
+    JSON,
+    ChatRequest,
+    ToolChoice,
+    include_usage,
+    model_field,
+    prompt_cache_points,
+    sampling_spec,
+)
 
 MAX_TOOLS = 128
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def parse_chat_request(body: object, served_model: str) -> ChatRequest:
@@ -47,16 +55,36 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         include_usage=include_usage(fields, stream),
         user=fields.string("user"),
         parallel_tool_calls=True if parallel_tool_calls is None else parallel_tool_calls,
+        cache_points=prompt_cache_points(fields, len(messages)),
+        prompt_cache_key=fields.string("prompt_cache_key"),
+        response_format=_response_format(fields),
     )
 
 
+def _response_format(fields: Fields) -> JSON | None:
+    """``response_format``: None for text; ``{"type": "json_object"}``; or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", ...}}`` (a missing schema is any JSON object, as OpenAI's)."""
+    form = fields.nested("response_format")
+    if form is None:
+        return None
+    format_type = form.required_string("type")
+    if format_type == "text":
+        return None
+    if format_type == "json_object":
+        return {"type": "json_object"}
+    if format_type != "json_schema":
+        raise range_error(form.path("type"), "one of text, json_object, json_schema", format_type)
+    spec = form.required_nested("json_schema")
+    json_schema: JSON = {"name": spec.required_string("name")}
+    schema = spec.nested("schema")
+    json_schema["schema"] = {"type": "object"} if schema is None else spec.raw("schema")
+    strict = spec.boolean("strict")
+    if strict is not None:
+        json_schema["strict"] = strict
+    return {"type": "json_schema", "json_schema": json_schema}
+
+
 def _reject_unsupported_chat_fields(fields: Fields) -> None:
-    response_format = fields.nested("response_format")
-    if response_format is not None:
-        format_type = response_format.required_string("type")
-        if format_type != "text":
-            message = f"Unsupported 'response_format.type': only 'text' is supported, got {format_type!r}."
-            raise unsupported(message, param="response_format.type")
     for legacy, replacement in (("functions", "tools"), ("function_call", "tool_choice")):
         if fields.raw(legacy) is not None:
             raise unsupported(f"Unsupported '{legacy}': use '{replacement}' instead.", param=legacy)
@@ -127,13 +155,13 @@ def _assistant_tool_calls(fields: Fields) -> list[JSON] | None:
             {
                 "id": call.required_string("id"),
                 "type": "function",
-                "function": {"name": function.required_string("name"), "arguments": _decoded(arguments)},
+                "function": {"name": function.required_string("name"), "arguments": decoded_arguments(arguments)},
             }
         )
     return normalized
 
 
-def _decoded(arguments: str) -> JSON | str:
+def decoded_arguments(arguments: str) -> JSON | str:
     """A JSON-object argument string as a dict; anything else (models emit bad JSON) stays a string."""
     try:
         value = json.loads(arguments)
@@ -157,7 +185,7 @@ def _tools(fields: Fields) -> list[JSON] | None:
             raise unsupported(f"Unsupported '{tool.path('type')}': expected 'function'.", param=tool.path("type"))
         function = tool.required_nested("function")
         name = function.required_string("name")
-        if not _TOOL_NAME.fullmatch(name):
+        if not TOOL_NAME.fullmatch(name):
             raise range_error(function.path("name"), "1 to 64 characters of a-z, A-Z, 0-9, _ or -", name)
         if name in names:
             raise invalid_request(

@@ -1,4 +1,5 @@
-"""The ingress: OpenAI-compatible HTTP and rayturn's gRPC API in one Serve deployment.
+"""The ingress: the OpenAI, Anthropic Messages and OpenAI Responses HTTP APIs and rayturn's gRPC API in one
+Serve deployment.
 
 Per call it authenticates the caller's key (its tenant), bounds and parses
 the body, applies the chat template, tokenizes, computes the prompt's page
@@ -6,10 +7,11 @@ hashes once (the routing hint the decode pool's router weighs against what
 each replica holds, and what every replica and engine on the call's path
 uses; salted by tenant), finds the session id, and streams the decode pool's
 per-step deltas back as SSE or gRPC messages. Each API is one module:
-``serving_chat``, ``serving_completion``, ``grpc_service``, on the shared
+``serving_chat``, ``serving_completion``, ``serving_messages`` (Anthropic),
+``serving_responses`` (Responses), ``grpc_service``, on the shared
 ``pipeline.CallPipeline``. Bad input is answered here with a 4xx in the
-OpenAI error shape (gRPC: INVALID_ARGUMENT) and never reaches a replica; a
-full decode queue answers 429, a failed replica 503.
+error shape of its API (gRPC: INVALID_ARGUMENT) and never reaches a replica; a
+full decode queue answers 429, a failed replica 503 (Anthropic: 529).
 
 Every HTTP answer from the decode pool carries the header ``x-rayturn-replica``:
 the Serve id of the decode replica that served the call, so clients and tests
@@ -32,6 +34,8 @@ from .pipeline import CallPipeline, new_request_id
 from .serving import REPLICA_HEADER, HTTPServing
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_messages import ServingMessages
+from .serving_responses import ServingResponses
 from .session import required_session_id
 from .settings import IngressSettings
 
@@ -47,6 +51,8 @@ class Ingress:
         self.http = HTTPServing(self.pipeline)
         self.chat = ServingChat(self.pipeline)
         self.completion = ServingCompletion(self.pipeline)
+        self.messages = ServingMessages(self.pipeline)
+        self.responses = ServingResponses(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())
 
@@ -71,6 +77,27 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self.completion.create(request, new_request_id())
+
+    # Anthropic's Messages API (Claude Code adds ``?beta=true``; query and ``anthropic-*`` headers are not read).
+    @app.post("/v1/messages")
+    async def create_message(self, request: Request) -> Response:
+        return await self.messages.create(request, new_request_id())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request) -> Response:
+        return await self.messages.count_tokens(request, new_request_id())
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await self.responses.create(request, new_request_id())
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.retrieve(request, response_id, new_request_id())
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.delete(request, response_id, new_request_id())
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

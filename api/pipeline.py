@@ -23,18 +23,21 @@ from typing import Any
 from rayturn.engine.config import ModelConfig
 from rayturn.engine.llm_engine import model_identity
 from rayturn.engine.page_hash import PageHash, hash_pages
+from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import PRESETS, preset_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
-from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
+from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta, parser_for_chat_template
 from rayturn.messages import Call, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.scoring import page_hash_key
 
 from .bodies import usage
 from .errors import client_error, invalid_request
+from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
+from .protocol import CachePoint
 from .request_limits import PromptBudget, off_loop
 from .session import LifecycleHints
 from .settings import IngressSettings
@@ -54,6 +57,7 @@ class CompletionState:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # The decode replica's split of the text into prose and tool calls (calls that offered tools).
     tool_parse: list[ToolCallDelta] = field(default_factory=list)
 
@@ -106,6 +110,15 @@ async def announced(answer: Awaitable[PrewarmAnswer], request_id: str = "") -> P
         raise client_error(err, request_id) from err
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token sequences share."""
+    length = min(len(a), len(b))
+    for i in range(length):
+        if a[i] != b[i]:
+            return i
+    return length
+
+
 def new_request_id() -> str:
     """A call's id, minted when it arrives: its steps, its errors and its log lines carry it."""
     return uuid.uuid4().hex
@@ -138,6 +151,9 @@ class CallPipeline:
         self.keys = settings.keys
         self.max_request_bytes = settings.max_request_bytes
         self.budget = PromptBudget(self.max_model_len, self.tokenizer.max_token_chars)
+        template = self.tokenizer.chat_template
+        parser = settings.tool_call_parser or parser_for_chat_template(template.source if template else "")
+        self.guides = GuideMaker(parser, self.tokenizer)
         self.health_probe = PoolHealthProbe(settings.app_name, settings.pools)
         self.telemetry = IngressMetrics()
 
@@ -162,6 +178,35 @@ class CallPipeline:
 
         return await off_loop(num_bytes, encode)
 
+    async def retention(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        prompt_ids: Sequence[int],
+        points: Sequence[CachePoint],
+    ) -> Retention | None:
+        """The retention contract of a chat's cache breakpoints: one pin per call, of the prompt up to its last
+        breakpoint, for the longest TTL any breakpoint asks (a shorter-lived tail is kept longer, never less).
+
+        The prefix is measured in tokens by rendering the messages up to the breakpoint and keeping what that
+        rendering shares with the whole prompt, so it holds for any chat template."""
+        if not points:
+            return None
+        last = max(point.num_messages for point in points)
+        ttl_s = max(point.ttl_s for point in points)
+        if last >= len(messages):
+            return Retention(len(prompt_ids), ttl_s)
+
+        def measure() -> int:
+            try:
+                text = self.tokenizer.apply_chat_template(messages[:last], tools=tools, add_generation_prompt=False)
+            except ValueError:  # a template that cannot render the prefix alone: no contract, nothing breaks
+                return 0
+            return common_prefix(self.tokenizer.encode(text, add_special_tokens=False), prompt_ids)
+
+        num_tokens = await off_loop(len(prompt_ids) * 4, measure)
+        return Retention(num_tokens, ttl_s) if num_tokens > 0 else None
+
     async def text_prompt(self, text: str, *, param: str) -> list[int]:
         """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it."""
         self.budget.check(text, param=param)
@@ -185,6 +230,7 @@ class CallPipeline:
         session_id: str | None,
         hints: LifecycleHints = NO_HINTS,
         tools: bool = False,
+        retention: Retention | None = None,
     ) -> Call:
         """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
         salt = self.keys.cache_salt(tenant)
@@ -206,6 +252,7 @@ class CallPipeline:
             call=hints.call,
             after=hints.after,
             tools=tools,
+            retention=retention,
         )
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
@@ -246,6 +293,7 @@ class CallPipeline:
                     if delta.logprobs:
                         state.logprobs.extend(delta.logprobs)
                     state.finish_reason = delta.finish_reason
+                    state.stop_reason = delta.stop_reason
                     state.tool_parse.extend(delta.tool_parse)
                 yield step.deltas
             done = True

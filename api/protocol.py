@@ -16,15 +16,18 @@ clients routinely send extras such as ``metadata`` or ``store``):
   ``ignore_eos``.
 * ``/v1/chat/completions``: ``messages`` (text content only),
   ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
-  ``top_logprobs``, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
-  ``response_format`` of type ``text``.
+  ``top_logprobs``, ``tools``, ``tool_choice`` (``required`` and a named
+  function are enforced by constrained decoding), ``parallel_tool_calls``,
+  ``response_format`` (``text``, ``json_object``, ``json_schema``: enforced
+  too), ``prompt_cache_key`` (the session id) and ``prompt_cache_retention``
+  (``in_memory``, ``24h``: a retention contract for the prompt).
 * ``/v1/completions``: ``prompt`` (one string or one list of token ids),
   ``logprobs`` (an integer), ``echo`` only false, ``suffix`` only empty,
   ``best_of`` only equal to ``n``.
 
 A supported field with a bad value is a 400 whose ``param`` is the field's
 dotted path (``messages[2].content``) and whose message quotes that path; a
-field this server recognises but cannot honour (images, JSON mode, penalties) is a 400
+field this server recognises but cannot honour (images, penalties) is a 400
 too, rather than being silently ignored.
 """
 
@@ -48,6 +51,30 @@ _ENGINE_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
 
 JSON = dict[str, Any]
 ToolChoice = str | JSON
+
+
+# OpenAI's ``prompt_cache_retention`` values, as the seconds a prompt is kept cached: "in_memory" keeps it
+# five to ten minutes there (rayturn: ten), "24h" a day.
+PROMPT_CACHE_RETENTION_S = {"in_memory": 600.0, "24h": 86400.0}
+
+
+def prompt_cache_points(fields: Fields, num_messages: int) -> tuple[CachePoint, ...]:
+    """OpenAI's ``prompt_cache_retention``: a retention contract for the whole prompt."""
+    retention = fields.string("prompt_cache_retention")
+    if retention is None:
+        return ()
+    if retention not in PROMPT_CACHE_RETENTION_S:
+        raise range_error("prompt_cache_retention", f"one of {', '.join(PROMPT_CACHE_RETENTION_S)}", retention)
+    return (CachePoint(num_messages=num_messages, ttl_s=PROMPT_CACHE_RETENTION_S[retention]),)
+
+
+@dataclass(frozen=True, slots=True)
+class CachePoint:
+    """A client's cache breakpoint: keep the prompt up to the end of ``messages[:num_messages]`` (the chat
+    messages as the template sees them, tools included) cached for ``ttl_s`` seconds."""
+
+    num_messages: int
+    ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +114,19 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     parallel_tool_calls: bool = True
+    # ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``: the answer's required form.
+    response_format: JSON | None = None
+    # Prefixes the client asked to keep cached (Anthropic ``cache_control``, OpenAI ``prompt_cache_retention``).
+    cache_points: tuple[CachePoint, ...] = ()
+    # OpenAI's ``prompt_cache_key``: what groups calls that share a prefix; rayturn's session id for them.
+    prompt_cache_key: str | None = None
 
     @property
     def prompt_tools(self) -> list[JSON] | None:
         """The tools to show the model: none for ``tool_choice="none"``, only the named one for a named choice.
 
-        Nothing constrains decoding, so ``"required"`` and a named choice are
-        requests the model is trusted to follow, not guarantees.
+        ``"required"`` and a named choice are enforced: decoding is constrained to a call of these tools
+        (``guides``).
         """
         if self.tools is None or self.tool_choice == "none":
             return None
@@ -151,12 +184,14 @@ def to_sampling_params(
     prompt_tokens: int,
     max_model_len: int,
     prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """Engine settings once the prompt length is known.
 
     Without ``max_tokens`` a request may fill the rest of the context, capped
     at ``default_max_tokens``. ``prompt_param`` is the field blamed when the
-    prompt alone is too long (``"prompt"`` for completions).
+    prompt alone is too long (``"prompt"`` for completions), ``max_tokens_param``
+    the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses).
     """
     if prompt_tokens >= max_model_len:
         raise context_length_exceeded(prompt_tokens, max_model_len, param=prompt_param)
@@ -167,9 +202,10 @@ def to_sampling_params(
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + spec.max_tokens} tokens ({prompt_tokens} in the '{prompt_param}', "
-            f"{spec.max_tokens} in 'max_tokens'). Please reduce the length of the '{prompt_param}' or 'max_tokens'."
+            f"{spec.max_tokens} in '{max_tokens_param}'). Please reduce the length of the '{prompt_param}' or "
+            f"'{max_tokens_param}'."
         )
-        raise invalid_request(message, param="max_tokens", code="context_length_exceeded")
+        raise invalid_request(message, param=max_tokens_param, code="context_length_exceeded")
     else:
         max_tokens = spec.max_tokens
     try:

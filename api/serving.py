@@ -17,12 +17,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.sampling_params import SamplingParams
 
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps
 from .request_limits import off_loop, parse_json, read_body
-from .session import SESSION_STATE_HEADER, LifecycleHints, lifecycle_hints, session_id_from_headers
+from .session import (
+    SESSION_STATE_HEADER,
+    LifecycleHints,
+    lifecycle_hints,
+    optional_session_id,
+    session_id_from_headers,
+)
 from .streaming import sse
 
 # The response header naming the decode replica that served a call.
@@ -90,10 +97,15 @@ class HTTPServing:
         params: SamplingParams,
         hints: LifecycleHints | None = None,
         tools: bool = False,
+        body_session: tuple[str | None, str] | None = None,
+        retention: Retention | None = None,
     ) -> tuple[CallResult, Steps, Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step.
 
         ``hints``: what the API itself knows of the call's place in its session; the client's headers win.
+        ``body_session``: (the session id the body names, the field it came from) for APIs whose body names
+        it elsewhere than OpenAI's ``user`` (Anthropic ``metadata.user_id``, Responses ``prompt_cache_key``);
+        a session header wins over it too.
         """
         assert isinstance(body, dict)  # the parsers accept only JSON objects
         try:
@@ -102,11 +114,17 @@ class HTTPServing:
             raise invalid_request(str(err), param=None) from err
         if hints is not None:
             said = LifecycleHints(said.call or hints.call, said.after or hints.after)
+        param = "user" if body_session is None else body_session[1]
         try:
-            session_id = session_id_from_headers(dict(request.headers), body)
+            if body_session is None:
+                session_id = session_id_from_headers(dict(request.headers), body)
+            else:
+                session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
         except ValueError as err:
-            raise invalid_request(str(err), param="user") from err
-        call = await self.pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, said, tools)
+            raise invalid_request(str(err), param=param) from err
+        call = await self.pipeline.serve_request(
+            request_id, prompt_ids, params, tenant, session_id, said, tools, retention
+        )
         return await self.pipeline.start(call)
 
     def token_text(self, token_id: int) -> str:

@@ -46,9 +46,24 @@ class ServingChat(HTTPServing):
                 prompt_tokens=len(prompt_ids),
                 max_model_len=self.pipeline.max_model_len,
             )
+            params = self.pipeline.guides.guided(params, chat)
             hints = LifecycleHints(classify_call(chat.messages))
             tools = chat.prompt_tools is not None
-            result, steps, first = await self.start(request_id, request, body, tenant, prompt_ids, params, hints, tools)
+            retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
+            # ``prompt_cache_key`` names the session when a client sends it (before the older ``user``).
+            session = (chat.prompt_cache_key, "prompt_cache_key") if chat.prompt_cache_key else (chat.user, "user")
+            result, steps, first = await self.start(
+                request_id,
+                request,
+                body,
+                tenant,
+                prompt_ids,
+                params,
+                hints,
+                tools,
+                body_session=session,
+                retention=retention,
+            )
             if chat.stream:
                 return sse_response(self._stream(chat, steps, first, result), result)
             async for _ in chain_steps(first, steps):

@@ -85,3 +85,5 @@ class IngressSettings:
     app_name: str = "rayturn"
     # The Serve deployments whose replicas ``/health`` reports.
     pools: tuple[str, ...] = ()
+    # The tool-call format the model writes (``model.tool_call_parser``); None: the one its chat template teaches.
+    tool_call_parser: str | None = None

@@ -162,6 +162,7 @@ def build_app(config: ClusterConfig) -> Application:
         prefill,
         config.router.disaggregation_threshold_tokens,
         config.lifecycle,
+        config.model.tool_call_parser,
     )
     store_nodes = None
     kv = config.kvstore
@@ -185,6 +186,7 @@ def build_app(config: ClusterConfig) -> Application:
         max_model_len=config.model.max_model_len,
         app_name=APP_NAME,
         pools=tuple(pools + (["kv-store"] if store_nodes is not None else [])),
+        tool_call_parser=config.model.tool_call_parser,
     )
     return _bind(
         _deployment(Ingress).options(

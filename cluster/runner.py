@@ -116,6 +116,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None) -> int:
             print(
                 f"rayturn is serving {config.model.model_name!r}\n"
                 f"  OpenAI HTTP: {endpoints.http}/v1  (health: {endpoints.http}/health)\n"
+                f"    chat: /v1/chat/completions  Anthropic Messages: /v1/messages  Responses: /v1/responses\n"
                 f"  gRPC:        {endpoints.grpc}  (service rayturn.v1.RayTurn)\n"
                 "Ctrl-C stops it.",
                 flush=True,

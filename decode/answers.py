@@ -2,11 +2,11 @@
 
 The engine reports each completion's whole output so far; ``AnswerTracker``
 sends only what is new since the last step (``Delta``). For a call that
-offered tools it also runs the one tool-call parser
-(``rayturn.engine.tool_calls.ToolCallStream``) over each completion's text as
-it arrives, so the ingress formats the calls without parsing them again, and
-the session planner learns whether the answer called a tool (the agent will
-be back in seconds) from the same parse.
+offered tools it also runs the model's tool-call parser (a
+``rayturn.engine.tool_calls.ToolCallStream`` of its format) over each
+completion's text as it arrives, so the ingress formats the calls without
+parsing them again, and the session planner learns whether the answer called
+a tool (the agent will be back in seconds) from the same parse.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from rayturn.engine import RequestOutput
 from rayturn.engine.outputs import CompletionOutput
-from rayturn.engine.tool_calls import ToolCallDelta, ToolCallStream
+from rayturn.engine.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallDelta, ToolCallStream
 from rayturn.messages import Delta
 
 
@@ -33,6 +33,7 @@ class _Sent:
 @dataclass(slots=True)
 class AnswerTracker:
     tools: bool
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the format the model's answers call tools in
     _sent: dict[int, _Sent] = field(default_factory=dict)
 
     def deltas(self, output: RequestOutput) -> tuple[Delta, ...]:
@@ -47,7 +48,8 @@ class AnswerTracker:
     def _delta(self, completion: CompletionOutput) -> Delta | None:
         sent = self._sent.get(completion.index)
         if sent is None:
-            sent = self._sent[completion.index] = _Sent(tool_calls=ToolCallStream() if self.tools else None)
+            tool_calls = ToolCallStream(self.tool_call_parser) if self.tools else None
+            sent = self._sent[completion.index] = _Sent(tool_calls=tool_calls)
         finished = completion.finish_reason is not None
         new_tokens = completion.token_ids[sent.tokens :]
         new_text = completion.text[sent.chars :]

@@ -37,6 +37,7 @@ from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, SessionAnnouncement, Step
@@ -108,9 +109,13 @@ class DecodeServer:
         prefill: Any = None,
         disaggregation_threshold_tokens: int = 512,
         lifecycle: LifecycleSettings | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         settings = lifecycle or LifecycleSettings()
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
+        # None: the format the model's chat template teaches, read once here.
+        template = self.engine.tokenizer.chat_template
+        self.tool_call_parser = tool_call_parser or parser_for_chat_template(template.source if template else "")
         self.planner = (
             SessionPlanner(
                 self.engine,
@@ -135,7 +140,7 @@ class DecodeServer:
         self.replica_id = serve_replica_id()
         self.started_at = time.time()
         self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0}
-        logger.info("decode replica ready: backend %s", self.engine.backend_name)
+        logger.info("decode replica ready: backend %s, tool calls %s", self.engine.backend_name, self.tool_call_parser)
 
     async def _uncached_tokens(self, call: Call) -> int:
         """Prompt tokens neither this replica nor the KV store holds (an estimate for the routing decision).
@@ -173,7 +178,7 @@ class DecodeServer:
             self._idle_work_task = asyncio.get_running_loop().create_task(self.idle_work.run_forever())
         session_id = call.session_id if self.planner is not None else None
         report = self.planner.arrive(session_id, call.call) if self.planner and session_id else None
-        answers = AnswerTracker(tools=call.tools)
+        answers = AnswerTracker(tools=call.tools, tool_call_parser=self.tool_call_parser)
         last: RequestOutput | None = None
         try:
             first = await self._prefill(call)
@@ -187,6 +192,7 @@ class DecodeServer:
                 output_prefix_logprobs=first.logprobs if first is not None else None,
                 session_id=session_id,
                 page_hashes=call.page_hashes,
+                retention=call.retention,
             ):
                 last = output
                 deltas = answers.deltas(output)

@@ -29,8 +29,10 @@ from typing import Any, TypeVar
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .page_hash import PageHash
+from .prefix_pins import Retention
 from .sampling_params import SamplingParams
 from .sequence import TokenLogprob
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ class AsyncEngine:
             self._stats = {
                 **engine.load_stats(),
                 **engine.session_stats(),
+                **engine.prefix_pins.stats(),
                 "page_size": engine.page_size,
                 "cached_page_hashes": hashes,
             }
@@ -142,11 +145,13 @@ class AsyncEngine:
         output_prefix_logprobs: Sequence[TokenLogprob] | None = None,
         session_id: str | None = None,
         page_hashes: Sequence[PageHash] | None = None,
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ``ValueError`` for bad input before the first one.
 
         ``page_hashes``: the prompt's leading page hashes, computed by the
-        serving layer (see ``LLMEngine.add_request``).
+        serving layer (see ``LLMEngine.add_request``). ``retention``: what of
+        the prompt to keep cached after the request (``prefix_pins.py``).
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
@@ -164,6 +169,7 @@ class AsyncEngine:
                 output_prefix_logprobs=output_prefix_logprobs,
                 session_id=session_id,
                 page_hashes=page_hashes,
+                retention=retention,
             )
             # Both on the engine thread, so no step runs in between and no output is missed.
             self._listeners[request_id] = (loop, outputs)
@@ -210,6 +216,11 @@ class AsyncEngine:
         return self._engine.model_id
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer; safe to read beside the engine thread (it keeps no per-request state)."""
+        return self._engine.tokenizer
+
+    @property
     def page_size(self) -> int:
         return self._engine.page_size
 
@@ -247,7 +258,8 @@ class AsyncEngine:
         return connector.longest_prefix(page_hashes, cache_salt) if connector is not None else 0
 
     def stats(self) -> dict[str, Any]:
-        """The latest load and session-hold figures and recently cached page hashes (16 hex chars each)."""
+        """The latest load, session-hold and prefix-pin figures and recently cached page hashes (16 hex chars
+        each)."""
         return dict(self._stats)
 
     @property

@@ -7,7 +7,9 @@ engine's cache (``[layers, 2, page_size, kv_heads, head_dim]``):
 - ``longest_prefix(keys, tenant)``: how many leading pages the store holds;
 - ``load(keys, pages, tenant)``: land pages straight in the engine's cache pages;
 - ``save(keys, pages, tenant)``: publish pages (a key the store has already
-  counts as saved).
+  counts as saved);
+- ``pin(keys, ttl_s, tenant)``: keep the tenant's stored pages from eviction
+  for ``ttl_s`` seconds (an earlier, longer pin stands).
 
 ``tenant`` is the owner of the pages: a sequence's ``cache_salt``, which the
 serving layer sets to the caller's tenant ("" for a server without tenants:
@@ -34,6 +36,8 @@ class KVConnector(Protocol):
 
     def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]: ...
 
+    def pin(self, keys: Sequence[bytes], ttl_s: float, tenant: str = "") -> None: ...
+
 
 class _StoreClient(Protocol):
     """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses (``tenant`` None or "": the client's own)."""
@@ -50,6 +54,8 @@ class _StoreClient(Protocol):
         pin_ttl_s: float | None = None,
         tenant: str | None = None,
     ) -> list[bool]: ...
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None: ...
 
 
 class StoreConnector:
@@ -83,6 +89,10 @@ class StoreConnector:
             return self.client.put_batch(keys, list(pages), replicas=self.replicas, tenant=tenant)
         host = torch.stack([page.to("cpu") for page in pages])
         return self.client.put_batch(keys, list(host.unbind(0)), replicas=self.replicas, tenant=tenant)
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float, tenant: str = "") -> None:
+        if keys:
+            self.client.pin(keys, ttl_s, tenant)
 
 
 def _can_pin() -> bool:

@@ -1,7 +1,9 @@
 """Page traffic between the engine's KV cache and the store behind a ``KVConnector``.
 
 Loads happen at arrival (the prompt's pages missing here) and at a session
-prewarm; saves at a sequence's finish and at a session offload. Both move
+prewarm; saves at a sequence's finish, at a session offload and when memory
+pressure moves a pinned prefix (``prefix_pins.py``), whose pages the store
+then soft-pins. Both move
 whole pages between the store and the runner's cache tensor, addressed by
 their chained hashes (``page_hash.py``). The store is an optimisation: a
 failed lookup, load or save is logged and only costs compute.
@@ -166,6 +168,23 @@ class KVTransfer:
         except Exception as err:
             logger.warning("KV store lookup failed, keeping the pages: %s", err)
             return held, written
+
+    def pin_in_store(self, hashes: list[PageHash], ttl_s: float, tenant: str, wait: bool = False) -> None:
+        """Soft-pin ``tenant``'s pages in the store for ``ttl_s`` seconds (a pin only ever extends).
+
+        With ``kv_save="async"`` (unless ``wait``) the saver thread pins them after the saves queued before,
+        so the pages a finished sequence just published are in the store by then.
+        """
+        if self._saver is not None and not wait:
+            self._saver.submit(self._pin, hashes, ttl_s, tenant)
+        else:
+            self._pin(hashes, ttl_s, tenant)
+
+    def _pin(self, hashes: list[PageHash], ttl_s: float, tenant: str) -> None:
+        try:
+            self.connector.pin(hashes, ttl_s, tenant)
+        except Exception as err:  # the store is an optimisation: the device pin still holds
+            logger.warning("KV store pin failed: %s", err)
 
     def release_saved(self) -> None:
         """Drop the references of background saves that have finished (on the engine thread)."""

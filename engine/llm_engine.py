@@ -8,8 +8,9 @@ the requests that progressed, so a server can stream from it. The pieces:
 ``RequestLimits`` checks a request, ``RequestTable`` keeps requests, forks
 and outputs, ``Scheduler`` picks the chunks, ``KVCacheManager`` maps them to
 pages, ``ModelRunner`` runs them, ``sample_sequences`` samples,
-``KVTransfer`` moves pages to and from the KV store, and ``SessionHolds`` and
-``PrefixReservations`` keep pages for sessions and queued requests.
+``KVTransfer`` moves pages to and from the KV store, and ``SessionHolds``,
+``PrefixReservations`` and ``PrefixPins`` keep pages for sessions, queued
+requests and retention contracts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .loader import load_model, parse_dtype
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .page_hash import PageHash
+from .prefix_pins import PrefixPins, Retention, reclaim_in_order
 from .presets import resolve_model_dir
 from .request import Request, RequestTable
 from .request_limits import Prompt, RequestLimits
@@ -94,7 +96,6 @@ class LLMEngine:
         )
         # Queued requests keep their cached prefix referenced until admission (reservations.py).
         self.reservations = PrefixReservations(self.kv_cache.pool)
-        self.kv_cache.reclaim = self._reclaim
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -109,6 +110,10 @@ class LLMEngine:
             if self.kv_connector is not None
             else None
         )
+        # Retention contracts (prefix_pins.py). Pressure frees: idle holds, pins the store takes, reservations, any pin.
+        self.prefix_pins = PrefixPins(self.kv_cache.pool, page_size, self.kv_transfer)
+        reclaimers = (self.session_holds.reclaim, self.prefix_pins.move_to_store, self.reservations.reclaim)
+        self.kv_cache.reclaim = functools.partial(reclaim_in_order, (*reclaimers, self.prefix_pins.reclaim))
         self.limits = RequestLimits(
             self.tokenizer, self.config.vocab_size, self.max_model_len, max_num_seqs, self.num_pages, page_size
         )
@@ -133,7 +138,7 @@ class LLMEngine:
         num_pages: int | None = None,
         **engine_args: object,
     ) -> LLMEngine:
-        """Load a built-in preset (``"tiny"``, ``"small"``) or a Hugging Face model directory."""
+        """Load a built-in preset (``"tiny"``, ``"small"``, ``"tiny-bpe"``) or a Hugging Face model directory."""
         return cls(
             resolve_model_dir(model),
             backend=backend,
@@ -155,6 +160,7 @@ class LLMEngine:
         output_prefix_logprobs: Seq[TokenLogprob] | None = None,
         session_id: str | None = None,
         page_hashes: Seq[PageHash] | None = None,
+        retention: Retention | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -169,6 +175,7 @@ class LLMEngine:
         code: they are trusted as given and never recomputed here, so they
         must not come from a client (a wrong hash would file KV under another
         prompt's name).
+        ``retention``: keep the prompt's first pages cached after it finishes (``prefix_pins.py``).
         """
         request = self.requests.open(
             self.limits.encode_prompt(prompt),
@@ -182,6 +189,7 @@ class LLMEngine:
         )
         if request.finished:  # the output prefix did it: reported by the next step
             return request.request_id
+        self.prefix_pins.expect(request.request_id, retention)
         seq = request.seqs[0]
         if self.kv_transfer is not None:
             # A request arriving with output already made (a remote prefill) finds its pages in the store.
@@ -189,13 +197,6 @@ class LLMEngine:
         self.reservations.reserve(request.request_id, self.kv_cache.match_prefix(seq))
         self.scheduler.add(seq)
         return request.request_id
-
-    def _reclaim(self, num_pages: int) -> int:
-        """Free pages for an allocation that fell short: idle sessions' holds first, queued requests' last."""
-        freed = self.session_holds.reclaim(num_pages)
-        if freed < num_pages:
-            freed += self.reservations.reclaim(num_pages - freed)
-        return freed
 
     def flush_saves(self) -> None:
         """Wait for background page saves to finish and release their pages."""
@@ -207,6 +208,7 @@ class LLMEngine:
         if request is None:
             return
         self.reservations.release(request_id)
+        self.prefix_pins.forget(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -274,8 +276,8 @@ class LLMEngine:
         return {**self.session_holds.stats(), **self.reservations.stats()}
 
     def expire_holds(self) -> int:
-        """Release the session holds whose TTL has passed; returns how many."""
-        return self.session_holds.expire()
+        """Release the session holds and prefix pins whose TTL has passed; returns how many."""
+        return self.session_holds.expire() + self.prefix_pins.expire()
 
     def _require_transfer(self, method: str) -> KVTransfer:
         if self.kv_transfer is None:
@@ -288,7 +290,7 @@ class LLMEngine:
         """Run one scheduling step; returns the requests it advanced (finished ones last seen here)."""
         if self.kv_transfer is not None:
             self.kv_transfer.release_saved()
-        self.session_holds.expire()
+        self.expire_holds()
         arrived = self.requests.take_arrived()
         chunks = self.scheduler.schedule().chunks
         if not chunks:
@@ -321,10 +323,11 @@ class LLMEngine:
     def _on_stop(self, request: Request, seq: Sequence, verdict: Verdict) -> None:
         if self.kv_transfer is not None:
             self.kv_transfer.save_pages(seq)
+        # Held and pinned before the sequence frees its pages, so none is evictable in between.
+        hashes = self.kv_cache.computed_hashes(seq)
         if request.session_id is not None and seq.completion_index == 0:
-            # Held before the sequence frees its pages, so none is evictable in between.
-            hashes = self.kv_cache.computed_hashes(seq)
             self.session_holds.record(request.session_id, hashes, self.session_hold_s, seq.cache_salt)
+        self.prefix_pins.finish(request.request_id, hashes, seq.num_prompt_tokens, seq.cache_salt)
         self.scheduler.finish(seq, *verdict)
 
     def generate(

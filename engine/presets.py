@@ -1,18 +1,26 @@
 """Built-in random-weight models, made on first use and saved in Hugging Face layout.
 
 ``tiny`` (a few MB) serves tests and ``make serve``; ``small`` (~40M
-parameters: 8 layers, hidden 512, GQA) serves benchmarks. Weights come from a
-fixed seed, so every machine builds byte-identical checkpoints; the same
-loader that reads real checkpoints reads these. The cache directory is
-``$RAYTURN_CACHE_DIR/models`` (default ``~/.cache/rayturn/models``).
+parameters: 8 layers, hidden 512, GQA) serves benchmarks. Both use the byte
+tokenizer (``byte_tokenizer.py``). ``tiny-bpe`` is ``tiny``'s shape with a
+128k context and a BPE tokenizer trained on the standard library
+(``bpe_tokenizer.py``), so an agent's long prompts fit in a realistic number
+of tokens. Weights come from a fixed seed, so every machine builds
+byte-identical checkpoints (``tiny-bpe`` wherever the standard library is the
+same; its config names its tokenizer, so a different library gives a different
+model identity); the same loader that reads real checkpoints reads these.
+The cache directory is ``$RAYTURN_CACHE_DIR/models`` (default
+``~/.cache/rayturn/models``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +29,11 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from . import bpe_tokenizer
 from .byte_tokenizer import BOS_TOKEN, CHATML_TOOLS_TEMPLATE, EOS_TOKEN, build_byte_tokenizer, save_byte_tokenizer
 
 PRESET_VERSION = 1  # bump when a preset's recipe changes, so caches rebuild
+TOKENIZER_DIGEST_KEY = "rayturn_tokenizer_sha256"  # config.json entry naming a trained tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +47,27 @@ class Preset:
     rope_theta: float
     tie_word_embeddings: bool
     seed: int
+    tokenizer: str = "byte"  # a key of TOKENIZER_WRITERS
 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 128, 2, 4, 2, 4096, 10000.0, False, seed=1234),
     "small": Preset(512, 2816, 8, 8, 2, 8192, 500000.0, False, seed=4321),
+    "tiny-bpe": Preset(64, 128, 2, 4, 2, 131072, 1000000.0, False, seed=1234, tokenizer="bpe"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTokenizer:
+    """What the model files need to know of the tokenizer a preset saved."""
+
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int | None = None
+    # Extra config.json entries: a tokenizer that differs between machines is
+    # named there, so that the model identity (a config digest) differs too.
+    config_extras: tuple[tuple[str, str], ...] = ()
 
 
 def cache_root() -> Path:
@@ -136,21 +161,47 @@ def random_weights(preset: Preset, vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 def write_preset(preset: Preset, directory: Path) -> None:
+    saved = TOKENIZER_WRITERS[preset.tokenizer](preset, directory)
+    config = preset_config(preset, saved.vocab_size, saved.bos_id, saved.eos_id) | dict(saved.config_extras)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": saved.bos_id, "eos_token_id": saved.eos_id}
+    if saved.pad_id is not None:
+        generation["pad_token_id"] = saved.pad_id
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    weights = random_weights(preset, saved.vocab_size)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_byte_tokenizer(preset: Preset, directory: Path) -> SavedTokenizer:
     save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
     tokenizer = build_byte_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    bos_id = _required_id(tokenizer, BOS_TOKEN)
-    eos_id = _required_id(tokenizer, EOS_TOKEN)
-    config = preset_config(preset, vocab_size, bos_id, eos_id)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n"
+    return SavedTokenizer(vocab_size, _required_id(tokenizer, BOS_TOKEN), _required_id(tokenizer, EOS_TOKEN))
+
+
+def write_bpe_tokenizer(preset: Preset, directory: Path) -> SavedTokenizer:
+    """Train on this interpreter's standard library; as in Qwen2.5, ``<|endoftext|>`` is BOS and padding."""
+    tokenizer = bpe_tokenizer.train_bpe_tokenizer(bpe_tokenizer.stdlib_corpus())
+    bpe_tokenizer.save_bpe_tokenizer(directory, tokenizer, preset.max_position_embeddings)
+    end_of_text_id = _required_id(tokenizer, bpe_tokenizer.END_OF_TEXT_TOKEN)
+    digest = hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()
+    return SavedTokenizer(
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_id=end_of_text_id,
+        eos_id=_required_id(tokenizer, bpe_tokenizer.EOS_TOKEN),
+        pad_id=end_of_text_id,
+        config_extras=((TOKENIZER_DIGEST_KEY, digest),),
     )
-    save_file(random_weights(preset, vocab_size), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+TOKENIZER_WRITERS: dict[str, Callable[[Preset, Path], SavedTokenizer]] = {
+    "byte": write_byte_tokenizer,
+    "bpe": write_bpe_tokenizer,
+}
 
 
 def _required_id(tokenizer: HFTokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
-        raise RuntimeError(f"byte tokenizer lacks {token!r}")
+        raise RuntimeError(f"preset tokenizer lacks {token!r}")
     return int(token_id)

@@ -11,7 +11,9 @@ A request's life in the engine's ``RequestTable``::
 The fork happens in the step that finishes the prompt, before its sample:
 the children share every page of the parent and draw from generators seeded
 by the request's seed and their completion index, so each completion is
-reproducible on its own.
+reproducible on its own. A guided request's sequence gets its grammar state
+when the request opens (before any output prefix, which advances it), and
+each child a copy of its parent's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .guided import GuideCompiler, GuideState
 from .outputs import CompletionOutput, RequestOutput
 from .page_hash import PageHash
 from .request_limits import RequestLimits
@@ -86,10 +89,17 @@ class Request:
 class RequestTable:
     """The engine's requests by id, from ``open`` until the step that reports them finished."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: AbstractSet[int], limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token_ids: AbstractSet[int],
+        limits: RequestLimits,
+        guides: GuideCompiler | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.limits = limits
+        self.guides = guides or GuideCompiler(tokenizer, limits.vocab_size, eos_token_ids)
         self.max_model_len = limits.max_model_len
         self._requests: dict[str, Request] = {}
         self._finished_on_arrival: list[Request] = []
@@ -120,8 +130,9 @@ class RequestTable:
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        guide = self.guides.start(params.guide) if params.guide is not None else None
         request = Request(request_id, list(token_ids), params, session_id=session_id)
-        seq = new_sequence(next(self._seq_ids), request_id, list(token_ids), params, cache_salt, page_hashes)
+        seq = new_sequence(next(self._seq_ids), request_id, list(token_ids), params, cache_salt, page_hashes, guide)
         request.add(seq, self._stop_checker(request))
         self._requests[request_id] = request
         self._append_output_prefix(request, output_prefix, output_prefix_logprobs)
@@ -214,6 +225,7 @@ def new_sequence(
     params: SamplingParams,
     cache_salt: str,
     page_hashes: Seq[PageHash] = (),
+    guide: GuideState | None = None,
 ) -> Sequence:
     """A request's first sequence; ``page_hashes``: its prompt's leading page hashes, already computed."""
     return Sequence(
@@ -225,6 +237,7 @@ def new_sequence(
         cache_salt=cache_salt,
         page_hashes=list(page_hashes),
         generator=_generator(params, 0),
+        guide=guide,
     )
 
 
@@ -239,6 +252,7 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
         cache_salt=parent.cache_salt,
         generator=_generator(parent.params, completion_index),
         completion_index=completion_index,
+        guide=parent.guide.fork() if parent.guide is not None else None,
     )
     child.num_computed_tokens = parent.num_computed_tokens
     child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

@@ -3,7 +3,8 @@
 Rows are grouped so the common cases stay batched: greedy rows share one
 argmax, unseeded random rows share one multinomial draw; only rows with their
 own seed draw from their own generator, which is what makes a seeded request
-reproducible regardless of its batch mates.
+reproducible regardless of its batch mates. A guided row's forbidden tokens
+are masked first (``guided.py``); a batch with no guided row skips that.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from .guided import mask_guided_logits
 from .sampling_params import SamplingParams
 from .sequence import Sequence, TokenLogprob
 
@@ -85,8 +87,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int
 
 
 def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per sequence (row of ``logits``), with its logprobs where the sequence asked for them."""
-    tokens = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+    """One token per sequence (row of ``logits``), with its logprobs where the sequence asked for them.
+
+    Guided rows sample from their masked logits; logprobs come from the raw ones.
+    """
+    guides = [seq.guide for seq in seqs]
+    masked = mask_guided_logits(logits, guides) if any(guide is not None for guide in guides) else logits
+    tokens = sample(masked, [seq.params for seq in seqs], [seq.generator for seq in seqs])
     wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
     if not any(wants_logprobs):
         return tokens, [None] * len(seqs)

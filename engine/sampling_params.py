@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .guided import Guide
+
 MAX_LOGPROBS = 20
 
 
@@ -16,6 +18,12 @@ class SamplingParams:
     else runs beside it. ``logprobs = k`` returns the chosen token's log
     probability and the ``k`` most likely alternatives, from the model's raw
     distribution (before temperature and filters).
+
+    ``guide`` holds the output to a grammar (see ``guided.py``): tokens it
+    forbids are masked before sampling, like another filter, so logprobs
+    still show the model's unguided preferences (the alternatives may be
+    tokens the guide forbade). A guided sequence ends as ``"stop"`` when its
+    grammar is complete.
     """
 
     n: int = 1
@@ -30,6 +38,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -60,6 +69,8 @@ class SamplingParams:
             )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.guide is not None:
+            _check(isinstance(self.guide, Guide), "guide", f"must be a Guide, got {type(self.guide).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .guided import GuideState
 from .page_hash import PageHash
 from .page_pool import Page
 from .sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     completion_index: int = 0  # which of the request's n completions this is
+    guide: GuideState | None = None  # where the output stands in its grammar, for a guided request
 
     @property
     def num_tokens(self) -> int:

@@ -10,11 +10,13 @@ from rayturn.kernels.registry import BACKENDS
 from rayturn.settings import check_at_least, check_choice, check_non_empty
 
 from .loader import DTYPES
+from .tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
-    """The ``model`` section: which checkpoint, its dtype, and the engine's paging and batching limits."""
+    """The ``model`` section: which checkpoint, its dtype, the engine's paging and batching limits, and the
+    format its answers call tools in (``tool_call_parser``; None: the one its chat template teaches)."""
 
     name: str = "tiny"
     served_name: str | None = None
@@ -25,6 +27,7 @@ class ModelSettings:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     backend: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_non_empty("name", self.name)
@@ -37,6 +40,8 @@ class ModelSettings:
         check_at_least("max_model_len", self.max_model_len, 1)
         if self.backend is not None:
             check_choice("backend", self.backend, BACKENDS)
+        if self.tool_call_parser is not None:
+            check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
 
     @property
     def model_name(self) -> str:

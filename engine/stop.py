@@ -1,12 +1,15 @@
 """When a sequence stops, and the text it has produced so far.
 
-Checked after every new token, in this order: EOS (unless ignored), a stop
-token id, a stop string (the text is cut before it, or after it with
-``include_stop_str_in_output``), then the length limits.
+Checked after every new token, in this order: a guided sequence's grammar
+(which the token advances; a broken grammar ends it as "abort"), EOS (unless
+ignored), a stop token id, a stop string (the text is cut before it, or
+after it with ``include_stop_str_in_output``), a complete grammar, then the
+length limits.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
 
@@ -14,6 +17,8 @@ from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 Verdict = tuple[str, str | int | None]  # (finish_reason, stop_reason)
 
@@ -33,6 +38,12 @@ class StopChecker:
     def check(self, seq: Sequence, max_model_len: int) -> Verdict | None:
         params = self.params
         token = seq.token_ids[-1]
+        guide = seq.guide
+        if guide is not None:
+            guide.advance(token)
+            if guide.error is not None:
+                logger.warning("request %s: guided decoding failed, sequence aborted: %s", seq.request_id, guide.error)
+                return "abort", None
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop", None
         if token in params.stop_token_ids:
@@ -43,6 +54,9 @@ class StopChecker:
             verdict = self._match_stop_string(before)
             if verdict is not None:
                 return verdict
+        if guide is not None and guide.is_complete:
+            self.text += self.detokenizer.flush()
+            return "stop", None
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
             self.text += self.detokenizer.flush()  # a cut-off character shows as U+FFFD
             return "length", None

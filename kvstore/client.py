@@ -290,12 +290,13 @@ class KVStoreClient:
         removed: int = self.master.call("remove", list(keys))
         return removed
 
-    def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
-        """Keep objects from eviction for ``ttl_s`` seconds (None: until ``unpin``)."""
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None:
+        """Keep ``tenant``'s objects (default: the client's) from eviction for ``ttl_s`` seconds (an earlier,
+        longer pin stands; None: until ``unpin``); another tenant's keys are left as they are."""
         _check_keys(keys)
-        if ttl_s is not None and ttl_s <= 0:
+        if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
-        self.master.call("pin", list(keys), ttl_s)
+        self.master.call("pin", list(keys), ttl_s, self._tenant(tenant))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         _check_keys(keys)

@@ -217,8 +217,8 @@ class KVMaster:
     async def remove(self, keys: Sequence[bytes]) -> int:
         return self.state.remove(keys)
 
-    async def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
-        self.state.pin(keys, ttl_s)
+    async def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None:
+        self.state.pin(keys, ttl_s, tenant)
 
     async def unpin(self, keys: Sequence[bytes]) -> None:
         self.state.unpin(keys)

@@ -263,12 +263,13 @@ class MasterState:
                 removed += 1
         return removed
 
-    def pin(self, keys: Sequence[bytes], ttl_s: float | None) -> None:
-        """Soft pin for ``ttl_s`` seconds, or a hard pin (until unpinned) when ``ttl_s`` is None."""
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None:
+        """Soft pin for ``ttl_s`` seconds (never shortening one), or a hard pin (until unpinned) when ``ttl_s``
+        is None; with ``tenant``, only that tenant's objects (another tenant's key is left as it is)."""
         now = self.clock()
         for key in keys:
             meta = self.objects.get(key)
-            if meta is None:
+            if meta is None or (tenant is not None and meta.tenant != tenant):
                 continue
             if ttl_s is None:
                 meta.hard_pinned = True

@@ -6,7 +6,8 @@ holds, loads the ones the KV store holds, computes the rest with chunked
 prefill (batched with other replicas' prompts), samples the first token, and
 — before answering — writes every full page of the prompt into its host
 segment and registers it with the store's master, so the decode replica can
-pull them straight into its cache.
+pull them straight into its cache. A call's retention contract pins its
+prefix here and soft-pins the pages in the store (``engine/prefix_pins.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class PrefillServer:
             f"prefill-{call.request_id}",
             cache_salt=call.cache_salt,
             page_hashes=call.page_hashes,
+            retention=call.retention,
         ):
             final = output
         assert final is not None and final.finished

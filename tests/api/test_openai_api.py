@@ -209,8 +209,10 @@ CHAT_400_CASES = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream": True, "stream_options": []}, "stream_options"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"logit_bias": {"42": 10}}, "logit_bias"),
@@ -253,7 +255,17 @@ def test_unsupported_features_say_so() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     error = _chat_error(_with_messages({"role": "user", "content": [image]}))
     assert error.code == "unsupported_value" and "'image_url'" in error.message
-    assert _chat_error(_chat_body(response_format={"type": "json_schema"})).code == "unsupported_value"
+
+
+def test_response_formats_are_taken() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    request = parse_chat_request(
+        _chat_body(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}), MODEL
+    )
+    assert request.response_format == {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    json_mode = parse_chat_request(_chat_body(response_format={"type": "json_object"}), MODEL)
+    assert json_mode.response_format == {"type": "json_object"}
+    assert parse_chat_request(_chat_body(response_format={"type": "text"}), MODEL).response_format is None
 
 
 def test_chat_defaults() -> None:

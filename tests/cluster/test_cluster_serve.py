@@ -12,6 +12,7 @@ strings (the answer ends before one, streamed or not, as offline).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -188,6 +189,82 @@ def test_chat_with_tools_goes_through_the_template_and_answers(client: openai.Op
     assert choice.finish_reason in ("length", "stop") and not choice.message.tool_calls
     assert choice.message.content == expected.text.strip()
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt)
+
+
+OPEN_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "open_file",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "enum": ["README.md", "setup.py"]},
+                "line": {"type": "integer", "minimum": 1, "maximum": 99},
+            },
+            "required": ["path", "line"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "open_file"}}], ids=["required", "named"]
+)
+def test_forced_tool_choice_yields_a_valid_call(client: openai.OpenAI, tool_choice: Any, streamed: bool) -> None:
+    """Constrained decoding: even random weights answer a forced choice with a well-formed call of a declared
+    tool whose arguments fit its schema (bounded ones: random weights never close a free string)."""
+    close_tool = {"type": "function", "function": {**OPEN_TOOL["function"], "name": "close_file"}}
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Open the readme."}],
+        "tools": [OPEN_TOOL, close_tool],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+    if streamed:
+        names, arguments, finish = [], [], None
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for c in chunk.choices:
+                for call in c.delta.tool_calls or []:
+                    names.append(call.function.name)
+                    arguments.append(call.function.arguments)
+                finish = c.finish_reason or finish
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = choice.message.tool_calls or []
+        names = [call.function.name for call in calls]  # type: ignore[union-attr]
+        arguments = [call.function.arguments for call in calls]  # type: ignore[union-attr]
+        finish = choice.finish_reason
+    assert finish == "tool_calls" and len(names) == 1
+    assert names[0] == "open_file" if isinstance(tool_choice, dict) else names[0] in ("open_file", "close_file")
+    value = json.loads(arguments[0])
+    assert value["path"] in ("README.md", "setup.py") and 1 <= value["line"] <= 99
+
+
+def test_json_response_formats_give_json(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Is it ok? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+        max_tokens=30,
+        temperature=0,
+    )
+    assert isinstance(json.loads(response.choices[0].message.content or "")["ok"], bool)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=bad, max_tokens=5
+        )  # type: ignore[arg-type]
+    assert "response_format" in str(caught.value)
 
 
 def test_seeded_sampling_of_two_choices_with_logprobs_is_reproducible(client: openai.OpenAI) -> None:

@@ -111,6 +111,10 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"model": {"max_num_batched_tokens": 0}}, r"model\.max_num_batched_tokens must be >= 1"),
         ({"model": {"max_model_len": -1}}, r"model\.max_model_len must be >= 1"),
         ({"model": {"dtype": "fp8"}}, r"model\.dtype must be one of float32, bfloat16, float16, got 'fp8'"),
+        (
+            {"model": {"tool_call_parser": "pythonic"}},
+            r"model\.tool_call_parser must be one of hermes, qwen3_coder, llama3_json, mistral, got 'pythonic'",
+        ),
         # pool replicas and resources
         ({"decode": {"min_replicas": -1}}, r"decode\.min_replicas must be >= 0, got -1"),
         ({"decode": {"min_replicas": 0, "max_replicas": 0}}, r"decode\.max_replicas must be >= 1, got 0"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import math
 from pathlib import Path
@@ -10,8 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.presets import PRESET_VERSION, PRESETS, preset_dir
+import rayturn.engine.scheduler
+from rayturn.engine import LLMEngine, SamplingParams, bpe_tokenizer
+from rayturn.engine.llm_engine import model_identity
+from rayturn.engine.presets import PRESET_VERSION, PRESETS, TOKENIZER_DIGEST_KEY, preset_dir
 
 PRESET_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
@@ -60,11 +64,11 @@ def test_small_is_a_40m_parameter_gqa_model(tmp_path: Path) -> None:
 
 def test_unknown_preset_lists_known_ones(tmp_path: Path) -> None:
     known = ", ".join(PRESETS)
-    assert known == "tiny, small"
+    assert known == "tiny, small, tiny-bpe"
     with pytest.raises(ValueError, match=f"unknown preset 'huge'; known: {known}"):
         preset_dir("huge", root=tmp_path)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=r"'huge' is neither a preset \(tiny, small\) nor a directory"):
+    with pytest.raises(ValueError, match=r"'huge' is neither a preset \(tiny, small, tiny-bpe\) nor a directory"):
         LLMEngine.from_pretrained("huge")
 
 
@@ -96,6 +100,87 @@ def test_transformers_loads_tiny_and_agrees_greedily() -> None:
             )
             expected.append(out[0, len(prompt) :].tolist())
     assert [len(tokens) for tokens in expected] == [8, 8, 8]
+
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [list(out.token_ids) for out in outs] == expected
+
+
+def test_tiny_bpe_is_tiny_with_a_128k_context_and_a_trained_vocabulary() -> None:
+    built = preset_dir("tiny-bpe")
+    assert built.name == f"tiny-bpe-v{PRESET_VERSION}"
+    assert sorted(p.name for p in built.iterdir()) == PRESET_FILES
+    config = json.loads((built / "config.json").read_text())
+    tiny = json.loads((preset_dir("tiny") / "config.json").read_text())
+    shape_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    assert {key: config[key] for key in shape_keys} == {key: tiny[key] for key in shape_keys}
+    assert (config["max_position_embeddings"], config["rope_theta"]) == (131072, 1000000.0)
+
+    tokenizer_config = json.loads((built / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"]
+    tokenizer_json = (built / "tokenizer.json").read_bytes()
+    assert config[TOKENIZER_DIGEST_KEY] == hashlib.sha256(tokenizer_json).hexdigest()
+
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    added = {token["content"]: token["id"] for token in json.loads(tokenizer_json)["added_tokens"]}
+    assert config["vocab_size"] == len(vocab) + len(added) == bpe_tokenizer.BPE_VOCAB_SIZE
+    assert (config["bos_token_id"], config["eos_token_id"]) == (added["<|endoftext|>"], added["<|im_end|>"])
+    generation = json.loads((built / "generation_config.json").read_text())
+    assert generation == {
+        "bos_token_id": added["<|endoftext|>"],
+        "eos_token_id": added["<|im_end|>"],
+        "pad_token_id": added["<|endoftext|>"],
+    }
+
+
+def test_tiny_bpe_identity_follows_the_standard_library_it_learned_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python releases ship different standard libraries: their presets share a name, not an identity."""
+    corpus = bpe_tokenizer.stdlib_corpus(max_corpus_chars=1 << 20)  # enough text for the full vocabulary
+    built = []
+    for name, texts in (("one", corpus), ("other", corpus[:-1])):
+        monkeypatch.setattr(bpe_tokenizer, "stdlib_corpus", lambda texts=texts: texts)
+        built.append(preset_dir("tiny-bpe", root=tmp_path / name))
+    first, other = built
+    assert first.name == other.name
+    assert (first / "tokenizer.json").read_bytes() != (other / "tokenizer.json").read_bytes()
+    assert (first / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes()
+    configs = [json.loads((directory / "config.json").read_text()) for directory in built]
+    assert configs[0].pop(TOKENIZER_DIGEST_KEY) != configs[1].pop(TOKENIZER_DIGEST_KEY)
+    assert configs[0] == configs[1]
+    assert model_identity(first) != model_identity(other)
+
+
+def test_transformers_loads_tiny_bpe_and_agrees_greedily_past_tinys_context() -> None:
+    transformers = pytest.importorskip("transformers")
+    engine = LLMEngine.from_pretrained("tiny-bpe", backend="torch", dtype="float32", page_size=16, num_pages=512)
+    model_dir = preset_dir("tiny-bpe")
+    assert engine.model_id.startswith(model_dir.name + "@")
+    assert engine.max_model_len == 131072
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "Read notes.txt"}]
+    chat = engine.tokenizer.encode_chat(messages)
+    assert chat == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    source = inspect.getsource(rayturn.engine.scheduler)
+    long_prompt = engine.tokenizer.encode(source * (1 + 5000 * 4 // len(source)))[:5000]  # chunked, past 4096
+    prompts = [chat, long_prompt]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=8,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    assert [len(tokens) for tokens in expected] == [8, 8]
 
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [list(out.token_ids) for out in outs] == expected

@@ -146,3 +146,18 @@ def test_each_call_sees_only_its_tenants_pages(make_client: Callable[..., KVStor
     held_on_a = {(key, tenant) for owner in (alice, same_node) for key, tenant, *_ in owner.held.items()}
     assert (b"bob-page", "bob") in held_on_a
     assert alice.get(b"bob-page") is None and alice.get(b"bob-page", tenant="bob") == page(12)
+
+
+def test_a_pin_acts_for_the_calls_tenant(master: LocalMaster, make_client: Callable[..., KVStoreClient]) -> None:
+    alice, server = make_client("node-a", tenant="alice"), make_client("node-a")
+    alice.put(b"alice-prompt", page(13))
+    objects = master.master.state.objects
+    server.pin([b"alice-prompt"], 60.0)  # the server's own tenant: alice's object is not its to pin
+    assert objects[b"alice-prompt"].pin_until_s == 0.0
+    server.pin([b"alice-prompt"], 60.0, tenant="alice")  # acting for alice's call
+    pinned_until_s = objects[b"alice-prompt"].pin_until_s
+    assert pinned_until_s > time.monotonic() + 50.0
+    server.pin([b"alice-prompt"], 1.0, tenant="alice")
+    assert objects[b"alice-prompt"].pin_until_s == pinned_until_s  # a shorter pin never cuts one short
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        server.pin([b"alice-prompt"], 0.0)

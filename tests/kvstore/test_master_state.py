@@ -162,6 +162,21 @@ def test_no_space_when_everything_is_pinned() -> None:
     assert state.counters.put_failures == 1
 
 
+def test_a_soft_pin_only_extends_and_a_tenants_pin_leaves_other_tenants_objects() -> None:
+    state, clock = make()
+    put(state, [b"mine"])
+    state.put_start([b"theirs"], [PAGE], "other")
+    state.put_end([b"theirs"])
+    state.pin([b"mine", b"theirs", b"absent"], ttl_s=60.0, tenant="t")
+    assert state.objects[b"mine"].pin_until_s == clock.now_s + 60.0
+    assert state.objects[b"theirs"].pin_until_s == 0.0  # another tenant's key: left as it was
+    clock.now_s += 30.0
+    state.pin([b"mine"], ttl_s=10.0, tenant="t")  # a shorter pin: the longer one stands
+    assert state.objects[b"mine"].pin_until_s == clock.now_s + 30.0
+    state.pin([b"mine"], ttl_s=120.0, tenant="t")
+    assert state.objects[b"mine"].pin_until_s == clock.now_s + 120.0
+
+
 def test_longest_prefix_and_bad_arguments() -> None:
     state, _ = make()
     put(state, [b"k0", b"k1", b"k3"])

@@ -1,0 +1,125 @@
+"""What a call's answer must look like, as a decoding guide: forced tool calls and JSON output.
+
+    tool_choice "required" / a named function   (OpenAI chat, Responses)
+    tool_choice {"type": "any"} / {"type": "tool"} (Anthropic)   --> a Lark grammar of a tool call in the
+                                                                    model's own format (``forced_call_grammar``)
+    response_format json_object / json_schema                     --> a JSON guide
+
+The decode replica's engine masks every token the guide does not allow, so a
+forced call is a well-formed call of a declared tool with arguments valid for
+its schema, and a JSON answer parses (``rayturn.engine.guided``). When both are
+asked, the tool choice wins: the answer is a call. A guide is checked here, at
+the edge, so a bad JSON schema is a 400 naming ``response_format`` and never
+reaches a replica.
+
+A forced call's arguments keep to the properties its schema declares: an
+object schema that lists ``properties`` and says nothing of
+``additionalProperties`` takes no others (as OpenAI's strict mode does), so a
+call cannot wander into keys the tool never named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+from rayturn.engine.guided import Guide, check_guide
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.tokenizer import Tokenizer
+from rayturn.engine.tool_calls import forced_call_grammar
+
+from .errors import invalid_request
+from .protocol import ChatRequest
+
+# Agents send the same tools on every call: their grammars are made and checked once.
+MAX_CACHED_GRAMMARS = 64
+# Formats whose tags are special tokens, which detokenizing drops unless told to keep them.
+SPECIAL_TAG_PARSERS = ("mistral",)
+
+
+class GuideMaker:
+    """Guides for one ingress replica's model: its tool-call format and its tokenizer."""
+
+    __slots__ = ("_grammars", "parser", "tokenizer")
+
+    def __init__(self, parser: str, tokenizer: Tokenizer) -> None:
+        self.parser = parser
+        self.tokenizer = tokenizer
+        self._grammars: OrderedDict[tuple[str, bool], Guide] = OrderedDict()
+
+    def guided(self, params: SamplingParams, chat: ChatRequest) -> SamplingParams:
+        """``params`` with the guide ``chat`` asks for (unchanged when it asks none); for a call that offers tools
+        to a model whose call tags are special tokens (Mistral's ``[TOOL_CALLS]``), the tags kept in the text so
+        the decode replica's parser sees them."""
+        guide = self.guide(chat)
+        if guide is not None:
+            params = replace(params, guide=guide)
+        if chat.prompt_tools and self.parser in SPECIAL_TAG_PARSERS:
+            params = replace(params, skip_special_tokens=False)
+        return params
+
+    def guide(self, chat: ChatRequest) -> Guide | None:
+        tools = chat.prompt_tools
+        if tools and (chat.tool_choice == "required" or isinstance(chat.tool_choice, dict)):
+            return self._forced_call(tools, chat.parallel_tool_calls)
+        form = chat.response_format
+        if form is None:
+            return None
+        if form["type"] == "json_object":
+            return Guide.json_object()
+        guide = Guide.json_schema(form["json_schema"]["schema"])
+        try:
+            check_guide(guide)
+        except ValueError as err:
+            raise invalid_request(
+                f"Invalid 'response_format.json_schema.schema': {err}", param="response_format"
+            ) from err
+        return guide
+
+    def _forced_call(self, tools: list[dict[str, Any]], parallel: bool) -> Guide:
+        key = (json.dumps(tools, sort_keys=True), parallel)
+        guide = self._grammars.get(key)
+        if guide is not None:
+            self._grammars.move_to_end(key)
+            return guide
+        # Mistral's tags are special tokens; the other formats' tags match as text.
+        token_id = self.tokenizer.token_to_id if self.parser == "mistral" else None
+        closed = [_closed_tool(tool) for tool in tools]
+        try:
+            guide = Guide.lark(forced_call_grammar(self.parser, closed, parallel=parallel, token_id=token_id))
+            check_guide(guide)
+        except ValueError as err:
+            raise invalid_request(f"Cannot force a call of these tools: {err}", param="tools") from err
+        self._grammars[key] = guide
+        if len(self._grammars) > MAX_CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return guide
+
+
+def _closed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    if "parameters" not in function:
+        return tool
+    return {**tool, "function": {**function, "parameters": closed_schema(function["parameters"])}}
+
+
+def closed_schema(schema: object) -> object:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and
+    leaves ``additionalProperties`` unsaid (walking subschemas by their keywords, never property names)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = dict(schema)
+    for keyword in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(keyword), dict):
+            closed[keyword] = {name: closed_schema(sub) for name, sub in schema[keyword].items()}
+    for keyword in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(schema.get(keyword), list):
+            closed[keyword] = [closed_schema(sub) for sub in schema[keyword]]
+    for keyword in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(keyword), dict):
+            closed[keyword] = closed_schema(schema[keyword])
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed

@@ -1,0 +1,104 @@
+"""Finished responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``, per ingress replica.
+
+Each entry holds a response's body and its conversation as chat messages
+(the history it continued, its input, its answer; never the instructions,
+which OpenAI does not carry over either), under its tenant: a lookup under
+another tenant finds nothing. Entries live in memory only, so a replica's
+restart forgets them, and with several ingress replicas a continuation must
+reach the replica that served its predecessor.
+
+Bounded three ways, all cheap: at most ``max_entries`` entries and
+``max_bytes`` bytes (the JSON size of what an entry retains, counted as if
+it shared nothing with its predecessor, so the bound holds), evicting the
+least recently used first; and an entry unused for ``ttl_s`` expires. Using
+an entry renews it, so least recently used is also first to expire, and
+expired entries are always found at the front.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .protocol import JSON
+
+DEFAULT_MAX_ENTRIES = 4096
+DEFAULT_MAX_BYTES = 256 << 20
+DEFAULT_TTL_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response_id: str
+    tenant: str
+    body: JSON
+    # The conversation so far as chat messages, answer included: what a continuation's history is.
+    messages: tuple[JSON, ...]
+    num_bytes: int
+
+
+class ResponseStore:
+    """An LRU of stored responses keyed by (tenant, response id), bounded in entries, bytes and idle time."""
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        # (tenant, response id) -> (entry, when it was last used); least recently used first.
+        self._entries: OrderedDict[tuple[str, str], tuple[StoredResponse, float]] = OrderedDict()
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: StoredResponse) -> None:
+        """Keep ``entry``; one larger than ``max_bytes`` on its own is not kept."""
+        key = (entry.tenant, entry.response_id)
+        self._drop(key)
+        self._expire()
+        if entry.num_bytes > self.max_bytes:
+            return
+        self._entries[key] = (entry, self._clock())
+        self.num_bytes += entry.num_bytes
+        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's entry, renewed; None when unknown, expired or another tenant's."""
+        self._expire()
+        key = (tenant, response_id)
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        self._entries[key] = (found[0], self._clock())
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        self._expire()
+        return self._drop((tenant, response_id))
+
+    def _drop(self, key: tuple[str, str]) -> bool:
+        found = self._entries.pop(key, None)
+        if found is None:
+            return False
+        self.num_bytes -= found[0].num_bytes
+        return True
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.ttl_s
+        while self._entries:
+            key, (_, used_s) = next(iter(self._entries.items()))
+            if used_s > deadline:
+                return
+            self._drop(key)

@@ -1,0 +1,193 @@
+"""``POST /v1/responses``, and ``GET`` / ``DELETE /v1/responses/{id}``: one straight pass from the body to the answer.
+
+body --> ResponsesRequest (responses_request), after the conversation ``previous_response_id`` names (response_store)
+     --> ChatRequest --> chat template + tokens (pipeline) --> SamplingParams (protocol)
+     --> call, classified as user / tool continuation from its messages --> decode pool
+     --> steps --> one response body, or Responses events (responses_stream)
+     --> under ``store``: the response and its conversation kept for the call that continues it
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .bodies import assistant_output
+from .errors import APIError, client_error, invalid_request
+from .pipeline import CallPipeline, CallResult, CompletionState, Steps, chain_steps
+from .protocol import JSON, ChatRequest, to_sampling_params
+from .response_store import ResponseStore, StoredResponse
+from .responses_bodies import (
+    ResponseFrame,
+    assistant_message,
+    deleted,
+    output_items,
+    response_error,
+    response_id,
+    response_status,
+    response_usage,
+)
+from .responses_request import ResponsesRequest, parse_responses_request
+from .responses_stream import ResponsesStream, sse_event
+from .serving import HTTPServing, replica_headers, sse_response
+from .session import LifecycleHints, classify_call
+
+API = "responses"
+# Reading and deleting stored responses, counted apart from the calls that make them.
+STORE_API = "responses_store"
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One call's request, the stored response it continues, and the frame its answer's bodies share."""
+
+    request: ResponsesRequest
+    chat: ChatRequest
+    previous: StoredResponse | None
+    tenant: str
+    frame: ResponseFrame
+    num_bytes: int  # the request body's size, the part of the stored entry this call adds before its answer
+
+
+class ServingResponses(HTTPServing):
+    def __init__(self, pipeline: CallPipeline, store: ResponseStore | None = None) -> None:
+        super().__init__(pipeline)
+        self.store = ResponseStore() if store is None else store
+
+    async def create(self, request: Request, request_id: str) -> Response:
+        try:
+            tenant = self.authorize(request)
+            body, num_bytes = await self.json_body(request)
+            parsed = parse_responses_request(body, self.served_model)
+            previous = self._previous(parsed, tenant)
+            chat = parsed.chat(previous.messages if previous is not None else ())
+            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+            params = to_sampling_params(
+                chat.sampling,
+                default_max_tokens=self.pipeline.max_model_len,
+                prompt_tokens=len(prompt_ids),
+                max_model_len=self.pipeline.max_model_len,
+                prompt_param="input",
+                max_tokens_param="max_output_tokens",
+            )
+            params = self.pipeline.guides.guided(params, chat)
+            hints = LifecycleHints(classify_call(chat.messages))
+            tools = chat.prompt_tools is not None
+            retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
+            result, steps, first = await self.start(
+                request_id,
+                request,
+                body,
+                tenant,
+                prompt_ids,
+                params,
+                hints,
+                tools,
+                body_session=parsed.body_session,
+                retention=retention,
+            )
+            frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
+            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes)
+            if parsed.stream:
+                return sse_response(self._stream(turn, steps, first, result), result)
+            async for _ in chain_steps(first, steps):
+                pass
+        except Exception as err:
+            return self.failure(API, err, request_id)
+        answer = self._answer(turn, result)
+        self.succeeded(API)
+        return JSONResponse(answer, headers=replica_headers(result))
+
+    async def retrieve(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+        try:
+            found = self._stored(request, response_id)
+        except Exception as err:
+            return self.failure(STORE_API, err, request_id)
+        self.succeeded(STORE_API)
+        return JSONResponse(found.body)
+
+    async def delete(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+        try:
+            found = self._stored(request, response_id)
+        except Exception as err:
+            return self.failure(STORE_API, err, request_id)
+        self.store.delete(found.tenant, found.response_id)
+        self.succeeded(STORE_API)
+        return JSONResponse(deleted(response_id))
+
+    def _stored(self, request: Request, response_id: str) -> StoredResponse:
+        found = self.store.get(self.authorize(request), response_id)
+        if found is None:
+            message = f"No response with id '{response_id}' is stored here."
+            raise APIError(404, message, param="response_id", code="response_not_found")
+        return found
+
+    def _previous(self, parsed: ResponsesRequest, tenant: str) -> StoredResponse | None:
+        if parsed.previous_response_id is None:
+            return None
+        found = self.store.get(tenant, parsed.previous_response_id)
+        if found is None:
+            message = (
+                f"Previous response with id '{parsed.previous_response_id}' not found. Responses are kept only when "
+                f"'store' is true, for {self.store.ttl_s:g} s after their last use; send the whole 'input' instead."
+            )
+            raise invalid_request(message, param="previous_response_id", code="previous_response_not_found")
+        return found
+
+    def _answer(self, turn: _Turn, result: CallResult) -> JSON:
+        state = result.completions.get(0, CompletionState())
+        parsed = assistant_output(state.text, turn.chat, parsed=state.parsed_tool_calls())
+        status = response_status(state.finish_reason)
+        answer = turn.frame.body(status, output_items(parsed, status), self._usage(result))
+        self._remember(turn, answer)
+        return answer
+
+    def _remember(self, turn: _Turn, answer: JSON) -> None:
+        if not turn.request.store:
+            return
+        history = turn.previous.messages if turn.previous is not None else ()
+        messages = (*history, *turn.request.input_messages, assistant_message(answer["output"]))
+        # The request body bounds the input and the echoed settings; the output is held twice (body, messages).
+        output_bytes = len(json.dumps(answer["output"], ensure_ascii=False))
+        num_bytes = (turn.previous.num_bytes if turn.previous is not None else 0) + turn.num_bytes + 2 * output_bytes
+        stored = StoredResponse(turn.frame.response_id, turn.tenant, answer, messages, num_bytes)
+        self.store.put(stored)
+
+    def _usage(self, result: CallResult) -> JSON:
+        return response_usage(
+            result.prompt_tokens, result.completion_tokens, result.cached_tokens, result.loaded_tokens
+        )
+
+    async def _stream(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
+        chat = turn.chat
+        stream = ResponsesStream(
+            turn.frame, parse_tools=chat.prompt_tools is not None, parallel_tool_calls=chat.parallel_tool_calls
+        )
+        for event in stream.start():
+            yield sse_event(event)
+        finish_reason, held = None, None
+        try:
+            async for deltas in chain_steps(first, steps):
+                for delta in deltas:
+                    # The replica's split of the text into prose and tool calls (a call that offered tools).
+                    pushed, last = (delta.tool_parse + (None, None))[:2]
+                    if delta.text or delta.finish_reason is None:
+                        for event in stream.push(delta.text, pushed):
+                            yield sse_event(event)
+                    if delta.finish_reason is not None:
+                        finish_reason, held = delta.finish_reason, last
+        except Exception as err:  # after the headers went out, errors travel in the stream
+            self.telemetry.requests.labels(API, "failed").inc()
+            yield sse_event(stream.fail(response_error(client_error(err, result.request_id))))
+            return
+        events = stream.finish(finish_reason, self._usage(result), held)
+        self._remember(turn, stream.response)  # before the last event: the client may continue at once
+        for event in events:
+            yield sse_event(event)
+        self.succeeded(API)

@@ -1,0 +1,267 @@
+"""OpenAI's Responses API on the whole cluster, with the official ``openai`` SDK.
+
+Greedy answers equal the chat completions answer for the same conversation
+(the chat API is checked against the offline engine in test_cluster_serve),
+streamed or not, with usage counted the same and the prompt cached on a
+repeat; function tools and tool choices come back in valid shapes; a call
+that continues a stored response by ``previous_response_id`` reads its
+conversation from the cache, while an unknown, unstored, deleted or other
+tenant's id is a 400; a Codex-shaped streamed call is served as Codex sends it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+
+from openai.types.responses import Response  # noqa: E402
+from small_cluster import serving, small_cluster  # noqa: E402
+
+from rayturn.cluster.config import load_config  # noqa: E402
+
+HTTP_PORT, GRPC_PORT = 18481, 19481
+ALICE_KEY, BOB_KEY = "responses-alice-key", "responses-bob-key"
+THRESHOLD = 96  # uncached prompt tokens from which a prefill replica computes the prompt
+OVERRIDES = small_cluster(
+    HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.tenant_keys": {"alice": [ALICE_KEY], "bob": [BOB_KEY]}}
+)
+INSTRUCTIONS = "You are a terse coding agent."
+MAX_OUTPUT_TOKENS = 8
+
+
+def function_tool(name: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": name,
+        "description": f"Run {name}.",
+        "strict": False,
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    with serving(load_config(**OVERRIDES)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(cluster: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120)
+
+
+def chat_answer(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX_OUTPUT_TOKENS,
+        temperature=0,
+    )
+    assert response.usage is not None
+    return response.choices[0].message.content or "", response.usage.prompt_tokens, response.usage.completion_tokens
+
+
+def assert_usage(response: Any, input_tokens: int, output_tokens: int) -> None:
+    assert response.usage.input_tokens == input_tokens and response.usage.output_tokens == output_tokens
+    assert response.usage.total_tokens == input_tokens + output_tokens
+    # Random weights rarely stop early: then the answer ran out of max_output_tokens.
+    assert (response.status == "incomplete") == (output_tokens == MAX_OUTPUT_TOKENS)
+
+
+@pytest.mark.parametrize("words", [1, 30], ids=["local-prefill", "disaggregated"])
+def test_answers_equal_chat_completions_streamed_or_not(client: openai.OpenAI, words: int) -> None:
+    question = "Explain this line: " + "x = 1; " * words
+    expected, prompt_tokens, completion_tokens = chat_answer(client, question)
+    assert (prompt_tokens >= THRESHOLD) == (words == 30)
+    settings: dict[str, Any] = {"max_output_tokens": MAX_OUTPUT_TOKENS, "temperature": 0}
+    response = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=question, **settings)
+    assert response.id.startswith("resp_") and response.output_text == expected
+    assert_usage(response, prompt_tokens, completion_tokens)
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens > 0  # the chat call's
+
+    events = list(
+        client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=question, stream=True, **settings)
+    )
+    types = [event.type for event in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    assert text == expected and final.response.output_text == expected
+    assert_usage(final.response, prompt_tokens, completion_tokens)
+
+
+def test_function_tools_and_tool_choices_answer_in_valid_shapes(cluster: str, client: openai.OpenAI) -> None:
+    tools = [function_tool("shell"), function_tool("read_file")]
+    for tool_choice in ("auto", "required", {"type": "function", "name": "read_file"}, "none"):
+        body = {
+            "model": "tiny",
+            "input": "Open README.md",
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "max_output_tokens": MAX_OUTPUT_TOKENS,
+            "temperature": 0,
+        }
+        raw = requests.post(f"{cluster}/v1/responses", json=body, headers={"Authorization": f"Bearer {ALICE_KEY}"})
+        assert raw.status_code == 200, raw.text
+        response = Response.model_validate(raw.json())
+        assert response.tool_choice is not None and len(response.tools) == 2
+        for item in response.output:
+            assert item.type in ("message", "function_call")
+            if item.type == "function_call":
+                assert item.call_id and item.name in ("shell", "read_file")
+
+
+def test_a_stored_response_is_continued_from_the_cache(cluster: str, client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model="tiny", instructions=INSTRUCTIONS, input="Name a sorting algorithm.", max_output_tokens=6, temperature=0
+    )
+    second = client.responses.create(
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": "And a faster one?"}],
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert first.usage is not None and second.usage is not None
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+    bob = openai.OpenAI(base_url=f"{cluster}/v1", api_key=BOB_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as other_tenant:
+        bob.responses.create(model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2)
+    assert other_tenant.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(first.id)
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2)
+
+
+def test_unknown_and_unstored_ids_and_bad_items_are_400s(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.responses.create(model="tiny", previous_response_id="resp_nothing", input="hi", max_output_tokens=2)
+    assert unknown.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    unstored = client.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", previous_response_id=unstored.id, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad_item:
+        client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_1"}])  # type: ignore[list-item]
+    assert bad_item.value.body["param"] == "input[0].type"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as image:
+        client.responses.create(
+            model="tiny",
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}],  # type: ignore[list-item]
+        )
+    assert "not supported" in str(image.value)
+
+
+def test_a_codex_shaped_stream_is_served(cluster: str) -> None:
+    body = {
+        "model": "tiny",
+        "instructions": INSTRUCTIONS,
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: on"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+            {"type": "function_call", "name": "shell", "arguments": '{"cmd": "ls"}', "call_id": "call_1"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+        ],
+        "tools": [*(function_tool(f"tool_{i}") for i in range(8)), function_tool("shell"), {"type": "web_search"}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "codex-session-1",
+        "max_output_tokens": MAX_OUTPUT_TOKENS,
+    }
+    headers = {
+        "Authorization": f"Bearer {ALICE_KEY}",
+        "x-codex-turn-metadata": json.dumps({"session_id": "codex-session-1", "turn_id": "t1"}),
+    }
+    raw = requests.post(f"{cluster}/v1/responses", json=body, headers=headers)
+    assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
+    # The body's prompt_cache_key named the session, so the replica reported its state.
+    assert "x-rayturn-session" in raw.headers
+    frames = [frame for frame in raw.text.split("\n\n") if frame]
+    names = [frame.split("\n")[0].removeprefix("event: ") for frame in frames]
+    events = [json.loads(frame.split("\n")[1].removeprefix("data: ")) for frame in frames]
+    assert names == [event["type"] for event in events]
+    assert names[0] == "response.created" and names[-1] in ("response.completed", "response.incomplete")
+    final = Response.model_validate(events[-1]["response"])
+    assert final.store is False and len(final.tools) == 9 and final.usage is not None
+
+
+def test_required_tool_choice_forces_a_valid_call(client: openai.OpenAI) -> None:
+    """``required`` and a named function are enforced by constrained decoding: random weights still call. (The
+    tools' arguments are bounded: random weights never close a free string.)"""
+    enum_tool = {
+        "type": "function",
+        "name": "open_file",
+        "description": "Open a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "enum": ["README.md", "setup.py"]},
+                "line": {"type": "integer", "minimum": 1, "maximum": 99},
+            },
+            "required": ["path", "line"],
+        },
+    }
+    for tool_choice in ("required", {"type": "function", "name": "open_file"}):
+        response = client.responses.create(
+            model="tiny",
+            input="Open the readme.",
+            tools=[enum_tool, {**enum_tool, "name": "close_file"}],  # type: ignore[list-item]
+            tool_choice=tool_choice,  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            max_output_tokens=80,
+            temperature=0,
+            store=False,
+        )
+        calls = [item for item in response.output if item.type == "function_call"]
+        if isinstance(tool_choice, dict):
+            assert [call.name for call in calls] == ["open_file"]
+        assert len(calls) == 1 and response.status == "completed", response.output
+        assert calls[0].name in ("open_file", "close_file")
+        arguments = json.loads(calls[0].arguments)
+        assert arguments["path"] in ("README.md", "setup.py") and 1 <= arguments["line"] <= 99
+
+
+def test_json_schema_text_format_gives_valid_json(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "size": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "size"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model="tiny",
+        input="Answer in JSON.",
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+        max_output_tokens=40,
+        temperature=0,
+        store=False,
+    )
+    value = json.loads(response.output_text)
+    assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and 0 <= value["size"] <= 9

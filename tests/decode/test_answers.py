@@ -1,0 +1,47 @@
+"""``AnswerTracker``: per-step deltas, split by the model's tool-call format when the call offered tools."""
+
+from __future__ import annotations
+
+import json
+
+from rayturn.decode.answers import AnswerTracker
+from rayturn.engine.outputs import CompletionOutput, RequestOutput
+
+QWEN3_CODER_CALL = (
+    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def _output(text: str, finished: bool) -> RequestOutput:
+    completion = CompletionOutput(
+        index=0,
+        token_ids=list(text.encode()),
+        text=text,
+        finish_reason="stop" if finished else None,
+        stop_reason=None,
+        logprobs=None,
+    )
+    return RequestOutput("r", [1, 2], 0, (completion,), finished)
+
+
+def test_the_configured_format_splits_each_step() -> None:
+    tracker = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    cut = QWEN3_CODER_CALL.index("</parameter>")
+    (first,) = tracker.deltas(_output(QWEN3_CODER_CALL[:cut], finished=False))
+    assert [(piece.content, piece.tool_calls) for piece in first.tool_parse] == [("Checking.", ())]
+    (last,) = tracker.deltas(_output(QWEN3_CODER_CALL, finished=True))
+    pushed, finished = last.tool_parse
+    assert pushed.content == "" and finished.content == "" and finished.tool_calls == ()
+    (call,) = pushed.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert tracker.called_tools(0)
+
+
+def test_hermes_is_the_default_and_calls_without_tools_are_not_parsed() -> None:
+    hermes = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    (delta,) = AnswerTracker(tools=True).deltas(_output(hermes, finished=True))
+    assert [call.name for piece in delta.tool_parse for call in piece.tool_calls] == ["now"]
+    untracked = AnswerTracker(tools=False, tool_call_parser="qwen3_coder")
+    (delta,) = untracked.deltas(_output(QWEN3_CODER_CALL, finished=True))
+    assert delta.tool_parse == () and delta.text == QWEN3_CODER_CALL and not untracked.called_tools(0)
