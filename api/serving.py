@@ -19,13 +19,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.sampling_params import SamplingParams
+from rayturn.messages import CallKind
 
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps
+from .protocol import ChatRequest, to_sampling_params
 from .request_limits import off_loop, parse_json, read_body
 from .session import (
     SESSION_STATE_HEADER,
     LifecycleHints,
+    classify_call,
     lifecycle_hints,
     optional_session_id,
     session_id_from_headers,
@@ -126,6 +129,50 @@ class HTTPServing:
             request_id, prompt_ids, params, tenant, session_id, said, tools, retention
         )
         return await self.pipeline.start(call)
+
+    async def start_chat(
+        self,
+        request_id: str,
+        request: Request,
+        body: object,
+        tenant: str,
+        chat: ChatRequest,
+        num_bytes: int,
+        *,
+        body_session: tuple[str | None, str],
+        max_tokens: int | None = None,
+        call: CallKind | None = None,
+        prompt_param: str = "messages",
+        max_tokens_param: str = "max_tokens",
+    ) -> tuple[CallResult, Steps, Any]:
+        """A chat-shaped call of any API: the template and tokens, sampling (``max_tokens``: the most a request
+        that names no ``chat.sampling.max_tokens`` may write, capped by the room left), the guide it asks for, its
+        retention contract, and ``start``; ``call``: its kind when the API knows better than its chat messages."""
+        prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+        params = to_sampling_params(
+            chat.sampling,
+            default_max_tokens=max_tokens or self.pipeline.max_model_len,
+            prompt_tokens=len(prompt_ids),
+            max_model_len=self.pipeline.max_model_len,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+        )
+        params = self.pipeline.guides.guided(params, chat)
+        retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
+        hints = LifecycleHints(call or classify_call(chat.messages))
+        tools = chat.prompt_tools is not None
+        return await self.start(
+            request_id,
+            request,
+            body,
+            tenant,
+            prompt_ids,
+            params,
+            hints,
+            tools,
+            body_session=body_session,
+            retention=retention,
+        )
 
     def token_text(self, token_id: int) -> str:
         return self.pipeline.tokenizer.decode([token_id])

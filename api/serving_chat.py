@@ -25,9 +25,8 @@ from .bodies import (
 )
 from .chat_request import parse_chat_request
 from .pipeline import CallResult, Steps, chain_steps
-from .protocol import JSON, ChatRequest, to_sampling_params
+from .protocol import JSON, ChatRequest
 from .serving import HTTPServing, replica_headers, sse_response, stream_failure
-from .session import LifecycleHints, classify_call
 from .streaming import SSE_DONE, ChatStreamState, sse
 
 API = "chat"
@@ -39,30 +38,10 @@ class ServingChat(HTTPServing):
             tenant = self.authorize(request)
             body, num_bytes = await self.json_body(request)
             chat = parse_chat_request(body, self.served_model)
-            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
-            params = to_sampling_params(
-                chat.sampling,
-                default_max_tokens=self.pipeline.max_model_len,
-                prompt_tokens=len(prompt_ids),
-                max_model_len=self.pipeline.max_model_len,
-            )
-            params = self.pipeline.guides.guided(params, chat)
-            hints = LifecycleHints(classify_call(chat.messages))
-            tools = chat.prompt_tools is not None
-            retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
             # ``prompt_cache_key`` names the session when a client sends it (before the older ``user``).
             session = (chat.prompt_cache_key, "prompt_cache_key") if chat.prompt_cache_key else (chat.user, "user")
-            result, steps, first = await self.start(
-                request_id,
-                request,
-                body,
-                tenant,
-                prompt_ids,
-                params,
-                hints,
-                tools,
-                body_session=session,
-                retention=retention,
+            result, steps, first = await self.start_chat(
+                request_id, request, body, tenant, chat, num_bytes, body_session=session
             )
             if chat.stream:
                 return sse_response(self._stream(chat, steps, first, result), result)

@@ -36,9 +36,9 @@ from .anthropic_request import MessagesRequest, parse_count_tokens_request, pars
 from .bodies import assistant_output
 from .errors import RETRY_AFTER_S, client_error, outcome
 from .pipeline import CallResult, CompletionState, Steps, chain_steps
-from .protocol import JSON, to_sampling_params
+from .protocol import JSON
 from .serving import HTTPServing, replica_headers
-from .session import LifecycleHints, classify_call
+from .session import classify_call
 
 API = "messages"
 REQUEST_ID_HEADER = "request-id"
@@ -51,30 +51,17 @@ class ServingMessages(HTTPServing):
             body, num_bytes = await self.json_body(request)
             parsed = parse_messages_request(body, self.served_model)
             chat = parsed.chat
-            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
-            params = to_sampling_params(
-                chat.sampling,
-                default_max_tokens=parsed.max_tokens,  # capped, not refused, when the context has less room
-                prompt_tokens=len(prompt_ids),
-                max_model_len=self.pipeline.max_model_len,
-            )
-            params = self.pipeline.guides.guided(params, chat)
             assert isinstance(body, dict)
-            hints = LifecycleHints(classify_call(body["messages"]))  # tool_result blocks: a tool continuation
-            tools = chat.prompt_tools is not None
-            session = (parsed.session_id, "metadata.user_id")
-            retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
-            result, steps, first = await self.start(
+            result, steps, first = await self.start_chat(
                 request_id,
                 request,
                 body,
                 tenant,
-                prompt_ids,
-                params,
-                hints,
-                tools,
-                body_session=session,
-                retention=retention,
+                chat,
+                num_bytes,
+                body_session=(parsed.session_id, "metadata.user_id"),
+                max_tokens=parsed.max_tokens,  # capped, not refused, when the context has less room
+                call=classify_call(body["messages"]),  # tool_result blocks: a tool continuation
             )
             if chat.stream:
                 headers = {"Cache-Control": "no-cache", REQUEST_ID_HEADER: request_id, **replica_headers(result)}

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from .bodies import assistant_output
 from .errors import APIError, client_error, invalid_request
 from .pipeline import CallPipeline, CallResult, CompletionState, Steps, chain_steps
-from .protocol import JSON, ChatRequest, to_sampling_params
+from .protocol import JSON, ChatRequest
 from .response_store import ResponseStore, StoredResponse
 from .responses_bodies import (
     ResponseFrame,
@@ -36,7 +36,6 @@ from .responses_bodies import (
 from .responses_request import ResponsesRequest, parse_responses_request
 from .responses_stream import ResponsesStream, sse_event
 from .serving import HTTPServing, replica_headers, sse_response
-from .session import LifecycleHints, classify_call
 
 API = "responses"
 # Reading and deleting stored responses, counted apart from the calls that make them.
@@ -67,30 +66,16 @@ class ServingResponses(HTTPServing):
             parsed = parse_responses_request(body, self.served_model)
             previous = self._previous(parsed, tenant)
             chat = parsed.chat(previous.messages if previous is not None else ())
-            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
-            params = to_sampling_params(
-                chat.sampling,
-                default_max_tokens=self.pipeline.max_model_len,
-                prompt_tokens=len(prompt_ids),
-                max_model_len=self.pipeline.max_model_len,
-                prompt_param="input",
-                max_tokens_param="max_output_tokens",
-            )
-            params = self.pipeline.guides.guided(params, chat)
-            hints = LifecycleHints(classify_call(chat.messages))
-            tools = chat.prompt_tools is not None
-            retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
-            result, steps, first = await self.start(
+            result, steps, first = await self.start_chat(
                 request_id,
                 request,
                 body,
                 tenant,
-                prompt_ids,
-                params,
-                hints,
-                tools,
+                chat,
+                num_bytes,
                 body_session=parsed.body_session,
-                retention=retention,
+                prompt_param="input",
+                max_tokens_param="max_output_tokens",
             )
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
             turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes)
