@@ -55,6 +55,9 @@ class Call:
     # The client's cache retention contract: keep the prompt's first pages cached this long
     # (``rayturn.engine.prefix_pins``); None: cached as any prompt is, no promise.
     retention: Retention | None = None
+    # The offered tools (OpenAI function-tool objects), for tool-call formats whose argument values are typed by
+    # the tool's schema (Qwen3-Coder's XML parameters); empty for the formats that do not need them.
+    tool_specs: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def prompt_tokens(self) -> int:

@@ -30,7 +30,10 @@ door. What changes on the way:
   Code sends a JSON string holding ``session_id`` (older releases
   ``user_..._session_<id>``); any other value is the session id itself.
 
-Accepted and ignored: ``thinking``, ``context_management``, ``output_config``,
+``output_config.format`` (structured outputs, a JSON schema) is enforced by
+constrained decoding, as the chat API's ``response_format``.
+
+Accepted and ignored: ``thinking``, ``context_management``, ``output_config.effort``,
 ``service_tier``, ``container``, ``mcp_servers`` and unknown top-level fields,
 as well as every ``anthropic-beta`` header: the features they turn on either do
 not apply to an open-weight model or are rayturn's to decide (caching).
@@ -105,6 +108,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         stream=fields.boolean("stream") or False,
         parallel_tool_calls=parallel,
         cache_points=tuple(builder.cache_points),
+        response_format=_output_format(fields),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 
@@ -194,7 +198,8 @@ class _Conversation:
                 texts.append(block.required_string("text"))
                 continue
             result = block.raw("content")
-            output = "" if result is None else _text_blocks(result, block.path("content"))[0]
+            output, nested_ttls = ("", []) if result is None else _text_blocks(result, block.path("content"))
+            ttls.extend(nested_ttls)
             if block.boolean("is_error"):
                 output = f"Error: {output}"
             self.messages.append(
@@ -338,3 +343,19 @@ def _metadata_session(fields: Fields) -> str | None:
         return str(value["session_id"])
     legacy = _LEGACY_SESSION.search(user_id)
     return legacy.group(1) if legacy else user_id
+
+
+def _output_format(fields: Fields) -> JSON | None:
+    """``output_config.format`` (structured outputs): a JSON schema the answer must follow, enforced as the chat
+    API's ``response_format``; the rest of ``output_config`` (``effort``) is ignored."""
+    config = fields.nested("output_config")
+    form = None if config is None else config.nested("format")
+    if form is None:
+        return None
+    kind = form.required_string("type")
+    if kind != "json_schema":
+        raise range_error(form.path("type"), "'json_schema'", kind)
+    schema = form.present("schema")
+    if not isinstance(schema, dict):
+        raise type_error(form.path("schema"), "an object", schema)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}

@@ -7,7 +7,13 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from rayturn.engine.sequence import TokenLogprob
-from rayturn.engine.tool_calls import ParsedToolCalls, ToolCall, parse_tool_calls, random_tool_call_id
+from rayturn.engine.tool_calls import (
+    DEFAULT_TOOL_CALL_PARSER,
+    ParsedToolCalls,
+    ToolCall,
+    parse_tool_calls,
+    random_tool_call_id,
+)
 
 from .protocol import JSON, ChatRequest
 
@@ -53,13 +59,14 @@ def assistant_output(
     *,
     id_factory: Callable[[], str] = random_tool_call_id,
     parsed: ParsedToolCalls | None = None,
+    parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> ParsedToolCalls:
     """A finished completion's text split into content and tool calls, as the request allows; ``parsed``: the
     decode replica's split of it, when it made one (it does for every call that offered tools)."""
     if request.prompt_tools is None:
         return ParsedToolCalls(content=text, tool_calls=())
     if parsed is None:
-        parsed = parse_tool_calls(text, id_factory=id_factory)
+        parsed = parse_tool_calls(text, parser=parser, tools=request.prompt_tools, id_factory=id_factory)
     if request.parallel_tool_calls:
         return parsed
     return ParsedToolCalls(content=parsed.content, tool_calls=parsed.tool_calls[:1])

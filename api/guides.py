@@ -37,6 +37,7 @@ from .protocol import ChatRequest
 MAX_CACHED_GRAMMARS = 64
 # Formats whose tags are special tokens, which detokenizing drops unless told to keep them.
 SPECIAL_TAG_PARSERS = ("mistral",)
+COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "not")
 
 
 class GuideMaker:
@@ -107,19 +108,24 @@ def _closed_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 def closed_schema(schema: object) -> object:
     """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and
-    leaves ``additionalProperties`` unsaid (walking subschemas by their keywords, never property names)."""
+    leaves ``additionalProperties`` unsaid (walking subschemas by their keywords, never property names); a
+    composed schema (``allOf``, ``anyOf``, ``oneOf``, ``not``) and its branches are left as they are."""
     if not isinstance(schema, dict):
         return schema
     closed: dict[str, Any] = dict(schema)
     for keyword in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(schema.get(keyword), dict):
             closed[keyword] = {name: closed_schema(sub) for name, sub in schema[keyword].items()}
-    for keyword in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if isinstance(schema.get(keyword), list):
-            closed[keyword] = [closed_schema(sub) for sub in schema[keyword]]
-    for keyword in ("items", "additionalProperties", "not"):
+    if isinstance(schema.get("prefixItems"), list):
+        closed["prefixItems"] = [closed_schema(sub) for sub in schema["prefixItems"]]
+    for keyword in ("items", "additionalProperties"):
         if isinstance(schema.get(keyword), dict):
             closed[keyword] = closed_schema(schema[keyword])
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+    # A composed schema's properties come from its branches too: closing it, or a branch, would forbid them.
+    composed = any(keyword in schema for keyword in COMPOSITION_KEYWORDS)
+    for keyword in COMPOSITION_KEYWORDS:
+        if keyword in schema:
+            closed[keyword] = schema[keyword]
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not composed:
         closed["additionalProperties"] = False
     return closed

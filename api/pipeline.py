@@ -33,7 +33,7 @@ from rayturn.messages import Call, Delta, PrewarmAnswer, SessionAnnouncement, St
 from rayturn.router.scoring import page_hash_key
 
 from .bodies import usage
-from .errors import client_error, invalid_request
+from .errors import client_error, invalid_request, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
@@ -46,6 +46,8 @@ from .tenants import presented_key
 logger = logging.getLogger(__name__)
 
 NO_HINTS = LifecycleHints()
+# The finish of a sequence whose guide refused a token (``rayturn.engine.guided``).
+GUIDE_BROKEN = "abort"
 Steps = AsyncIterator[tuple[Delta, ...]]
 
 
@@ -231,6 +233,7 @@ class CallPipeline:
         hints: LifecycleHints = NO_HINTS,
         tools: bool = False,
         retention: Retention | None = None,
+        tool_specs: Sequence[Mapping[str, Any]] = (),
     ) -> Call:
         """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
         salt = self.keys.cache_salt(tenant)
@@ -253,6 +256,7 @@ class CallPipeline:
             after=hints.after,
             tools=tools,
             retention=retention,
+            tool_specs=tuple(tool_specs),
         )
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
@@ -287,6 +291,9 @@ class CallPipeline:
                     result.session = step.session
                     self.telemetry.count_session(step.session)
                 for delta in step.deltas:
+                    if delta.finish_reason == GUIDE_BROKEN:
+                        # The engine met a token its guide refused: the answer is not what was asked, so no answer.
+                        raise server_error(f"The answer broke its required format (request id {call.request_id}).")
                     state = result.completions.setdefault(delta.index, CompletionState())
                     state.token_ids.extend(delta.token_ids)
                     state.text += delta.text

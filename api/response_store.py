@@ -10,7 +10,10 @@ reach the replica that served its predecessor.
 Bounded three ways, all cheap: at most ``max_entries`` entries and
 ``max_bytes`` bytes (the JSON size of what an entry retains, counted as if
 it shared nothing with its predecessor, so the bound holds), evicting the
-least recently used first; and an entry unused for ``ttl_s`` expires. Using
+least recently used entry of the tenant that holds the most (entries or
+bytes, whichever bound was passed), so one tenant's traffic pushes out
+another's responses only while that other holds more; and an entry unused
+for ``ttl_s`` expires. Using
 an entry renews it, so least recently used is also first to expire, and
 expired entries are always found at the front.
 """
@@ -18,7 +21,7 @@ expired entries are always found at the front.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +60,8 @@ class ResponseStore:
         # (tenant, response id) -> (entry, when it was last used); least recently used first.
         self._entries: OrderedDict[tuple[str, str], tuple[StoredResponse, float]] = OrderedDict()
         self.num_bytes = 0
+        # tenant -> [entries, bytes] it holds
+        self._held: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,8 +75,12 @@ class ResponseStore:
             return
         self._entries[key] = (entry, self._clock())
         self.num_bytes += entry.num_bytes
+        self._held[entry.tenant][0] += 1
+        self._held[entry.tenant][1] += entry.num_bytes
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            by_bytes = self.num_bytes > self.max_bytes
+            heaviest = max(self._held, key=lambda tenant: self._held[tenant][1 if by_bytes else 0])
+            self._drop(next(key for key in self._entries if key[0] == heaviest))
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The tenant's entry, renewed; None when unknown, expired or another tenant's."""
@@ -93,6 +102,11 @@ class ResponseStore:
         if found is None:
             return False
         self.num_bytes -= found[0].num_bytes
+        held = self._held[key[0]]
+        held[0] -= 1
+        held[1] -= found[0].num_bytes
+        if held[0] == 0:
+            del self._held[key[0]]
         return True
 
     def _expire(self) -> None:

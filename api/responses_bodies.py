@@ -86,16 +86,15 @@ def function_call_item(item_id: str, call: ToolCall, status: str, *, arguments: 
 def output_items(parsed: ParsedToolCalls, status: str) -> list[JSON]:
     """A whole answer's items: its prose as one message (an empty one when there is nothing else), then its calls.
 
-    Under ``incomplete`` the last item is the one cut short.
+    A call is an item only once its block closed, so calls are always complete; under ``incomplete`` the prose
+    holds what was cut short (an unclosed call stays text), as the streamed answer reports it.
     """
     calls = parsed.tool_calls
     items = []
     if parsed.content or not calls:
-        message_status = status if not calls else "completed"
-        items.append(message_item(message_item_id(), parsed.content or "", message_status))
-    for i, call in enumerate(calls):
-        call_status = status if i == len(calls) - 1 else "completed"
-        items.append(function_call_item(function_call_item_id(), call, call_status))
+        items.append(message_item(message_item_id(), parsed.content or "", status))
+    for call in calls:
+        items.append(function_call_item(function_call_item_id(), call, "completed"))
     return items
 
 
@@ -149,4 +148,4 @@ def assistant_message(output: Sequence[JSON]) -> JSON:
 
 def deleted(response_id: str) -> JSON:
     """The body of ``DELETE /v1/responses/{id}``."""
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -19,7 +19,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from rayturn.engine.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, random_tool_call_id
+from rayturn.engine.tool_calls import (
+    DEFAULT_TOOL_CALL_PARSER,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    random_tool_call_id,
+)
 
 from .protocol import JSON
 from .responses_bodies import (
@@ -49,9 +55,10 @@ class ResponsesStream:
         parse_tools: bool,
         parallel_tool_calls: bool = True,
         id_factory: Callable[[], str] = random_tool_call_id,
+        parser: str = DEFAULT_TOOL_CALL_PARSER,
     ) -> None:
         self._frame = frame
-        self._parser = ToolCallStream(id_factory=id_factory) if parse_tools else None
+        self._parser = ToolCallStream(parser, id_factory=id_factory) if parse_tools else None
         self._parallel_tool_calls = parallel_tool_calls
         self._sequence_number = 0
         self._num_calls = 0

@@ -11,7 +11,7 @@ one straight pass.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +35,8 @@ from .session import (
 )
 from .streaming import sse
 
+# Tool-call formats whose argument values are typed by the tool's schema (the decode replica parses them).
+SCHEMA_TYPED_PARSERS = ("qwen3_coder",)
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
 
@@ -102,6 +104,7 @@ class HTTPServing:
         tools: bool = False,
         body_session: tuple[str | None, str] | None = None,
         retention: Retention | None = None,
+        tool_specs: Sequence[Mapping[str, Any]] = (),
     ) -> tuple[CallResult, Steps, Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step.
 
@@ -126,7 +129,7 @@ class HTTPServing:
         except ValueError as err:
             raise invalid_request(str(err), param=param) from err
         call = await self.pipeline.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, said, tools, retention
+            request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs
         )
         return await self.pipeline.start(call)
 
@@ -161,6 +164,8 @@ class HTTPServing:
         retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
         hints = LifecycleHints(call or classify_call(chat.messages))
         tools = chat.prompt_tools is not None
+        # Formats that type argument values by schema need the tools on the decode replica too.
+        specs = chat.prompt_tools if tools and self.pipeline.guides.parser in SCHEMA_TYPED_PARSERS else None
         return await self.start(
             request_id,
             request,
@@ -172,6 +177,7 @@ class HTTPServing:
             tools,
             body_session=body_session,
             retention=retention,
+            tool_specs=specs or (),
         )
 
     def token_text(self, token_id: int) -> str:

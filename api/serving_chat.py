@@ -55,7 +55,9 @@ class ServingChat(HTTPServing):
     def _body(self, chat: ChatRequest, result: CallResult) -> JSON:
         choices = []
         for index, state in sorted(result.completions.items()):
-            parsed = assistant_output(state.text, chat, parsed=state.parsed_tool_calls())
+            parsed = assistant_output(
+                state.text, chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+            )
             logprobs = chat_logprobs(state.logprobs, self.token_text) if chat.sampling.logprobs else None
             choices.append(
                 chat_choice(
@@ -76,7 +78,8 @@ class ServingChat(HTTPServing):
 
     async def _stream(self, chat: ChatRequest, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
         response_id, created = chat_completion_id(), int(time.time())
-        states = {index: ChatStreamState.for_request(chat, index) for index in range(chat.sampling.n)}
+        parser = self.pipeline.guides.parser
+        states = {index: ChatStreamState.for_request(chat, index, parser=parser) for index in range(chat.sampling.n)}
 
         def chunk(choices: list[JSON]) -> str:
             return sse(

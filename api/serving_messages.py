@@ -103,7 +103,9 @@ class ServingMessages(HTTPServing):
 
     def _body(self, parsed: MessagesRequest, result: CallResult) -> JSON:
         state = result.completions.get(0, CompletionState())
-        output = assistant_output(state.text, parsed.chat, parsed=state.parsed_tool_calls())
+        output = assistant_output(
+            state.text, parsed.chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+        )
         content = [text_block(output.content)] if output.content else []
         content += [tool_use_block(call) for call in output.tool_calls]
         stop = stop_reason(state.finish_reason, state.stop_reason, called_tools=bool(output.tool_calls))

@@ -127,7 +127,9 @@ class ServingResponses(HTTPServing):
 
     def _answer(self, turn: _Turn, result: CallResult) -> JSON:
         state = result.completions.get(0, CompletionState())
-        parsed = assistant_output(state.text, turn.chat, parsed=state.parsed_tool_calls())
+        parsed = assistant_output(
+            state.text, turn.chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+        )
         status = response_status(state.finish_reason)
         answer = turn.frame.body(status, output_items(parsed, status), self._usage(result))
         self._remember(turn, answer)
@@ -152,7 +154,10 @@ class ServingResponses(HTTPServing):
     async def _stream(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
         chat = turn.chat
         stream = ResponsesStream(
-            turn.frame, parse_tools=chat.prompt_tools is not None, parallel_tool_calls=chat.parallel_tool_calls
+            turn.frame,
+            parse_tools=chat.prompt_tools is not None,
+            parallel_tool_calls=chat.parallel_tool_calls,
+            parser=self.pipeline.guides.parser,
         )
         for event in stream.start():
             yield sse_event(event)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from rayturn.engine.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, random_tool_call_id
+from rayturn.engine.tool_calls import (
+    DEFAULT_TOOL_CALL_PARSER,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    random_tool_call_id,
+)
 
 from .bodies import chat_chunk_choice, openai_finish_reason
 from .protocol import JSON, ChatRequest
@@ -40,9 +46,10 @@ class ChatStreamState:
         parse_tools: bool,
         parallel_tool_calls: bool = True,
         id_factory: Callable[[], str] = random_tool_call_id,
+        parser: str = DEFAULT_TOOL_CALL_PARSER,
     ) -> None:
         self._index = index
-        self._stream = ToolCallStream(id_factory=id_factory) if parse_tools else None
+        self._stream = ToolCallStream(parser, id_factory=id_factory) if parse_tools else None
         self._parallel_tool_calls = parallel_tool_calls
         self._role_sent = False
         self._tool_calls: list[ToolCall] = []
@@ -50,13 +57,19 @@ class ChatStreamState:
 
     @classmethod
     def for_request(
-        cls, request: ChatRequest, index: int, *, id_factory: Callable[[], str] = random_tool_call_id
+        cls,
+        request: ChatRequest,
+        index: int,
+        *,
+        id_factory: Callable[[], str] = random_tool_call_id,
+        parser: str = DEFAULT_TOOL_CALL_PARSER,
     ) -> ChatStreamState:
         return cls(
             index,
             parse_tools=request.prompt_tools is not None,
             parallel_tool_calls=request.parallel_tool_calls,
             id_factory=id_factory,
+            parser=parser,
         )
 
     @property

@@ -11,7 +11,9 @@ a tool (the agent will be back in seconds) from the same parse.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rayturn.engine import RequestOutput
 from rayturn.engine.outputs import CompletionOutput
@@ -34,6 +36,8 @@ class _Sent:
 class AnswerTracker:
     tools: bool
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the format the model's answers call tools in
+    # The offered tools, for formats that type argument values by the tool's schema (the Call's ``tool_specs``).
+    tool_specs: tuple[Mapping[str, Any], ...] = ()
     _sent: dict[int, _Sent] = field(default_factory=dict)
 
     def deltas(self, output: RequestOutput) -> tuple[Delta, ...]:
@@ -48,7 +52,8 @@ class AnswerTracker:
     def _delta(self, completion: CompletionOutput) -> Delta | None:
         sent = self._sent.get(completion.index)
         if sent is None:
-            tool_calls = ToolCallStream(self.tool_call_parser) if self.tools else None
+            tools = list(self.tool_specs) or None
+            tool_calls = ToolCallStream(self.tool_call_parser, tools) if self.tools else None
             sent = self._sent[completion.index] = _Sent(tool_calls=tool_calls)
         finished = completion.finish_reason is not None
         new_tokens = completion.token_ids[sent.tokens :]

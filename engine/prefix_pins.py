@@ -37,9 +37,11 @@ layer turns that into a ``Retention`` on the call, and the engine keeps it:
    prompt hit; the store pins only the tenant's own objects.
 6. Bounded: pinned pages take at most ``MAX_PINNED_PAGE_FRACTION`` of the
    device cache (half), and at most ``MAX_PINNED_PREFIXES`` prefixes are
-   pinned. A new pin that goes over releases pins, the one expiring soonest
-   first (which may be the new one); a prefix longer than the page cap is
-   pinned up to the cap. A pin released by the cap keeps its store pin.
+   pinned. A new pin that goes over releases pins of the tenant holding the
+   most pinned pages, its one expiring soonest first (which may be the new
+   one), so one tenant's pins push out another's only while that other holds
+   more; a prefix longer than the page cap is pinned up to the cap. A pin
+   released by the cap keeps its store pin.
 
 A pinned prefix on the device::
 
@@ -250,8 +252,16 @@ class PrefixPins:
         return min(freeing)[1] if freeing else None
 
     def _keep_cap(self) -> None:
+        """Over a cap, the tenant holding the most pinned pages gives up its pin expiring soonest: one tenant's
+        pins push out another's only while that other holds more."""
         while len(self._pins) > self.max_prefixes or len(self._pins_per_page) > self.max_pages:
-            key = min(self._pins, key=lambda k: self._pins[k].expires_at_s)
+            held: Counter[str] = Counter()
+            for pin in self._pins.values():
+                held[pin.tenant] += len(pin.pages)
+            heaviest = max(held, key=lambda tenant: held[tenant])
+            key = min(
+                (k for k, pin in self._pins.items() if pin.tenant == heaviest), key=lambda k: self._pins[k].expires_at_s
+            )
             self._release(key)
             self.released_over_cap += 1
 

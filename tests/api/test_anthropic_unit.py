@@ -329,3 +329,24 @@ def test_error_shapes(err: APIError, status: int, kind: str) -> None:
     shaped = error_body(err)
     assert anthropic_status(err) == status
     assert shaped == {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def test_breakpoints_inside_tool_results_count() -> None:
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "ok", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+    }
+    chat = parse_messages_request(body(messages=[{"role": "user", "content": [result]}]), MODEL).chat
+    assert chat.cache_points == (CachePoint(1, 3600.0),)
+
+
+def test_structured_output_becomes_the_response_format() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    chat = parse_messages_request(
+        body(output_config={"effort": "high", "format": {"type": "json_schema", "schema": schema}}), MODEL
+    ).chat
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert parse_messages_request(body(output_config={"effort": "high"}), MODEL).chat.response_format is None
+    assert error_of(body(output_config={"format": {"type": "xml"}})).param == "output_config.format.type"
+    assert error_of(body(output_config={"format": {"type": "json_schema"}})).param == "output_config.format.schema"

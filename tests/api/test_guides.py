@@ -98,3 +98,21 @@ def test_mistral_keeps_its_special_tags_in_the_text(tokenizer: Tokenizer) -> Non
     assert GuideMaker("mistral", tokenizer).guided(params, with_tools) == replace(params, skip_special_tokens=False)
     assert GuideMaker("hermes", tokenizer).guided(params, with_tools) == params
     assert GuideMaker("mistral", tokenizer).guided(params, chat()) == params
+
+
+def test_composed_schemas_stay_open(tokenizer: Tokenizer) -> None:
+    """``allOf`` / ``anyOf`` branches add properties to each other: closing any of them would forbid the rest."""
+    composed = {
+        "type": "object",
+        "properties": {"kind": {"type": "string", "enum": ["a"]}},
+        "allOf": [
+            {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+            {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+        ],
+        "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}],
+        "required": ["kind"],
+    }
+    assert closed_schema(composed) == composed
+    tool = {"type": "function", "function": {"name": "composed", "parameters": composed}}
+    guide = GuideMaker("hermes", tokenizer).guide(chat(tools=[tool], tool_choice="required"))
+    assert guide is not None and guide.kind == "lark"

@@ -441,3 +441,17 @@ def test_the_store_keeps_tenants_apart_and_forgets_entries_left_unused() -> None
     assert store.get("alice", "b") is None and store.get("alice", "a") is not None
     assert store.num_bytes == 10
     assert store.delete("alice", "a") and len(store) == 0 and store.num_bytes == 0
+
+
+def test_one_tenant_s_traffic_evicts_its_own_responses_first() -> None:
+    store = ResponseStore(max_entries=4, max_bytes=1000)
+    store.put(stored("alice-1", tenant="alice"))
+    for i in range(10):  # bob floods the store
+        store.put(stored(f"bob-{i}", tenant="bob"))
+    assert store.get("alice", "alice-1") is not None and len(store) == 4
+    assert [store.get("bob", f"bob-{i}") is not None for i in range(10)] == [False] * 7 + [True] * 3
+    bytes_store = ResponseStore(max_entries=100, max_bytes=100)
+    bytes_store.put(stored("alice-1", tenant="alice", num_bytes=30))
+    for i in range(5):
+        bytes_store.put(stored(f"bob-{i}", tenant="bob", num_bytes=30))
+    assert bytes_store.get("alice", "alice-1") is not None and bytes_store.num_bytes <= 100

@@ -11,6 +11,7 @@ come in Anthropic's shape and status codes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -219,3 +220,22 @@ def test_cache_control_pins_the_prefix(cluster: str, client: anthropic.Anthropic
     prompt += message.usage.cache_creation_input_tokens or 0
     # The system prompt's full pages, not the user's message after the breakpoint.
     assert 0 < pinned() - before < prompt // PAGE
+
+
+def test_structured_output_gives_json(client: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"done": {"type": "boolean"}, "files": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["done", "files"],
+        "additionalProperties": False,
+    }
+    message = client.messages.create(
+        model="tiny",
+        max_tokens=40,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Report in JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},  # type: ignore[typeddict-item]
+    )
+    assert message.content[0].type == "text" and message.stop_reason == "end_turn"
+    value = json.loads(message.content[0].text)
+    assert isinstance(value["done"], bool) and 0 <= value["files"] <= 9

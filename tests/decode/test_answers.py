@@ -45,3 +45,29 @@ def test_hermes_is_the_default_and_calls_without_tools_are_not_parsed() -> None:
     untracked = AnswerTracker(tools=False, tool_call_parser="qwen3_coder")
     (delta,) = untracked.deltas(_output(QWEN3_CODER_CALL, finished=True))
     assert delta.tool_parse == () and delta.text == QWEN3_CODER_CALL and not untracked.called_tools(0)
+
+
+def test_the_call_s_tool_schemas_type_xml_parameter_values() -> None:
+    """Qwen3-Coder writes parameter values as raw text: the tool's schema says ``42`` is a string here."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "write",
+            "parameters": {
+                "type": "object",
+                "properties": {"content": {"type": "string"}, "line": {"type": "integer"}},
+            },
+        },
+    }
+    text = (
+        "<tool_call>\n<function=write>\n<parameter=content>\n42\n</parameter>\n"
+        "<parameter=line>\n7\n</parameter>\n</function>\n</tool_call>"
+    )
+    typed = AnswerTracker(tools=True, tool_call_parser="qwen3_coder", tool_specs=(tool,))
+    (delta,) = typed.deltas(_output(text, finished=True))
+    (call,) = [call for piece in delta.tool_parse for call in piece.tool_calls]
+    assert json.loads(call.arguments) == {"content": "42", "line": 7}
+    untyped = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    (delta,) = untyped.deltas(_output(text, finished=True))
+    (call,) = [call for piece in delta.tool_parse for call in piece.tool_calls]
+    assert json.loads(call.arguments) == {"content": 42, "line": 7}  # without the schema, as JSON

@@ -365,3 +365,20 @@ def test_an_aborted_request_pins_nothing() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert pin_stats(engine)["pinned_prefixes"] == 0 and engine.kv_cache.num_free_pages == 16
+
+
+def test_over_the_cap_the_tenant_holding_most_gives_way() -> None:
+    """A tenant flooding the pins releases its own: another tenant's pin outlives pins that expire later."""
+    pool = PagePool(8)
+    pages = pool.allocate(5)
+    hashes = [hash_page(None, [i], "m") for i in range(5)]
+    for page, page_hash in zip(pages, hashes):
+        pool.cache(page, page_hash)
+    pool.free(pages)
+    pins = PrefixPins(pool, PAGE, max_prefixes=3, clock=Clock())
+    assert pins.pin([hashes[0]], 10.0, "alice") == 1  # expires first of all
+    for i, ttl_s in zip(range(1, 5), (100.0, 200.0, 300.0, 400.0)):
+        pins.pin([hashes[i]], ttl_s, "mallory")
+    assert pins.stats()["pinned_prefixes"] == 3 and pins.stats()["pins_released_over_cap"] == 2
+    assert pool.pages[0].ref_count == 1  # alice's pin stays
+    assert [page.ref_count for page in pool.pages[1:5]] == [0, 0, 1, 1]  # mallory's soonest went
