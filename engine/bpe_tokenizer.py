@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .byte_tokenizer import (
     CHATML_TOOLS_TEMPLATE,
@@ -48,6 +48,7 @@ from .byte_tokenizer import (
     IM_START_TOKEN,
     TOOL_CALL_END_TOKEN,
     TOOL_CALL_START_TOKEN,
+    add_tokens,
 )
 
 END_OF_TEXT_TOKEN = "<|endoftext|>"
@@ -128,12 +129,7 @@ def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = BPE_VOCAB_SIZE)
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte, seen in the corpus or not
     )
     tokenizer.train_from_iterator(corpus, trainer)
-    for token, is_special in ADDED_TOKENS:
-        added = AddedToken(token, special=is_special, normalized=False)
-        if is_special:
-            tokenizer.add_special_tokens([added])
-        else:
-            tokenizer.add_tokens([added])
+    add_tokens(tokenizer, ADDED_TOKENS)
     return tokenizer
 
 

@@ -20,6 +20,7 @@ same vocabulary and chat template as ``rayturn.engine.tokenizer.Tokenizer``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -153,13 +154,19 @@ def build_byte_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    for token, is_special in CONTROL_TOKENS:
+    add_tokens(tokenizer, CONTROL_TOKENS)
+    return tokenizer
+
+
+def add_tokens(tokenizer: Tokenizer, tokens: Sequence[tuple[str, bool]]) -> None:
+    """Add ``(token, is_special)`` entries in order: special ones as special tokens, the others as plain added
+    tokens (which decoding keeps)."""
+    for token, is_special in tokens:
         added = AddedToken(token, special=is_special, normalized=False)
         if is_special:
             tokenizer.add_special_tokens([added])
         else:
             tokenizer.add_tokens([added])
-    return tokenizer
 
 
 def byte_tokenizer_config(chat_template: str, model_max_length: int) -> dict[str, Any]:
