@@ -96,38 +96,31 @@ class HTTPServing:
         self,
         request_id: str,
         request: Request,
-        body: object,
         tenant: str,
         prompt_ids: list[int],
         params: SamplingParams,
         hints: LifecycleHints | None = None,
         tools: bool = False,
-        body_session: tuple[str | None, str] | None = None,
+        body_session: tuple[str | None, str] = (None, "user"),
         retention: Retention | None = None,
         tool_specs: Sequence[Mapping[str, Any]] = (),
     ) -> tuple[CallResult, Steps, Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step.
 
         ``hints``: what the API itself knows of the call's place in its session; the client's headers win.
-        ``body_session``: (the session id the body names, the field it came from) for APIs whose body names
-        it elsewhere than OpenAI's ``user`` (Anthropic ``metadata.user_id``, Responses ``prompt_cache_key``);
-        a session header wins over it too.
+        ``body_session``: (the session id the body names, the field it came from: OpenAI ``user`` or
+        ``prompt_cache_key``, Anthropic ``metadata.user_id``); a session header wins over it.
         """
-        assert isinstance(body, dict)  # the parsers accept only JSON objects
         try:
             said = lifecycle_hints(dict(request.headers))
         except ValueError as err:
             raise invalid_request(str(err), param=None) from err
         if hints is not None:
             said = LifecycleHints(said.call or hints.call, said.after or hints.after)
-        param = "user" if body_session is None else body_session[1]
         try:
-            if body_session is None:
-                session_id = session_id_from_headers(dict(request.headers), body)
-            else:
-                session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
+            session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
         except ValueError as err:
-            raise invalid_request(str(err), param=param) from err
+            raise invalid_request(str(err), param=body_session[1]) from err
         call = await self.pipeline.serve_request(
             request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs
         )
@@ -137,7 +130,6 @@ class HTTPServing:
         self,
         request_id: str,
         request: Request,
-        body: object,
         tenant: str,
         chat: ChatRequest,
         num_bytes: int,
@@ -169,7 +161,6 @@ class HTTPServing:
         return await self.start(
             request_id,
             request,
-            body,
             tenant,
             prompt_ids,
             params,

@@ -41,7 +41,7 @@ class ServingChat(HTTPServing):
             # ``prompt_cache_key`` names the session when a client sends it (before the older ``user``).
             session = (chat.prompt_cache_key, "prompt_cache_key") if chat.prompt_cache_key else (chat.user, "user")
             result, steps, first = await self.start_chat(
-                request_id, request, body, tenant, chat, num_bytes, body_session=session
+                request_id, request, tenant, chat, num_bytes, body_session=session
             )
             if chat.stream:
                 return sse_response(self._stream(chat, steps, first, result), result)

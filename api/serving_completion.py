@@ -54,7 +54,10 @@ class ServingCompletion(HTTPServing):
                 self.pipeline.check_prompt_ids(prompt_ids)
             except ValueError as err:
                 raise invalid_request(str(err), param="prompt") from err
-            result, steps, first = await self.start(request_id, request, body, tenant, prompt_ids, params)
+            session = (spec.user, "user")
+            result, steps, first = await self.start(
+                request_id, request, tenant, prompt_ids, params, body_session=session
+            )
             if spec.stream:
                 return sse_response(self._stream(spec, steps, first, result), result)
             async for _ in chain_steps(first, steps):

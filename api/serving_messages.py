@@ -55,7 +55,6 @@ class ServingMessages(HTTPServing):
             result, steps, first = await self.start_chat(
                 request_id,
                 request,
-                body,
                 tenant,
                 chat,
                 num_bytes,

@@ -69,7 +69,6 @@ class ServingResponses(HTTPServing):
             result, steps, first = await self.start_chat(
                 request_id,
                 request,
-                body,
                 tenant,
                 chat,
                 num_bytes,

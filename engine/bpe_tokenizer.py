@@ -49,6 +49,7 @@ from .byte_tokenizer import (
     TOOL_CALL_END_TOKEN,
     TOOL_CALL_START_TOKEN,
     add_tokens,
+    tokenizer_config,
 )
 
 END_OF_TEXT_TOKEN = "<|endoftext|>"
@@ -135,17 +136,7 @@ def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = BPE_VOCAB_SIZE)
 
 def bpe_tokenizer_config(model_max_length: int) -> dict[str, Any]:
     """The ``tokenizer_config.json`` content: no BOS (the template writes none), ChatML's end of turn as EOS."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "chat_template": QWEN_TOOLS_TEMPLATE,
-    }
+    return tokenizer_config(None, EOS_TOKEN, PAD_TOKEN, QWEN_TOOLS_TEMPLATE, model_max_length)
 
 
 def save_bpe_tokenizer(directory: Path, tokenizer: Tokenizer, model_max_length: int) -> None:

@@ -171,11 +171,19 @@ def add_tokens(tokenizer: Tokenizer, tokens: Sequence[tuple[str, bool]]) -> None
 
 def byte_tokenizer_config(chat_template: str, model_max_length: int) -> dict[str, Any]:
     """The ``tokenizer_config.json`` content matching ``build_byte_tokenizer``."""
+    return tokenizer_config(BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, chat_template, model_max_length)
+
+
+def tokenizer_config(
+    bos_token: str | None, eos_token: str, pad_token: str, chat_template: str, model_max_length: int
+) -> dict[str, Any]:
+    """A preset's ``tokenizer_config.json``: its named special tokens, template and length; BOS and EOS are
+    never added by encoding (the template writes what it needs)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
