@@ -1,10 +1,10 @@
-"""The ``rayturn`` command line.
+"""The ``rayturn`` command line: ``serve``, ``generate``, ``bench`` and ``replay``.
 
-``rayturn serve`` runs the cluster (embedded local Ray, or ``--address`` to
-join one); ``rayturn generate`` runs the offline engine on prompts;
-``rayturn bench [args]`` runs the agent-sessions benchmark
-(``rayturn.replay.agent_sessions``) with those arguments;
-``rayturn replay [args]`` replays recorded agent traces (``rayturn.replay.cli``).
+``rayturn serve [MODEL]`` takes the flags ``vllm serve`` users know under
+the same names (``--host``, ``--port``, ``--api-key``, ``--served-model-name``,
+``--max-model-len``, ``--dtype``, ``--tool-call-parser``); each one given
+overrides the ``--config`` file's key. ``bench`` and ``replay`` pass every
+argument after them to their own parsers (``rayturn.replay``).
 """
 
 from __future__ import annotations
@@ -12,23 +12,173 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
+
+DESCRIPTION = "rayturn: disaggregated LLM serving on Ray Serve for agentic coding workloads."
+SERVE_DESCRIPTION = (
+    "Start the rayturn API server on Ray Serve: the OpenAI API (chat completions, completions, "
+    "Responses), Anthropic Messages and gRPC, over a prefill pool, a decode pool and a shared KV store. "
+    "Without --address it starts a Ray of its own; Ctrl-C (or SIGTERM) stops everything it started."
+)
+API_KEY_ENV = "RAYTURN_API_KEY"
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+# vLLM's --dtype names; "half" and "float" are other names of float16 and float32.
+DTYPE_CHOICES = ("auto", "bfloat16", "float", "float16", "float32", "half")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DEFAULT_DTYPE = "float32"
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")  # the openai client's transport, by release
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0-65535, got {port}")
+    return port
+
+
+def token_count(text: str) -> int:
+    """A positive number of tokens, as vLLM writes them: ``32768``, ``32k`` (x1000) or ``32K`` (x1024)."""
+    multiplier = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}.get(text[-1:], 1)
+    digits = text[:-1] if multiplier > 1 else text
+    try:
+        count = int(digits) * multiplier
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of tokens such as 32768, 32k or 32K, got {text!r}"
+        ) from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return count
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=default,
+        help="Log level of rayturn, Ray and Serve on this console; debug adds Serve's access log and every "
+        "Ray process's output. (default: info)",
+    )
+
+
+def _add_dtype(parser: argparse.ArgumentParser, default_note: str) -> None:
+    parser.add_argument(
+        "--dtype",
+        type=str.lower,
+        choices=DTYPE_CHOICES,
+        default=None,
+        help='Data type for model weights and activations. "auto" uses the torch_dtype in the model\'s '
+        'config.json when it is float32, bfloat16 or float16, and float32 otherwise. "half" is float16, '
+        f'"float" is float32. (default: {default_note})',
+    )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset (tiny, small, tiny-bpe) or a model directory")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--backend", default=None, help="kernel backend (torch, triton); default: chosen per device")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="A preset (tiny, small, tiny-bpe), a model directory, or a Hugging Face model id in the local "
+        "Hugging Face cache. (default: tiny)",
+    )
+    _add_dtype(parser, DEFAULT_DTYPE)
+    parser.add_argument("--backend", default=None, help="Kernel backend (torch, triton). (default: chosen per device)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt. (default: 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature. (default: 0.0)")
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Name or path of the model: a preset (tiny, small, tiny-bpe), a model directory, or a Hugging "
+        "Face model id (org/name) already in the local Hugging Face cache ($HF_HUB_CACHE, else "
+        "$HF_HOME/hub); nothing is downloaded. (default: model.name in --config, else tiny)",
+    )
+    serve.add_argument("--model", default=None, metavar="MODEL", help="The same as MODEL.")
+    serve.add_argument(
+        "--config", default=None, metavar="FILE", help="Cluster YAML; see cluster/examples/rayturn.yaml."
+    )
+    serve.add_argument("--host", default=None, help="Host name. (default: 127.0.0.1, or server.host in --config)")
+    serve.add_argument(
+        "--port",
+        "--http-port",
+        dest="port",
+        type=port_number,
+        default=None,
+        help="Port number (HTTP). (default: 8000, or server.http_port in --config)",
+    )
+    serve.add_argument(
+        "--grpc-port",
+        type=port_number,
+        default=None,
+        help="gRPC port number. (default: 9000, or server.grpc_port in --config)",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="If provided, the server will require one of these keys to be presented in the header "
+        "(Authorization: Bearer KEY, or x-api-key). Repeatable; each key is a tenant of its own, added to "
+        f"server.api_keys in --config. (default: ${API_KEY_ENV}, one key, taken whole)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="The model name used in the API (the model field of requests and responses, GET /v1/models). "
+        "(default: model.served_name in --config, else the preset's name, a Hugging Face id as given, "
+        "or the last part of the model's path)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=token_count,
+        default=None,
+        help="Model context length (prompt plus output), e.g. 32768, 32k or 32K. (default: model.max_model_len "
+        "in --config, else derived from the model's config.json)",
+    )
+    _add_dtype(serve, f"{DEFAULT_DTYPE}, or model.dtype in --config")
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json or mistral. "
+        "(default: the one its chat template shows)",
+    )
+    serve.add_argument("--address", default=None, help="Join the Ray cluster at this address instead of starting one.")
+    _add_log_level(serve, argparse.SUPPRESS)
+
+
+def _dtype(choice: str | None, model: str) -> str | None:
+    """The engine's dtype for a ``--dtype`` choice: an alias's name, or for ``auto`` the checkpoint's."""
+    if choice != "auto":
+        return DTYPE_ALIASES.get(choice, choice) if choice else None
+    from rayturn.engine.model_source import checkpoint_dtype
+    from rayturn.engine.presets import resolve_model_dir
+
+    return checkpoint_dtype(resolve_model_dir(model)) or DEFAULT_DTYPE
 
 
 def _generate(args: argparse.Namespace, prompts: Sequence[str], chat: bool) -> int:
     from rayturn.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype=args.dtype)
+    dtype = _dtype(args.dtype, args.model) or DEFAULT_DTYPE
+    engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype=dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if chat and engine.tokenizer.chat_template is not None:
         inputs: list[str | list[int]] = [
@@ -46,22 +196,35 @@ def _generate(args: argparse.Namespace, prompts: Sequence[str], chat: bool) -> i
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, model: str | None) -> int:
+    if args.address is None and "ray" not in sys.modules:
+        # The Ray this command starts uses token authentication, which Ray 2.60 turns on for a local
+        # Ray anyway; asking for it spares the warning that it was turned on unasked. Ray reads the
+        # variable once, when it is imported (set later, Ray and its GCS would disagree).
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     from rayturn.cluster.config import load_config
     from rayturn.cluster.runner import serve_forever
 
     flags = {
-        "model.name": args.model,
-        "server.http_port": args.http_port,
-        "server.grpc_port": args.grpc_port,
-        "server.host": args.host,
+        "model.name": model,
+        "model.served_name": args.served_model_name,
+        "model.max_model_len": args.max_model_len,
         "model.tool_call_parser": args.tool_call_parser,
+        "server.host": args.host,
+        "server.http_port": args.port,
+        "server.grpc_port": args.grpc_port,
     }
     config = load_config(args.config, **{key: value for key, value in flags.items() if value is not None})
-    if args.api_key:
-        server = dataclasses.replace(config.server, api_keys=config.server.api_keys + tuple(args.api_key))
+    dtype = _dtype(args.dtype, config.model.name)
+    if dtype is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
+    # As vLLM takes VLLM_API_KEY: the variable is one key, used when no --api-key is given.
+    api_keys = args.api_key if args.api_key is not None else [os.environ.get(API_KEY_ENV, "")]
+    api_keys = [key for key in api_keys if key]
+    if api_keys:
+        server = dataclasses.replace(config.server, api_keys=config.server.api_keys + tuple(api_keys))
         config = dataclasses.replace(config, server=server)
-    return serve_forever(config, args.address)
+    return serve_forever(config, args.address, LOG_LEVELS[args.log_level])
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -76,53 +239,59 @@ def _replay(argv: Sequence[str]) -> int:
     return replay_main(list(argv), prog="rayturn replay")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayturn", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate offline with the engine")
-    _add_engine_args(gen)
-    gen.add_argument("prompts", nargs="+", help="prompts (raw text)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``rayturn`` parser and its ``serve`` subparser (whose errors name ``rayturn serve``)."""
+    parser = argparse.ArgumentParser(prog="rayturn", description=DESCRIPTION)
+    _add_log_level(parser, "info")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,replay}")
     serve = sub.add_parser(
-        "serve", help="run the cluster: OpenAI, Anthropic Messages and Responses HTTP + gRPC on Ray Serve"
+        "serve",
+        help="Start the API server (OpenAI, Anthropic Messages, Responses, gRPC) on Ray Serve.",
+        description=SERVE_DESCRIPTION,
+        usage="rayturn serve [MODEL] [options]",
     )
-    serve.add_argument("--config", default=None, help="cluster YAML (see cluster/examples/rayturn.yaml)")
-    serve.add_argument("--model", default=None, help="preset (tiny, small, tiny-bpe) or a model directory")
-    serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
-    serve.add_argument("--http-port", type=int, default=None)
-    serve.add_argument("--grpc-port", type=int, default=None)
-    serve.add_argument("--host", default=None, help="HTTP and gRPC bind address (default from config: 127.0.0.1)")
-    serve.add_argument(
-        "--tool-call-parser",
-        default=None,
-        help="the format the model calls tools in (hermes, qwen3_coder, llama3_json, mistral); "
-        "default: the one its chat template shows",
+    _add_serve_args(serve)
+    gen = sub.add_parser(
+        "generate",
+        help="Generate offline with the engine, no server.",
+        description="Generate text for each prompt with the offline engine (no Ray, no server).",
     )
-    serve.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="an API key callers must present (repeatable; each a tenant of its own; adds to server.api_keys)",
-    )
+    _add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+", help="Prompts (raw text).")
+    gen.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    _add_log_level(gen, argparse.SUPPRESS)
     # Every argument after `bench` is the benchmark's own (`rayturn bench --help` lists them).
-    sub.add_parser("bench", help="run the agent-sessions benchmark: rayturn vs a baseline", add_help=False)
+    sub.add_parser("bench", help="Run the agent-sessions benchmark: rayturn against a baseline.", add_help=False)
     # Likewise after `replay` (`rayturn replay --help`).
-    sub.add_parser("replay", help="replay recorded agent traces against a cluster", add_help=False)
-    args, bench_args = parser.parse_known_args(argv)
-    if bench_args and args.command not in ("bench", "replay"):
-        parser.error(f"unrecognized arguments: {' '.join(bench_args)}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sub.add_parser("replay", help="Replay recorded agent traces against a cluster.", add_help=False)
+    return parser, serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, serve_parser = build_parser()
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on and args.command not in ("bench", "replay"):
+        (serve_parser if args.command == "serve" else parser).error(f"unrecognized arguments: {' '.join(passed_on)}")
+    model = None
+    if args.command == "serve":
+        if args.model_tag and args.model and args.model_tag != args.model:
+            serve_parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        model = args.model_tag or args.model
+    level = LOG_LEVELS[args.log_level]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:
+        # The HTTP client's line per request (the calls `bench` and `replay` send) is an access log too.
+        for name in HTTP_CLIENT_LOGGERS:
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
     try:
         if args.command == "generate":
             return _generate(args, args.prompts, args.chat)
         if args.command == "bench":
-            return _bench(bench_args)
+            return _bench(passed_on)
         if args.command == "replay":
-            return _replay(bench_args)
-        return _serve(args)
+            return _replay(passed_on)
+        return _serve(args, model)
     except ValueError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)
         return 2

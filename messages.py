@@ -107,6 +107,9 @@ class Step:
     replica_id: str | None
     # On a session's call's first step: the replica's view of the session at arrival (a JSON object).
     session: Mapping[str, Any] | None = None
+    # A call that asked for prompt logprobs (``SamplingParams.prompt_logprobs``), on its first step: one entry
+    # per prompt token, the first None (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import math
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rayturn.engine.sequence import TokenLogprob
+from rayturn.engine.token_bytes import token_display
 from rayturn.engine.tool_calls import (
     DEFAULT_TOOL_CALL_PARSER,
     ParsedToolCalls,
@@ -21,8 +24,20 @@ from .protocol import JSON, ChatRequest
 MIN_LOGPROB = -9999.0
 OWNED_BY = "rayturn"
 
-TokenText = Callable[[int], str]
-"""The text of one token id, e.g. ``lambda i: tokenizer.decode([i], skip_special_tokens=False)``."""
+
+@dataclass(frozen=True, slots=True)
+class TokenNames:
+    """How logprob answers name a token: OpenAI's way, its text or ``bytes:\\xe2\\x80`` when it holds part of
+    a character (so no two tokens read alike), or vLLM's ``token_id:N`` (``return_tokens_as_token_ids``)."""
+
+    token_bytes: Callable[[int], bytes]
+    as_token_ids: bool = False
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else token_display(self.token_bytes(token_id))
+
+    def with_token_ids(self, as_token_ids: bool) -> TokenNames:
+        return TokenNames(self.token_bytes, as_token_ids)
 
 
 def chat_completion_id() -> str:
@@ -72,37 +87,82 @@ def assistant_output(
     return ParsedToolCalls(content=parsed.content, tool_calls=parsed.tool_calls[:1])
 
 
-def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: TokenText) -> list[JSON]:
+def chat_logprobs(logprobs: Sequence[TokenLogprob], names: TokenNames) -> list[JSON]:
     """``logprobs.content`` of a chat choice: one entry per generated token."""
     return [
         {
-            **_chat_token(entry.token_id, entry.logprob, token_text),
-            "top_logprobs": [_chat_token(token_id, logprob, token_text) for token_id, logprob in entry.top],
+            **_chat_token(entry.token_id, entry.logprob, names),
+            "top_logprobs": [_chat_token(token_id, logprob, names) for token_id, logprob in entry.top],
         }
         for entry in logprobs
     ]
 
 
-def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> JSON:
-    text = token_text(token_id)
-    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+def _chat_token(token_id: int, logprob: float, names: TokenNames) -> JSON:
+    return {"token": names.name(token_id), "logprob": _finite(logprob), "bytes": list(names.token_bytes(token_id))}
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: TokenText, *, text_offset: int = 0) -> JSON:
-    """``logprobs`` of a completion choice; offsets count characters from the start of the completion."""
-    tokens = [token_text(entry.token_id) for entry in logprobs]
-    offsets = []
-    for token in tokens:
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], names: TokenNames, *, text_offset: int = 0, unscored: int | None = None
+) -> JSON:
+    """``logprobs`` of a completion choice. ``unscored``: a leading token with no logprob (an echoed prompt's
+    first token, which nothing predicts), listed with null logprob and alternatives. Offsets count characters
+    of the text from ``text_offset``; a token that ends inside a character moves them once it is whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+
+    def add(token_id: int, logprob: float | None, top: dict[str, float] | None) -> None:
+        nonlocal text_offset
         offsets.append(text_offset)
-        text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [_finite(entry.logprob) for entry in logprobs],
-        "top_logprobs": [
-            {token_text(token_id): _finite(logprob) for token_id, logprob in entry.top} for entry in logprobs
-        ],
-        "text_offset": offsets,
-    }
+        tokens.append(names.name(token_id))
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
+        text_offset += len(decoder.decode(names.token_bytes(token_id)))
+
+    if unscored is not None:
+        add(unscored, None, None)
+    for entry in logprobs:
+        add(entry.token_id, _finite(entry.logprob), _top_logprobs(entry.top, names, entry.token_id))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _top_logprobs(top: Sequence[tuple[int, float]], names: TokenNames, chosen: int) -> dict[str, float]:
+    """The alternatives keyed by name, the chosen token under the name ``tokens`` gives it; should another
+    share a name already taken, it goes by its id."""
+    keys: dict[int, str] = {}
+    taken: set[str] = set()
+    for token_id, _ in sorted(top, key=lambda item: item[0] != chosen):  # the chosen token names itself first
+        name = names.name(token_id)
+        keys[token_id] = f"token_id:{token_id}" if name in taken else name
+        taken.add(keys[token_id])
+    return {keys[token_id]: _finite(logprob) for token_id, logprob in top}
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprob | None], names: TokenNames) -> list[JSON | None]:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token (the first None, nothing predicts
+    it) the token and its alternatives by id, each with its logprob, its rank (1: the most likely; None when the
+    token was not among the alternatives) and its text."""
+    scored: list[JSON | None] = []
+    for entry in entries:
+        if entry is None:
+            scored.append(None)
+            continue
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(entry.top, start=1)}
+        tokens = {entry.token_id: entry.logprob, **dict(entry.top)}
+        scored.append(
+            {
+                str(token_id): {
+                    "logprob": _finite(logprob),
+                    "rank": ranks.get(token_id),
+                    "decoded_token": names.name(token_id),
+                }
+                for token_id, logprob in tokens.items()
+            }
+        )
+    return scored
 
 
 def _finite(logprob: float) -> float:
@@ -200,9 +260,20 @@ def _chunk(object_type: str, response_id: str, model: str, created: int, choices
     return chunk
 
 
-def models_list(served_model: str, created: int) -> JSON:
-    """The body of ``GET /v1/models``."""
+def model_card(served_model: str, created: int, *, root: str, max_model_len: int) -> JSON:
+    """One model as ``GET /v1/models/{id}`` shows it: OpenAI's fields, and vLLM's ``root`` (the checkpoint it
+    was loaded from) and ``max_model_len`` (the context calls may fill)."""
     return {
-        "object": "list",
-        "data": [{"id": served_model, "object": "model", "created": created, "owned_by": OWNED_BY}],
+        "id": served_model,
+        "object": "model",
+        "created": created,
+        "owned_by": OWNED_BY,
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
     }
+
+
+def models_list(cards: Sequence[JSON]) -> JSON:
+    """The body of ``GET /v1/models``."""
+    return {"object": "list", "data": list(cards)}

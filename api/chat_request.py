@@ -16,6 +16,7 @@ from .protocol import (
     include_usage,
     model_field,
     prompt_cache_points,
+    reject_unsupported,
     sampling_spec,
 )
 
@@ -57,6 +58,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         parallel_tool_calls=True if parallel_tool_calls is None else parallel_tool_calls,
         cache_points=prompt_cache_points(fields, len(messages)),
         prompt_cache_key=fields.string("prompt_cache_key"),
+        return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
         response_format=_response_format(fields),
     )
 
@@ -84,10 +86,28 @@ def _response_format(fields: Fields) -> JSON | None:
     return {"type": "json_schema", "json_schema": json_schema}
 
 
+# Chat fields (OpenAI's and vLLM's) this server does not honour, with the value that means "not used".
+UNSUPPORTED_CHAT_FIELDS: dict[str, object] = {
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+    "echo": False,
+    "add_special_tokens": False,
+    "prompt_logprobs": None,
+}
+
+
 def _reject_unsupported_chat_fields(fields: Fields) -> None:
     for legacy, replacement in (("functions", "tools"), ("function_call", "tool_choice")):
         if fields.raw(legacy) is not None:
             raise unsupported(f"Unsupported '{legacy}': use '{replacement}' instead.", param=legacy)
+    reject_unsupported(fields, UNSUPPORTED_CHAT_FIELDS, " for chat")
 
 
 def _messages(fields: Fields) -> list[JSON]:

@@ -59,6 +59,15 @@ def authentication_failed() -> APIError:
     return APIError(401, message, type="authentication_error", code="invalid_api_key")
 
 
+def route_not_found(method: str, path: str, status_code: int = 404) -> APIError:
+    """A request no route answers: OpenAI's words for it (``Invalid URL (POST /v1/foo)``)."""
+    if status_code == 405:
+        return APIError(405, f"Method not allowed ({method} {path}).", code="method_not_allowed")
+    if status_code != 404:
+        return APIError(status_code, f"Request failed ({method} {path}).", code=None)
+    return APIError(404, f"Invalid URL ({method} {path}).")
+
+
 def model_not_found(model: str, served_model: str) -> APIError:
     message = f"The model '{model}' does not exist; this server serves '{served_model}'."
     return APIError(404, message, type="not_found_error", param="model", code="model_not_found")

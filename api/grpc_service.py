@@ -7,8 +7,16 @@ metadata) when keys are set: UNAUTHENTICATED otherwise. Errors set the
 status on the context and raise, which Serve turns into that status:
 INVALID_ARGUMENT for bad input, RESOURCE_EXHAUSTED for a full queue,
 UNAVAILABLE for a failed replica (retry), never Ray's own error text.
-Generated classes stay here: requests become token ids and engine
-``SamplingParams`` before anything else sees them.
+Generated classes stay at this edge: a request becomes the chat form the
+HTTP APIs share, or a raw prompt (``grpc_request``), then token ids and
+engine ``SamplingParams``; the call's deltas become response messages
+(``grpc_stream``)::
+
+    GenerateRequest --> ChatRequest | RawPrompt       (grpc_request: 400s name the proto field)
+      ChatRequest   --> chat template with the tools, guide for a forced tool call, tool-call split
+                        on the decode replica (shared with HTTP's chat start)
+      RawPrompt     --> the text tokenized, or the ids checked against the vocabulary
+                    --> Call --> decode pool --> deltas --> GenerateResponse stream (grpc_stream)
 """
 
 from __future__ import annotations
@@ -19,13 +27,18 @@ from typing import Any
 import grpc
 
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.messages import Delta
+from rayturn.engine.token_bytes import token_display
+from rayturn.messages import Call
 from rayturn.protos import SERVICER_FUNCTION
 from rayturn.protos import rayturn_pb2 as pb
 
 from .errors import APIError, authentication_failed, client_error, invalid_request, outcome
-from .pipeline import CallPipeline, CallResult, chain_steps, new_request_id
+from .grpc_request import RawPrompt, parse_generate_request
+from .grpc_stream import GrpcStream
+from .pipeline import CallPipeline, chain_steps, new_request_id
+from .protocol import ChatRequest, SamplingSpec, to_sampling_params
 from .session import (
+    LifecycleHints,
     lifecycle_hints,
     optional_session_id,
     required_session_id,
@@ -76,102 +89,85 @@ class GrpcService:
             raise authentication_failed()
         return tenant
 
-    async def generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+    async def generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
         pipeline = self.pipeline
         request_id = new_request_id()
         try:
             tenant = self._tenant(grpc_context)
             metadata = _metadata(grpc_context)
             try:
-                prompt_ids, params = await self._inputs(request)
                 hints = lifecycle_hints(metadata)
                 session_id = optional_session_id(request.session_id, "session_id") or session_id_from_grpc_metadata(
                     metadata
                 )
             except ValueError as err:
                 raise invalid_request(str(err), param=None) from err
-            call = await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
+            parsed = parse_generate_request(request, pipeline.served_model)
+            if isinstance(parsed, ChatRequest):
+                call = await pipeline.chat_call(
+                    request_id,
+                    tenant,
+                    parsed,
+                    request.ByteSize(),
+                    session_id,
+                    hints,
+                    max_tokens_param="sampling.max_tokens",
+                )
+            else:
+                call = await self._raw_call(request_id, parsed, tenant, session_id, hints)
+            stream = self._stream(call, parsed)
             result, steps, first = await pipeline.start(call)
         except Exception as err:  # anything else too: never Serve's INTERNAL with a traceback in it
             raise self._fail(grpc_context, "grpc", client_error(err, request_id)) from None
         try:
             async for deltas in chain_steps(first, steps):
                 for delta in deltas:
-                    yield self._response(delta, result)
+                    yield stream.response(delta, result)
         except Exception as err:
             raise self._fail(grpc_context, "grpc", client_error(err, result.request_id)) from None
         pipeline.telemetry.requests.labels("grpc", "ok").inc()
 
-    @staticmethod
-    def _response(delta: Delta, result: CallResult) -> Any:
-        response = pb.GenerateResponse(
-            index=delta.index,
-            token_ids=delta.token_ids,
-            text=delta.text,
-            finish_reason=delta.finish_reason or "",
-        )
-        if delta.logprobs:
-            response.logprobs.token_logprobs.extend(lp.logprob for lp in delta.logprobs)
-        if delta.finish_reason is not None:
-            response.usage.prompt_tokens = result.prompt_tokens
-            response.usage.completion_tokens = result.completion_tokens
-            response.usage.cached_tokens = result.cached_tokens
-        return response
-
-    async def _inputs(self, request: Any) -> tuple[list[int], SamplingParams]:
+    async def _raw_call(
+        self, request_id: str, raw: RawPrompt, tenant: str, session_id: str | None, hints: LifecycleHints
+    ) -> Call:
         pipeline = self.pipeline
-        if request.model and request.model != pipeline.served_model:
-            raise ValueError(
-                f"model {request.model!r} is not served here; this cluster serves {pipeline.served_model!r}"
-            )
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            if not request.text:
-                raise ValueError("text is empty")
-            prompt_ids = await pipeline.text_prompt(request.text, param="text")
-        elif kind == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
-        elif kind == "messages":
-            messages = [
-                {
-                    k: v
-                    for k, v in (
-                        ("role", m.role),
-                        ("content", m.content),
-                        ("name", m.name),
-                        ("tool_call_id", m.tool_call_id),
-                    )
-                    if v
-                }
-                for m in request.messages.messages
-            ]
-            if not messages:
-                raise ValueError("messages is empty")
-            prompt_ids = await pipeline.chat_prompt(messages, None, request.ByteSize())
+        if isinstance(raw.prompt, str):
+            prompt_ids = await pipeline.text_prompt(raw.prompt, param=raw.param)
         else:
-            raise ValueError("input is missing: set one of text, token_ids, messages")
-        max_model_len = pipeline.max_model_len
-        if len(prompt_ids) >= max_model_len:  # before walking the ids: a million of them are refused at once
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len}")
-        pipeline.check_prompt_ids(prompt_ids)
-        options = request.sampling
-        room = max_model_len - len(prompt_ids)
-        max_tokens = options.max_tokens if options.HasField("max_tokens") else room
-        if max_tokens > room:
-            raise ValueError(f"max_tokens={max_tokens} exceeds the {room} tokens left in the context")
-        params = SamplingParams(
-            n=options.n or 1,
-            max_tokens=max_tokens,
-            temperature=options.temperature if options.HasField("temperature") else 1.0,
-            top_p=options.top_p if options.HasField("top_p") else 1.0,
-            top_k=options.top_k if options.HasField("top_k") else 0,
-            seed=options.seed if options.HasField("seed") else None,
-            stop=tuple(options.stop),
-            stop_token_ids=tuple(options.stop_token_ids),
-            ignore_eos=options.ignore_eos,
-            logprobs=options.top_logprobs if options.logprobs else None,
+            prompt_ids = raw.prompt
+        # Before walking the ids: a million of them are refused by their count alone.
+        params = self._params(raw.sampling, prompt_ids, raw.param)
+        try:
+            pipeline.check_prompt_ids(prompt_ids)
+        except ValueError as err:
+            raise invalid_request(f"Invalid '{raw.param}': {err}", param=raw.param) from err
+        return await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
+
+    def _params(self, sampling: SamplingSpec, prompt_ids: list[int], prompt_param: str) -> SamplingParams:
+        """Unset ``max_tokens`` may fill the rest of the context."""
+        return to_sampling_params(
+            sampling,
+            default_max_tokens=self.pipeline.max_model_len,
+            prompt_tokens=len(prompt_ids),
+            max_model_len=self.pipeline.max_model_len,
+            prompt_param=prompt_param,
+            max_tokens_param="sampling.max_tokens",
         )
-        return prompt_ids, params
+
+    def _stream(self, call: Call, parsed: ChatRequest | RawPrompt) -> GrpcStream:
+        params = call.params
+        token_bytes = self.pipeline.token_bytes if params.logprobs else None
+        return GrpcStream(
+            n=params.n,
+            tools=call.tools,
+            parallel_tool_calls=parsed.parallel_tool_calls if isinstance(parsed, ChatRequest) else True,
+            token_text=self._token_text,
+            token_bytes=token_bytes,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as logprob answers name it: its text, or ``bytes:\\x..`` for part of a character."""
+        return token_display(self.pipeline.token_bytes(token_id))
 
     async def prewarm(self, request: Any, grpc_context: Any) -> Any:
         request_id = new_request_id()

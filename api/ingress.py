@@ -26,9 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .bodies import models_list
-from .errors import APIError, invalid_request
+from .bodies import model_card, models_list
+from .errors import APIError, invalid_request, model_not_found, route_not_found
 from .grpc_service import GrpcService
 from .pipeline import CallPipeline, new_request_id
 from .serving import REPLICA_HEADER, HTTPServing
@@ -42,6 +43,14 @@ from .settings import IngressSettings
 __all__ = ["REPLICA_HEADER", "Ingress", "app"]
 
 app = FastAPI(title="rayturn", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+    """A route or method that does not exist, in OpenAI's error shape (``{"error": {...}}``), not FastAPI's."""
+    api_error = route_not_found(request.method, request.url.path, err.status_code)
+    headers = dict(err.headers or {})
+    return JSONResponse(api_error.to_dict(), status_code=api_error.status_code, headers=headers or None)
 
 
 @serve.ingress(app)
@@ -105,7 +114,23 @@ class Ingress:
             self.http.authorize(request)
         except APIError as err:
             return self.http.failure("models", err, new_request_id())
-        return JSONResponse(models_list(self.pipeline.served_model, self.created))
+        return JSONResponse(models_list([self._model_card()]))
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (``org/name``)
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        try:
+            self.http.authorize(request)
+            if model_id != self.pipeline.served_model:
+                raise model_not_found(model_id, self.pipeline.served_model)
+        except APIError as err:
+            return self.http.failure("models", err, new_request_id())
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        pipeline = self.pipeline
+        return model_card(
+            pipeline.served_model, self.created, root=pipeline.model_root, max_model_len=pipeline.max_model_len
+        )
 
     @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
     async def prewarm(self, session_id: str, request: Request) -> JSONResponse:

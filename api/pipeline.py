@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,69 +25,31 @@ from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import PRESETS, preset_dir
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.engine.sequence import TokenLogprob
+from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
-from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta, parser_for_chat_template
-from rayturn.messages import Call, Delta, PrewarmAnswer, SessionAnnouncement, Step
+from rayturn.engine.tool_calls import parser_for_chat_template
+from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.scoring import page_hash_key
 
-from .bodies import usage
+from .call_result import CallResult, CompletionState
 from .errors import client_error, invalid_request, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
-from .protocol import CachePoint
+from .protocol import CachePoint, ChatRequest, to_sampling_params
 from .request_limits import PromptBudget, off_loop
-from .session import LifecycleHints
+from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
 from .tenants import presented_key
 
 logger = logging.getLogger(__name__)
 
 NO_HINTS = LifecycleHints()
+# Tool-call formats whose argument values are typed by the tool's schema (the decode replica parses them).
+SCHEMA_TYPED_PARSERS = ("qwen3_coder",)
 # The finish of a sequence whose guide refused a token (``rayturn.engine.guided``).
 GUIDE_BROKEN = "abort"
 Steps = AsyncIterator[tuple[Delta, ...]]
-
-
-@dataclass
-class CompletionState:
-    """One completion's accumulated output, for non-streaming answers and usage."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    # The decode replica's split of the text into prose and tool calls (calls that offered tools).
-    tool_parse: list[ToolCallDelta] = field(default_factory=list)
-
-    def parsed_tool_calls(self) -> ParsedToolCalls | None:
-        """The whole text's prose and tool calls as the replica split it, or None when it did not."""
-        if not self.tool_parse:
-            return None
-        content = "".join(piece.content for piece in self.tool_parse)
-        calls = tuple(call for piece in self.tool_parse for call in piece.tool_calls)
-        return ParsedToolCalls(content=content or None, tool_calls=calls)
-
-
-@dataclass
-class CallResult:
-    completions: dict[int, CompletionState]
-    request_id: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    loaded_tokens: int = 0
-    path: str = "local"
-    replica_id: str | None = None
-    session: Mapping[str, Any] | None = None  # the decode replica's view of the session at arrival
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions.values())
-
-    def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
 
 
 NO_STEP = object()
@@ -143,9 +104,10 @@ class CallPipeline:
         model = settings.model
         model_dir = preset_dir(model) if model in PRESETS else Path(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.token_bytes = TokenBytes(self.tokenizer.backend)
+        self.model_root = model
         model_config = ModelConfig.from_file(model_dir / "config.json")
-        limit = settings.max_model_len
-        self.max_model_len = min(limit or model_config.max_model_len, model_config.max_model_len)
+        self.max_model_len = model_config.check_max_model_len(settings.max_model_len)
         self.vocab_size = model_config.vocab_size
         self.model_id = model_identity(model_dir)
         self.page_size = settings.page_size
@@ -259,6 +221,42 @@ class CallPipeline:
             tool_specs=tuple(tool_specs),
         )
 
+    async def chat_call(
+        self,
+        request_id: str,
+        tenant: str,
+        chat: ChatRequest,
+        num_bytes: int,
+        session_id: str | None,
+        said: LifecycleHints,
+        *,
+        max_tokens: int | None = None,
+        call: CallKind | None = None,
+        prompt_param: str = "messages",
+        max_tokens_param: str = "max_tokens",
+    ) -> Call:
+        """A chat-shaped call of any API: the template and tokens, sampling (``max_tokens``: the most a request
+        that names no ``chat.sampling.max_tokens`` may write, capped by the room left), the guide it asks for, its
+        retention contract. Its kind: the caller's (``said``), else the API's (``call``), else its messages'."""
+        prompt_ids = await self.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+        params = to_sampling_params(
+            chat.sampling,
+            default_max_tokens=max_tokens or self.max_model_len,
+            prompt_tokens=len(prompt_ids),
+            max_model_len=self.max_model_len,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+        )
+        params = self.guides.guided(params, chat)
+        retention = await self.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
+        hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
+        tools = chat.prompt_tools is not None
+        # Formats that type argument values by schema need the tools on the decode replica too.
+        specs = chat.prompt_tools if tools and self.guides.parser in SCHEMA_TYPED_PARSERS else None
+        return await self.serve_request(
+            request_id, prompt_ids, params, tenant, session_id, hints, tools, retention, specs or ()
+        )
+
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
         """Send a call to the decode pool; its result, its steps and its first step (API errors before it)."""
         result = CallResult(completions={}, request_id=call.request_id)
@@ -287,6 +285,8 @@ class CallPipeline:
                 result.loaded_tokens = step.loaded_tokens
                 result.path = step.path
                 result.replica_id = step.replica_id
+                if step.prompt_logprobs is not None:
+                    result.prompt_logprobs = step.prompt_logprobs
                 if step.session is not None:
                     result.session = step.session
                     self.telemetry.count_session(step.session)

@@ -9,11 +9,17 @@ the wire format.
 Supported request fields (any other top-level field is ignored, since OpenAI
 clients routinely send extras such as ``metadata`` or ``store``):
 
-* both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``,
-  ``n``, ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``,
-  ``user``; ``frequency_penalty``/``presence_penalty`` only at 0 and
-  ``logit_bias`` only empty; the extensions ``top_k``, ``stop_token_ids`` and
-  ``ignore_eos``.
+* chat completions and completions: ``model`` (missing or empty: the served
+  model; the other APIs too),
+  ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+  ``stream``, ``stream_options.include_usage``, ``user``;
+  ``frequency_penalty``/``presence_penalty`` only at 0 and ``logit_bias``
+  only empty; vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
+  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+  ``include_stop_str_in_output``, ``skip_special_tokens`` and
+  ``return_tokens_as_token_ids``. vLLM's other extensions
+  (``UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
+  are refused unless they hold their "off" value.
 * ``/v1/chat/completions``: ``messages`` (text content only),
   ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
   ``top_logprobs``, ``tools``, ``tool_choice`` (``required`` and a named
@@ -21,9 +27,9 @@ clients routinely send extras such as ``metadata`` or ``store``):
   ``response_format`` (``text``, ``json_object``, ``json_schema``: enforced
   too), ``prompt_cache_key`` (the session id) and ``prompt_cache_retention``
   (``in_memory``, ``24h``: a retention contract for the prompt).
-* ``/v1/completions``: ``prompt`` (one string or one list of token ids),
-  ``logprobs`` (an integer), ``echo`` only false, ``suffix`` only empty,
-  ``best_of`` only equal to ``n``.
+* ``/v1/completions`` (``completion_request``): ``prompt`` (a string, a list
+  of token ids, or a list of either), ``echo``, ``logprobs`` (an integer),
+  ``prompt_logprobs``, ``suffix`` only empty, ``best_of`` only equal to ``n``.
 
 A supported field with a bad value is a 400 whose ``param`` is the field's
 dotted path (``messages[2].content``) and whose message quotes that path; a
@@ -37,15 +43,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rayturn.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from rayturn.engine.sampling_params import SamplingParams
 
 from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
-from .json_fields import Fields, body_fields, is_integer, range_error, type_error
+from .json_fields import Fields, is_integer, range_error, type_error
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _ENGINE_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
 
@@ -92,6 +99,13 @@ class SamplingSpec:
     logprobs: bool = False
     top_logprobs: int | None = None
     ignore_eos: bool = False
+    # vLLM's sampling extensions, honoured as vLLM does.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +134,8 @@ class ChatRequest:
     cache_points: tuple[CachePoint, ...] = ()
     # OpenAI's ``prompt_cache_key``: what groups calls that share a prefix; rayturn's session id for them.
     prompt_cache_key: str | None = None
+    # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N``.
+    return_tokens_as_token_ids: bool = False
 
     @property
     def prompt_tools(self) -> list[JSON] | None:
@@ -134,47 +150,6 @@ class ChatRequest:
             name = self.tool_choice["function"]["name"]
             return [tool for tool in self.tools if tool["function"]["name"] == name]
         return self.tools
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    """A validated legacy completions request; ``prompt`` is text or token ids."""
-
-    model: str
-    prompt: str | list[int]
-    sampling: SamplingSpec
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
-
-
-def parse_completion_request(body: object, served_model: str) -> CompletionRequest:
-    fields = body_fields(body)
-    model = model_field(fields, served_model)
-    prompt = _prompt(fields)
-    if fields.boolean("echo"):
-        raise unsupported("Unsupported 'echo': echoing the prompt is not supported; send false.", param="echo")
-    if fields.string("suffix"):
-        raise unsupported("Unsupported 'suffix': insertion after a suffix is not supported.", param="suffix")
-    logprobs = fields.integer("logprobs", minimum=0, maximum=MAX_LOGPROBS)
-    sampling = sampling_spec(
-        fields,
-        max_tokens=fields.integer("max_tokens", minimum=1),
-        logprobs=logprobs is not None,
-        top_logprobs=logprobs,
-    )
-    best_of = fields.integer("best_of", minimum=1)
-    if best_of is not None and best_of != sampling.n:
-        raise unsupported(f"Unsupported 'best_of': only best_of == n ({sampling.n}) is supported.", param="best_of")
-    stream = fields.boolean("stream") or False
-    return CompletionRequest(
-        model=model,
-        prompt=prompt,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage(fields, stream),
-        user=fields.string("user"),
-    )
 
 
 def to_sampling_params(
@@ -220,6 +195,12 @@ def to_sampling_params(
             stop_token_ids=spec.stop_token_ids,
             ignore_eos=spec.ignore_eos,
             logprobs=(spec.top_logprobs or 0) if spec.logprobs else None,
+            repetition_penalty=spec.repetition_penalty,
+            min_p=spec.min_p,
+            min_tokens=spec.min_tokens,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            skip_special_tokens=spec.skip_special_tokens,
+            prompt_logprobs=spec.prompt_logprobs,
         )
     except ValueError as error:
         match = _ENGINE_FIELD.match(str(error))
@@ -228,18 +209,41 @@ def to_sampling_params(
 
 
 def model_field(fields: Fields, served_model: str) -> str:
-    model = fields.required_string("model")
+    """The ``model`` field; missing, null or empty selects the served model (as vLLM does: load generators
+    that cannot discover the id send ``""``)."""
+    model = fields.string("model")
+    if not model:
+        return served_model
     if model != served_model:
         raise model_not_found(model, served_model)
     return model
 
 
-def sampling_spec(fields: Fields, *, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingSpec:
+def sampling_spec(
+    fields: Fields,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingSpec:
+    """The sampling fields every OpenAI-shaped API shares, vLLM's extensions included; a field this server
+    knows but cannot honour is a 400 naming it (``reject_unsupported``), never silently ignored."""
     for penalty in ("frequency_penalty", "presence_penalty"):
         if fields.number(penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY):
             raise unsupported(f"Unsupported '{penalty}': only 0 is supported.", param=penalty)
     if fields.nested("logit_bias") is not None and fields.raw("logit_bias"):
         raise unsupported("Unsupported 'logit_bias': only an empty object is supported.", param="logit_bias")
+    reject_unsupported(fields)
+    repetition_penalty = fields.number(
+        "repetition_penalty", minimum=0.0, maximum=MAX_REPETITION_PENALTY, exclusive_minimum=True
+    )
+    min_p = fields.number("min_p", minimum=0.0, maximum=1.0)
+    min_tokens = fields.integer("min_tokens", minimum=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        message = f"Invalid 'min_tokens': must be at most max_tokens ({max_tokens}), got {min_tokens}."
+        raise invalid_request(message, param="min_tokens")
+    skip_special_tokens = fields.boolean("skip_special_tokens")
     temperature = fields.number("temperature", minimum=0.0, maximum=MAX_TEMPERATURE)
     top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
     top_k = fields.integer("top_k", minimum=-1)
@@ -255,7 +259,49 @@ def sampling_spec(fields: Fields, *, max_tokens: int | None, logprobs: bool, top
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=fields.boolean("ignore_eos") or False,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        min_p=min_p or 0.0,
+        min_tokens=min_tokens,
+        include_stop_str_in_output=fields.boolean("include_stop_str_in_output") or False,
+        skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+# vLLM's request extensions this server does not honour, each with the value that means "not used": a request
+# that sets one to anything else gets a 400 naming it rather than an answer that silently ignored it.
+UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "spaces_between_special_tokens": True,
+    "priority": 0,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+}
+_EMPTY: tuple[object, ...] = (None, [], {}, "")
+
+
+def reject_unsupported(fields: Fields, table: dict[str, object] = UNSUPPORTED_AT_DEFAULT, where: str = "") -> None:
+    """A 400 naming the first field of ``table`` set to anything but its "not used" value (an empty list,
+    object or string counts as not used where that value is null)."""
+    for name, default in table.items():
+        value = fields.raw(name)
+        if value is None or value == default or (default is None and value in _EMPTY):
+            continue
+        hint = " Use 'response_format' for structured output." if name.startswith(("guided_", "structured")) else ""
+        raise unsupported(f"Unsupported '{name}': this server does not support it{where}.{hint}", param=name)
 
 
 def _stop(fields: Fields) -> tuple[str, ...]:
@@ -295,22 +341,3 @@ def include_usage(fields: Fields, stream: bool) -> bool:
         message = "Invalid 'stream_options': only allowed when 'stream' is true."
         raise invalid_request(message, param="stream_options")
     return options.boolean("include_usage") or False
-
-
-def _prompt(fields: Fields) -> str | list[int]:
-    prompt = fields.present("prompt")
-    path = "prompt"
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt, path = prompt[0], "prompt[0]"
-    if isinstance(prompt, str | list) and not prompt:
-        raise invalid_request(f"Invalid '{path}': the prompt must not be empty.", param=path)
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list):
-        raise type_error(path, "a string or an array of token ids", prompt)
-    if all(isinstance(entry, str | list) for entry in prompt):
-        raise unsupported(f"Unsupported '{path}': batched prompts are not supported; send one per request.", param=path)
-    for i, token_id in enumerate(prompt):
-        if not is_integer(token_id) or token_id < 0:
-            raise range_error(f"{path}[{i}]", "a non-negative integer token id", token_id)
-    return list(prompt)

@@ -21,22 +21,20 @@ from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.messages import CallKind
 
+from .bodies import TokenNames
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps
-from .protocol import ChatRequest, to_sampling_params
+from .protocol import ChatRequest
 from .request_limits import off_loop, parse_json, read_body
 from .session import (
     SESSION_STATE_HEADER,
     LifecycleHints,
-    classify_call,
     lifecycle_hints,
     optional_session_id,
     session_id_from_headers,
 )
 from .streaming import sse
 
-# Tool-call formats whose argument values are typed by the tool's schema (the decode replica parses them).
-SCHEMA_TYPED_PARSERS = ("qwen3_coder",)
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
 
@@ -111,20 +109,25 @@ class HTTPServing:
         ``body_session``: (the session id the body names, the field it came from: OpenAI ``user`` or
         ``prompt_cache_key``, Anthropic ``metadata.user_id``); a session header wins over it.
         """
-        try:
-            said = lifecycle_hints(dict(request.headers))
-        except ValueError as err:
-            raise invalid_request(str(err), param=None) from err
+        session_id, said = self.call_context(request, body_session)
         if hints is not None:
             said = LifecycleHints(said.call or hints.call, said.after or hints.after)
-        try:
-            session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
-        except ValueError as err:
-            raise invalid_request(str(err), param=body_session[1]) from err
         call = await self.pipeline.serve_request(
             request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs
         )
         return await self.pipeline.start(call)
+
+    def call_context(self, request: Request, body_session: tuple[str | None, str]) -> tuple[str | None, LifecycleHints]:
+        """The call's session id (a session header, else the body's) and what its headers say of its kind."""
+        try:
+            said = lifecycle_hints(dict(request.headers))
+        except ValueError as err:
+            raise invalid_request(str(err), param=None) from err
+        try:
+            session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
+        except ValueError as err:
+            raise invalid_request(str(err), param=body_session[1]) from err
+        return session_id, said
 
     async def start_chat(
         self,
@@ -140,36 +143,22 @@ class HTTPServing:
         prompt_param: str = "messages",
         max_tokens_param: str = "max_tokens",
     ) -> tuple[CallResult, Steps, Any]:
-        """A chat-shaped call of any API: the template and tokens, sampling (``max_tokens``: the most a request
-        that names no ``chat.sampling.max_tokens`` may write, capped by the room left), the guide it asks for, its
-        retention contract, and ``start``; ``call``: its kind when the API knows better than its chat messages."""
-        prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
-        params = to_sampling_params(
-            chat.sampling,
-            default_max_tokens=max_tokens or self.pipeline.max_model_len,
-            prompt_tokens=len(prompt_ids),
-            max_model_len=self.pipeline.max_model_len,
+        """A chat-shaped call (``CallPipeline.chat_call``), sent to the decode pool."""
+        session_id, said = self.call_context(request, body_session)
+        prepared = await self.pipeline.chat_call(
+            request_id,
+            tenant,
+            chat,
+            num_bytes,
+            session_id,
+            said,
+            max_tokens=max_tokens,
+            call=call,
             prompt_param=prompt_param,
             max_tokens_param=max_tokens_param,
         )
-        params = self.pipeline.guides.guided(params, chat)
-        retention = await self.pipeline.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
-        hints = LifecycleHints(call or classify_call(chat.messages))
-        tools = chat.prompt_tools is not None
-        # Formats that type argument values by schema need the tools on the decode replica too.
-        specs = chat.prompt_tools if tools and self.pipeline.guides.parser in SCHEMA_TYPED_PARSERS else None
-        return await self.start(
-            request_id,
-            request,
-            tenant,
-            prompt_ids,
-            params,
-            hints,
-            tools,
-            body_session=body_session,
-            retention=retention,
-            tool_specs=specs or (),
-        )
+        return await self.pipeline.start(prepared)
 
-    def token_text(self, token_id: int) -> str:
-        return self.pipeline.tokenizer.decode([token_id])
+    @property
+    def token_names(self) -> TokenNames:
+        return TokenNames(self.pipeline.token_bytes)

@@ -53,12 +53,13 @@ class ServingChat(HTTPServing):
         return JSONResponse(self._body(chat, result), headers=replica_headers(result))
 
     def _body(self, chat: ChatRequest, result: CallResult) -> JSON:
+        names = self.token_names.with_token_ids(chat.return_tokens_as_token_ids)
         choices = []
         for index, state in sorted(result.completions.items()):
             parsed = assistant_output(
                 state.text, chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
             )
-            logprobs = chat_logprobs(state.logprobs, self.token_text) if chat.sampling.logprobs else None
+            logprobs = chat_logprobs(state.logprobs, names) if chat.sampling.logprobs else None
             choices.append(
                 chat_choice(
                     index,
@@ -78,6 +79,7 @@ class ServingChat(HTTPServing):
 
     async def _stream(self, chat: ChatRequest, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
         response_id, created = chat_completion_id(), int(time.time())
+        names = self.token_names.with_token_ids(chat.return_tokens_as_token_ids)
         parser = self.pipeline.guides.parser
         states = {index: ChatStreamState.for_request(chat, index, parser=parser) for index in range(chat.sampling.n)}
 
@@ -99,9 +101,7 @@ class ServingChat(HTTPServing):
                 for delta in deltas:
                     state = states[delta.index]
                     logprobs = (
-                        chat_logprobs(delta.logprobs, self.token_text)
-                        if chat.sampling.logprobs and delta.logprobs
-                        else None
+                        chat_logprobs(delta.logprobs, names) if chat.sampling.logprobs and delta.logprobs else None
                     )
                     # The replica's split of the text into prose and tool calls (a call that offered tools).
                     pushed, held = (delta.tool_parse + (None, None))[:2]

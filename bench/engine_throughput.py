@@ -25,6 +25,8 @@ import multiprocessing as mp
 import random
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,10 +105,18 @@ def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
     return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
 
 
-def _in_child(fn_name: str, *args: Any) -> dict[str, Any]:
-    context = mp.get_context("spawn")
-    with context.Pool(1) as pool:
-        return pool.apply(globals()[fn_name], args)
+def in_fresh_process(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``run(*args)`` in a newly spawned process (so the peak RSS it reports is its own alone).
+
+    The worker is let go and exits on its own, never terminated: transformers'
+    progress bars (tqdm) create a multiprocessing lock, which only the
+    process's exit handlers unlink; a terminated worker (what
+    ``multiprocessing.Pool``'s context manager does) skips them, and the
+    resource tracker then reports the lock as a leaked semaphore after the
+    JSON line.
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(run, *args).result()
 
 
 def main() -> None:
@@ -121,10 +131,10 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
 
-    from rayturn.engine.presets import PRESETS, preset_dir
+    from rayturn.engine.presets import resolve_model_dir
     from rayturn.engine.tokenizer import Tokenizer
 
-    model_dir = str(preset_dir(args.model)) if args.model in PRESETS else args.model
+    model_dir = str(resolve_model_dir(args.model))
     vocab = Tokenizer.from_dir(Path(model_dir)).vocab_size
     if args.quick:
         workload = make_workload(8, (16, 128), (8, 32), args.seed, vocab)
@@ -133,8 +143,8 @@ def main() -> None:
 
     ours_runs, theirs_runs = [], []
     for _ in range(rounds):
-        ours_runs.append(_in_child("run_rayturn", model_dir, workload, args.backend))
-        theirs_runs.append(_in_child("run_transformers", model_dir, workload))
+        ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))
+        theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
     ours, theirs = ours_runs[0], theirs_runs[0]
     mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
     ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)

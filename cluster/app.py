@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,8 @@ from rayturn.api.grpc_service import SERVICER_FUNCTION
 from rayturn.api.ingress import Ingress
 from rayturn.api.settings import IngressSettings
 from rayturn.decode.server import DecodeServer
-from rayturn.engine.presets import PRESETS, preset_dir
+from rayturn.engine.config import ModelConfig
+from rayturn.engine.presets import resolve_model, resolve_model_dir
 from rayturn.kvstore import StoreNodeReplica
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.prefill.server import PrefillServer
@@ -61,19 +63,14 @@ MAX_QUEUED_REQUESTS = 256
 
 
 def model_path(config: ClusterConfig) -> str:
-    """The model as every process can load it: a preset name or an absolute directory."""
-    name = config.model.name
-    if name in PRESETS:
-        return name
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.name {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
-    return str(path.resolve())
+    """The model as every process can load it: a preset name or an absolute directory (a Hugging Face id
+    becomes its snapshot in this machine's cache, which other nodes must see at the same path, as any
+    directory), checked here so that a bad ``model.name`` fails before anything starts."""
+    return resolve_model(config.model.name)
 
 
 def model_dir(config: ClusterConfig) -> Path:
-    name = model_path(config)
-    return preset_dir(name) if name in PRESETS else Path(name)
+    return resolve_model_dir(config.model.name)
 
 
 def store_membership(config: ClusterConfig) -> StoreMembership:
@@ -134,8 +131,19 @@ def pool_engine_kwargs(config: ClusterConfig, pool: PoolSpec) -> dict[str, Any]:
     return engine_kwargs
 
 
+def check_context(config: ClusterConfig, model: str) -> None:
+    """``model.max_model_len`` within the model's context, checked before anything starts (each replica would
+    refuse it, one by one, and the deployment fail with no word of why)."""
+    model_config = ModelConfig.from_file(resolve_model_dir(model) / "config.json")
+    try:
+        model_config.check_max_model_len(config.model.max_model_len)
+    except ValueError as err:
+        raise ValueError(f"model.max_model_len (--max-model-len): {err}") from None
+
+
 def build_app(config: ClusterConfig) -> Application:
     model = model_path(config)
+    check_context(config, model)
     kvstore = store_membership(config) if config.kvstore.enabled else None
     router = _router_config(config)
 
@@ -202,14 +210,24 @@ def build_app(config: ClusterConfig) -> Application:
     )
 
 
-def serve_start_options(config: ClusterConfig) -> dict[str, Any]:
-    """``serve.start`` options: HTTP host/port, the gRPC port with rayturn's servicer, and the proxies'
-    environment that binds gRPC at the same host and caps its messages (``listeners``)."""
+def serve_logging_config(log_level: int = logging.INFO) -> dict[str, Any]:
+    """Serve's logging for its controller, proxies and replicas: a line per request (the access log) only when
+    debugging; Serve's own lines from INFO up (below that they are Serve's internals, not rayturn's)."""
+    return {
+        "log_level": logging.getLevelName(max(log_level, logging.INFO)),
+        "enable_access_log": log_level <= logging.DEBUG,
+    }
+
+
+def serve_start_options(config: ClusterConfig, log_level: int = logging.INFO) -> dict[str, Any]:
+    """``serve.start`` options: HTTP host/port, the gRPC port with rayturn's servicer, the proxies'
+    environment that binds gRPC at the same host and caps its messages (``listeners``), and logging."""
     server = config.server
     return {
         "http_options": {"host": server.host, "port": server.http_port},
         "grpc_options": {"port": server.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
         "controller_options": {"runtime_env": {"env_vars": proxy_env(server.host, server.max_request_bytes)}},
+        "logging_config": serve_logging_config(log_level),
     }
 
 

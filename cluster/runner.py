@@ -15,15 +15,20 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from .config import ClusterConfig
 from .listeners import check_listening_only_at, check_ports_free
 
 logger = logging.getLogger(__name__)
+
+# Serve's own ``serve.shutdown()`` waits as long for its controller.
+SERVE_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -33,18 +38,25 @@ class Endpoints:
 
 
 @contextmanager
-def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterator[Endpoints]:
-    """Deploy ``config`` in a Ray session (an embedded one unless ``address`` is given); tear down on exit."""
+def running_cluster(
+    config: ClusterConfig, address: str | None = None, log_level: int = logging.INFO
+) -> Iterator[Endpoints]:
+    """Deploy ``config`` in a Ray session (an embedded one unless ``address`` is given); tear down on exit.
+
+    ``log_level`` is the command's: Ray's and Serve's lines from INFO up (``logging_level``), and below
+    INFO, every Ray process's output on this console, Serve's access log among it.
+    """
     import ray
     from ray import serve
 
-    from .app import APP_NAME, KV_NAMESPACE, build_app, serve_start_options
+    from .app import APP_NAME, KV_NAMESPACE, build_app, serve_logging_config, serve_start_options
 
     server = config.server
     ports = {"server.http_port": server.http_port, "server.grpc_port": server.grpc_port}
     # Before anything starts: Serve's proxies would share ports another server holds. A caller that
     # started Serve in its own Ray already (with options of its own) owns the ports it listens on.
-    if not (ray.is_initialized() and _serve_running()):
+    serve_was_running = ray.is_initialized() and _serve_controller() is not None
+    if not serve_was_running:
         check_ports_free(server.host, ports)
     app = build_app(config)  # validates the model before anything starts
     started_ray = False
@@ -57,21 +69,26 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
         ray.init(
             address=address or "local",
             namespace=KV_NAMESPACE,
-            log_to_driver=False,
+            log_to_driver=log_level < logging.INFO,
+            logging_level=max(log_level, logging.INFO),
             include_dashboard=False,
         )
         if sigterm_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm_handler)
         started_ray = address is None
+    logging.getLogger("ray.serve").setLevel(max(log_level, logging.INFO))
     try:
-        serve.start(**serve_start_options(config))
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        if not serve_was_running:
+            serve.start(**serve_start_options(config, log_level))
+        with _without_serve_restart_notice(drop=not serve_was_running):
+            serve.run(app, name=APP_NAME, route_prefix="/", logging_config=serve_logging_config(log_level))
         check_listening_only_at(server.host, ray.util.get_node_ip_address(), ports.items())
         yield Endpoints(http=f"http://{server.host}:{server.http_port}", grpc=f"{server.host}:{server.grpc_port}")
     finally:
         try:
+            # The application first: its replicas leave the KV store while its master still runs.
             serve.delete(APP_NAME)
-            serve.shutdown()
+            _shut_down_serve()
         except Exception as err:
             logger.warning("Serve shutdown: %s", err)
         with contextlib.suppress(ValueError):  # ValueError: the master never started
@@ -80,23 +97,72 @@ def running_cluster(config: ClusterConfig, address: str | None = None) -> Iterat
             ray.shutdown()
 
 
-def _serve_running() -> bool:
-    """Whether Serve runs in the connected Ray (its controller actor exists)."""
+def _serve_controller() -> Any | None:
+    """The handle of Serve's controller in the connected Ray; None when Serve does not run there."""
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     try:
-        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     except ValueError:
-        return False
-    return True
+        return None
+
+
+class _ServeRestartNotice(logging.Filter):
+    """Drops Serve's notice that ``serve.run`` found a running Serve whose options it will not change.
+
+    ``serve.run`` always starts Serve over again, and finding the Serve that ``serve.start`` has just
+    started with rayturn's options, it says "New http_options/controller_options will not be applied":
+    untrue then (they were, by ``serve.start``), so that one line goes; when the Serve was a caller's,
+    the line is true and stays.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
+@contextmanager
+def _without_serve_restart_notice(drop: bool) -> Iterator[None]:
+    """Serve's logger without the line ``_ServeRestartNotice`` drops, when ``drop``, for the ``with`` block."""
+    serve_logger = logging.getLogger("ray.serve")
+    notice = _ServeRestartNotice()
+    if drop:
+        serve_logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(notice)
+
+
+def _shut_down_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S) -> None:
+    """``serve.shutdown()``, without Ray reporting the shutdown call as failed.
+
+    Serve's controller ends its own shutdown by killing itself. ``serve.shutdown()`` waits on
+    a ``graceful_shutdown`` call that is still running at that moment, and as the controller's
+    calls are retried for ever, Ray prints "Task ServeController.graceful_shutdown failed ...
+    the task will be retried". Asked with ``wait=False``, the call returns at once; waiting
+    for the controller to be gone then ends Serve the same way, with no call in flight.
+    """
+    import ray
+    from ray.serve import context
+
+    controller = _serve_controller()
+    if controller is None:
+        return
+    ray.get(controller.graceful_shutdown.remote(wait=False), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while _serve_controller() is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve's controller still runs {timeout_s:.0f} s after it was asked to stop")
+        time.sleep(0.1)
+    context._set_global_client(None)  # the client ``serve.start`` kept, for the controller now gone
 
 
 class _StopDuringStartup(Exception):
     """A stop signal came before the cluster served: abandon the start-up and tear down what started."""
 
 
-def serve_forever(config: ClusterConfig, address: str | None = None) -> int:
+def serve_forever(config: ClusterConfig, address: str | None = None, log_level: int = logging.INFO) -> int:
     stop = threading.Event()
     serving = threading.Event()
 
@@ -111,7 +177,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with contextlib.suppress(_StopDuringStartup), running_cluster(config, address) as endpoints:
+        with contextlib.suppress(_StopDuringStartup), running_cluster(config, address, log_level) as endpoints:
             serving.set()
             print(
                 f"rayturn is serving {config.model.model_name!r}\n"

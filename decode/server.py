@@ -165,8 +165,14 @@ class DecodeServer:
 
     def _can_disaggregate(self, params: SamplingParams) -> bool:
         # n > 1 forks after the first token on one replica; seeded sampling
-        # must draw every token from one generator to stay reproducible.
-        return self.prefill is not None and params.n == 1 and (params.greedy or params.seed is None)
+        # must draw every token from one generator to stay reproducible; prompt
+        # logprobs come from computing every prompt position here.
+        return (
+            self.prefill is not None
+            and params.n == 1
+            and (params.greedy or params.seed is None)
+            and params.prompt_logprobs is None
+        )
 
     async def _snapshot_store(self) -> None:
         assert self.kv_client is not None
@@ -180,6 +186,7 @@ class DecodeServer:
         report = self.planner.arrive(session_id, call.call) if self.planner and session_id else None
         answers = AnswerTracker(tools=call.tools, tool_call_parser=self.tool_call_parser, tool_specs=call.tool_specs)
         last: RequestOutput | None = None
+        prompt_logprobs_sent = False
         try:
             first = await self._prefill(call)
             path: PrefillPath = "local" if first is None else "disaggregated"
@@ -212,8 +219,10 @@ class DecodeServer:
                         path=path,
                         replica_id=self.replica_id,
                         session=report,
+                        prompt_logprobs=None if prompt_logprobs_sent else output.prompt_logprobs,
                     )
                     report = None
+                    prompt_logprobs_sent = prompt_logprobs_sent or output.prompt_logprobs is not None
         finally:
             if self.planner is not None and session_id:
                 self._finish_session(session_id, call, last, answers)

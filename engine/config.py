@@ -75,6 +75,21 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    def check_max_model_len(self, max_model_len: int | None) -> int:
+        """The context an engine runs: ``max_model_len``, the model's when None; ValueError beyond the model's."""
+        if max_model_len is None:
+            return self.max_model_len
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if max_model_len > self.max_model_len:
+            windowed = self.sliding_window is not None and self.sliding_window < self.max_position_embeddings
+            source = "sliding_window" if windowed else "max_position_embeddings"
+            raise ValueError(
+                f"max_model_len {max_model_len} is more than the model's context length {self.max_model_len} "
+                f"({source} in config.json)"
+            )
+        return max_model_len
+
     @staticmethod
     def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         return _parse(raw, source)

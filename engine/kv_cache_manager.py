@@ -95,9 +95,10 @@ class KVCacheManager:
         """Cached pages holding the longest known prefix of a sequence with nothing computed.
 
         At least the last token is always left to compute, so the step that
-        finishes the prompt has logits to sample from.
+        finishes the prompt has logits to sample from. A sequence that still
+        scores its prompt (prompt logprobs) computes every position: no hits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
         self._hash_full_pages(seq, max_pages * self.page_size)

@@ -76,7 +76,12 @@ class KVTransfer:
     # -- loads ------------------------------------------------------------
 
     def load_prefix(self, seq: Sequence, min_tokens: int) -> None:
-        """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache."""
+        """Bring the pages of ``seq``'s prefix that the connector holds and this cache lacks into the cache.
+
+        None for a sequence that scores its prompt (prompt logprobs): it computes every position.
+        """
+        if seq.needs_prompt_logprobs:
+            return
         max_pages = (seq.num_tokens - 1) // self.page_size  # the last token is always computed
         hashes = self.kv_cache.hash_prefix(seq, max_pages * self.page_size)[:max_pages]
         # The request needs these pages now: idle sessions' holds give way, as for any allocation.

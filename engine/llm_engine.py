@@ -77,10 +77,10 @@ class LLMEngine:
         self.device = torch.device(device) if device is not None else _default_device()
         self.backend = backend if isinstance(backend, KernelBackend) else select_backend(self.device, backend)
         self.config = ModelConfig.from_file(model_dir / "config.json")
+        self.max_model_len = self.config.check_max_model_len(max_model_len)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.dtype = parse_dtype(dtype)
         self.model = load_model(model_dir, self.config, self.backend, self.dtype, self.device)
-        self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         self.model_id = model_id or model_identity(model_dir)
         self.page_size = page_size
         self.num_pages = num_pages or default_num_pages(
@@ -301,7 +301,7 @@ class LLMEngine:
         seqs, rows = self.requests.fork_fresh([chunk.seq for chunk in sampled], self._start_fork)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = sample_sequences(logits, seqs)
+        tokens, logprobs = sample_sequences(logits, seqs, self.eos_token_ids)
         return arrived + self.requests.append_samples(seqs, tokens, logprobs, self._on_stop)
 
     def _run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
@@ -311,10 +311,12 @@ class LLMEngine:
                 self.reservations.release(chunk.seq.request_id)
         self.runner.apply_page_copies(self.kv_cache.pending_copies)
         self.kv_cache.pending_copies.clear()
-        sampled, logits = self.runner.run(chunks)
+        out = self.runner.run(chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        return sampled, logits
+        for scores in out.prompt_scores:
+            scores.record()
+        return out.sampled, out.logits
 
     def _start_fork(self, parent: Sequence, child: Sequence) -> None:
         self.kv_cache.fork(parent, child)
@@ -336,13 +338,7 @@ class LLMEngine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise ValueError("prompts must be a list of prompts (strings or token id lists), not a single prompt")
-        per_prompt = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        token_ids = [self.limits.encode_prompt(prompt) for prompt in prompts]  # validate all before admitting any
-        ids = [self.add_request(prompt_ids, p) for prompt_ids, p in zip(token_ids, per_prompt)]
+        ids = [self.add_request(prompt_ids, p) for prompt_ids, p in self.limits.encode_batch(prompts, params)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             for output in self.step():

@@ -3,10 +3,13 @@
 Token order in the flat batch: one-token chunks first (decodes, and
 one-token prompt chunks, which attend exactly like a decode), then longer
 prefill chunks packed back to back. Only chunks that reach their sequence's
-last token produce logits.
+last token produce logits to sample; a chunk of a sequence that asks for
+prompt logprobs also scores its prompt positions (``prompt_logprobs.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,7 +17,16 @@ import torch
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
 from .model import CausalLM, ForwardBatch
+from .prompt_logprobs import PromptScores, score_prompt, scored_positions
 from .scheduler import ScheduledChunk
+from .sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutput:
+    sampled: list[ScheduledChunk]  # the chunks that sample, in the order of ``logits``' rows
+    logits: torch.Tensor  # [len(sampled), vocab] float32
+    prompt_scores: list[PromptScores]  # one per chunk that scored prompt positions
 
 
 class ModelRunner:
@@ -52,8 +64,8 @@ class ModelRunner:
         return torch.from_numpy(table).to(self.device)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run one step; returns the chunks that sample and their logits [n, vocab] float32."""
+    def run(self, chunks: list[ScheduledChunk]) -> RunOutput:
+        """Run one step: the chunks that sample with their logits, and the prompt positions scored."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
@@ -63,10 +75,14 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
+        scored: list[tuple[Sequence, range, int]] = []  # (sequence, positions, row of the first)
         for chunk in ordered:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
+            prompt_positions = scored_positions(seq, start, end)
+            if prompt_positions:
+                scored.append((seq, prompt_positions, len(input_ids)))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             pages = seq.pages  # only the pages this chunk writes are touched: a decode costs O(1) here
@@ -111,4 +127,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, batch)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return [c for c in ordered if c.samples], self.model.compute_logits(hidden[rows])
+        prompt_scores = [
+            score_prompt(self.model.compute_logits, hidden[row : row + len(positions)], seq, positions)
+            for seq, positions, row in scored
+        ]
+        return RunOutput([c for c in ordered if c.samples], self.model.compute_logits(hidden[rows]), prompt_scores)

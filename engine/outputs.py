@@ -19,7 +19,17 @@ class CompletionOutput:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One request's state: all ``n`` completions, the first also as shortcuts."""
+    """One request's state: all ``n`` completions, the first also as shortcuts.
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): one
+    entry per prompt token, entry ``i`` the log probability of prompt token
+    ``i`` given those before it, with the most likely alternatives there;
+    entry 0 is None (nothing predicts the first token). Computed once per
+    request (shared by its ``n`` completions), it is on every output of the
+    request, from the first: that one comes from the step that finished the
+    prompt. It stays None when the request did not ask, or ended before its
+    prompt ran (aborted, or stopped on arrival by its output prefix).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -28,6 +38,7 @@ class RequestOutput:
     finished: bool
     # Of the cached prompt tokens, those loaded from the KV store (not found on this engine).
     num_loaded_prompt_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -31,8 +31,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from . import bpe_tokenizer
 from .byte_tokenizer import BOS_TOKEN, CHATML_TOOLS_TEMPLATE, EOS_TOKEN, build_byte_tokenizer, save_byte_tokenizer
+from .model_source import hub_cache_dir, is_hub_id, local_model_dir
 
-PRESET_VERSION = 1  # bump when a preset's recipe changes, so caches rebuild
+PRESET_VERSION = 2  # bump when a preset's recipe changes, so caches rebuild
 TOKENIZER_DIGEST_KEY = "rayturn_tokenizer_sha256"  # config.json entry naming a trained tokenizer
 
 
@@ -98,14 +99,25 @@ def preset_dir(name: str, root: Path | None = None) -> Path:
     return target
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """The directory of a preset name (built on first use) or of a Hugging Face model; ValueError for neither."""
+def resolve_model(model: str | Path) -> str:
+    """The model as every process can load it: a preset's name, or the absolute directory of a model
+    directory or of a Hugging Face id in the local cache (``model_source``); ValueError for none of them."""
     if isinstance(model, str) and model in PRESETS:
-        return preset_dir(model)
-    directory = Path(model)
-    if not directory.is_dir():
-        raise ValueError(f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    return directory
+        return model
+    directory = local_model_dir(str(model))
+    if directory is None:
+        hint = f"; download it first, e.g. `huggingface-cli download {model}`" if is_hub_id(str(model)) else ""
+        raise ValueError(
+            f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}), a directory, "
+            f"nor in the Hugging Face cache at {hub_cache_dir()}{hint}"
+        )
+    return str(directory)
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The directory of ``resolve_model(model)``, a preset's built on first use."""
+    resolved = resolve_model(model)
+    return preset_dir(resolved) if resolved in PRESETS else Path(resolved)
 
 
 def preset_config(preset: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, Any]:
@@ -173,7 +185,7 @@ def write_preset(preset: Preset, directory: Path) -> None:
 
 
 def write_byte_tokenizer(preset: Preset, directory: Path) -> SavedTokenizer:
-    save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
+    save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE, model_max_length=preset.max_position_embeddings)
     tokenizer = build_byte_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     return SavedTokenizer(vocab_size, _required_id(tokenizer, BOS_TOKEN), _required_id(tokenizer, EOS_TOKEN))

@@ -11,7 +11,9 @@ A request's life in the engine's ``RequestTable``::
 The fork happens in the step that finishes the prompt, before its sample:
 the children share every page of the parent and draw from generators seeded
 by the request's seed and their completion index, so each completion is
-reproducible on its own. A guided request's sequence gets its grammar state
+reproducible on its own. The prompt's logprobs, when asked for, are scored by
+the first sequence before it forks (``prompt_logprobs.py``); the children
+share them. A guided request's sequence gets its grammar state
 when the request opens (before any output prefix, which advances it), and
 each child a copy of its parent's.
 """
@@ -50,6 +52,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     session_id: str | None = None
     stops: dict[int, StopChecker] = field(default_factory=dict)  # by seq_id
+    # The first sequence's prompt logprobs, frozen once every prompt position is scored.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +69,8 @@ class Request:
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None and not first.needs_prompt_logprobs:
+            self.prompt_logprobs = tuple(first.prompt_logprobs)
         completions = tuple(
             CompletionOutput(
                 index=seq.completion_index,
@@ -83,6 +89,7 @@ class Request:
             completions=completions,
             finished=self.finished,
             num_loaded_prompt_tokens=min(first.num_loaded_prompt_tokens, first.num_cached_prompt_tokens or 0),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -253,6 +260,7 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
         generator=_generator(parent.params, completion_index),
         completion_index=completion_index,
         guide=parent.guide.fork() if parent.guide is not None else None,
+        prompt_logprobs=parent.prompt_logprobs,
     )
     child.num_computed_tokens = parent.num_computed_tokens
     child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

@@ -48,6 +48,17 @@ class RequestLimits:
             )
         return token_ids
 
+    def encode_batch(
+        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """Each prompt's token ids with its sampling settings (one for all, or one per prompt), all checked."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of prompts (strings or token id lists), not a single prompt")
+        per_prompt = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        return [(self.encode_prompt(prompt), p) for prompt, p in zip(prompts, per_prompt)]
+
     def check_request(
         self,
         prompt_len: int,

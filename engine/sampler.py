@@ -1,27 +1,40 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turns logits into tokens: greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
 
 Rows are grouped so the common cases stay batched: greedy rows share one
 argmax, unseeded random rows share one multinomial draw; only rows with their
 own seed draw from their own generator, which is what makes a seeded request
-reproducible regardless of its batch mates. A guided row's forbidden tokens
-are masked first (``guided.py``); a batch with no guided row skips that.
+reproducible regardless of its batch mates. The repetition penalty and the
+masks (``min_tokens``, a guide) change a row's logits first
+(``logits_processors.py``); logprobs come from the raw logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from collections.abc import Set as AbstractSet
 
 import torch
 
-from .guided import mask_guided_logits
+from .logits_processors import process_logits
 from .sampling_params import SamplingParams
 from .sequence import Sequence, TokenLogprob
 
 
+def apply_min_p(logits: torch.Tensor, min_ps: Seq[float]) -> torch.Tensor:
+    """``logits`` [B, V] with each row's tokens less likely than ``min_ps[row]`` times its best at -inf."""
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor(min_ps, dtype=probs.dtype, device=logits.device)[:, None]
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def _filter(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with top-k / top-p masked to -inf. [B, V] float32."""
+    """Temperature-scaled logits with min-p, then top-k / top-p, masked to -inf. [B, V] float32."""
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperatures[:, None]
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):  # min-p before top-k / top-p, as vLLM
+        logits = apply_min_p(logits, min_ps)
     vocab_size = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p for p in params]
@@ -86,14 +99,16 @@ def compute_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int
     ]
 
 
-def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample_sequences(
+    logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: AbstractSet[int]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per sequence (row of ``logits``), with its logprobs where the sequence asked for them.
 
-    Guided rows sample from their masked logits; logprobs come from the raw ones.
+    Rows sample from their processed logits (penalised, masked); logprobs
+    come from the raw ones. ``eos_token_ids``: what ``min_tokens`` holds back.
     """
-    guides = [seq.guide for seq in seqs]
-    masked = mask_guided_logits(logits, guides) if any(guide is not None for guide in guides) else logits
-    tokens = sample(masked, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+    processed = process_logits(logits, seqs, eos_token_ids)
+    tokens = sample(processed, [seq.params for seq in seqs], [seq.generator for seq in seqs])
     wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
     if not any(wants_logprobs):
         return tokens, [None] * len(seqs)

@@ -24,6 +24,22 @@ class SamplingParams:
     still show the model's unguided preferences (the alternatives may be
     tokens the guide forbade). A guided sequence ends as ``"stop"`` when its
     grammar is complete.
+
+    ``repetition_penalty`` (1 is off) divides the positive logits, and
+    multiplies the others, of every token already in the sequence (prompt
+    and output), before temperature and filters; greedy rows take the argmax
+    of the penalised logits. ``min_p`` drops, after temperature, the tokens
+    less likely than ``min_p`` times the most likely one (random sampling
+    only). ``min_tokens``: until that many output tokens exist, the stop
+    token ids and EOS (unless ``ignore_eos``) cannot be sampled, and no stop
+    string ends the sequence (the length limits and a guide still do). Logprobs
+    still come from the raw distribution: the penalty and masks do not show
+    in them.
+
+    ``prompt_logprobs = k``: the log probability of every prompt token given
+    the tokens before it, and the ``k`` most likely alternatives, from the raw
+    distribution (``RequestOutput.prompt_logprobs``). Such a request computes
+    its whole prompt: it takes no prefix-cache hits and loads no KV pages.
     """
 
     n: int = 1
@@ -39,6 +55,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     guide: Guide | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -67,6 +87,23 @@ class SamplingParams:
                 "logprobs",
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        if self.prompt_logprobs is not None:
+            _check(
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         if self.guide is not None:
@@ -75,6 +112,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -8,7 +8,9 @@ Life cycle::
                                     from the prefix cache where it still holds)
 
 ``num_computed_tokens`` counts tokens whose KV is in the cache. A sequence is
-sampled in the step whose chunk reaches its last token.
+sampled in the step whose chunk reaches its last token. One that asks for
+prompt logprobs scores its prompt chunk by chunk (``prompt_logprobs.py``);
+until every prompt position is scored, it computes all of them itself.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class Sequence:
     generator: torch.Generator | None = None
     completion_index: int = 0  # which of the request's n completions this is
     guide: GuideState | None = None  # where the output stands in its grammar, for a guided request
+    # With params.prompt_logprobs: entry i scores prompt token i given those before it (entry 0 is
+    # None), filled as prompt chunks run; forks share their parent's, complete by then.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # nothing predicts the first token
 
     @property
     def num_tokens(self) -> int:
@@ -77,3 +86,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some prompt position is not scored yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprob]) -> None:
+        """Record the scores of prompt positions ``first_position``, ``first_position + 1``, ...
+
+        A prompt recomputed after a preemption scores positions again: those
+        already recorded are kept, only the rest appended. Chunks run in
+        order from position 0, so the entries never leave a gap.
+        """
+        num_known = len(self.prompt_logprobs) - first_position
+        assert num_known >= 0, f"prompt logprobs from position {first_position} after {len(self.prompt_logprobs)}"
+        self.prompt_logprobs.extend(entries[num_known:])

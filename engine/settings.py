@@ -10,6 +10,7 @@ from rayturn.kernels.registry import BACKENDS
 from rayturn.settings import check_at_least, check_choice, check_non_empty
 
 from .loader import DTYPES
+from .model_source import is_hub_id
 from .tool_calls import TOOL_CALL_PARSERS
 
 
@@ -45,8 +46,13 @@ class ModelSettings:
 
     @property
     def model_name(self) -> str:
-        """The id clients send in the OpenAI ``model`` field: a preset's name, or the model directory's basename."""
-        return self.served_name or Path(self.name).name
+        """The id clients send in the OpenAI ``model`` field: a preset's name, a Hugging Face id as given
+        (``org/name``, as vLLM serves it), or a model directory's basename."""
+        if self.served_name:
+            return self.served_name
+        if is_hub_id(self.name) and not Path(self.name).expanduser().exists():
+            return self.name
+        return Path(self.name).name
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LLMEngine.from_pretrained(self.name, **kwargs)``."""

@@ -4,7 +4,10 @@ Checked after every new token, in this order: a guided sequence's grammar
 (which the token advances; a broken grammar ends it as "abort"), EOS (unless
 ignored), a stop token id, a stop string (the text is cut before it, or
 after it with ``include_stop_str_in_output``), a complete grammar, then the
-length limits.
+length limits. Before ``min_tokens`` output tokens exist, EOS, stop token ids
+and stop strings end nothing (the sampler also keeps EOS and stop token ids
+from being picked then); a stop string is looked for from the token that
+reaches ``min_tokens`` on, in the text that token adds.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ class StopChecker:
             if guide.error is not None:
                 logger.warning("request %s: guided decoding failed, sequence aborted: %s", seq.request_id, guide.error)
                 return "abort", None
-        if token in self.eos_token_ids and not params.ignore_eos:
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in self.eos_token_ids and not params.ignore_eos:
             return "stop", None
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return "stop", token
         before = len(self.text)
         self.text += self.detokenizer.add_token(token)
-        if self._longest_stop:
+        if self._longest_stop and may_stop:
             verdict = self._match_stop_string(before)
             if verdict is not None:
                 return verdict

@@ -17,8 +17,9 @@ tokens/s, ``cached_token_fraction`` (``usage.prompt_tokens_details.
 cached_tokens`` over prompt tokens: what a replica's cache or the store served;
 for a call the prefill pool computed, what the prefill replica found cached;
 ``prefill_paths`` says how many calls took that path). Results and TTFT samples
-go to ``bench/results/agent_sessions.json`` (a TTFT CDF PNG next to it when
-matplotlib is installed). The last line of stdout is one JSON object;
+go to ``agent_sessions.json`` in the folder ``--out`` (default
+``bench/results/agent_sessions``), with ``agent_sessions.png``, a TTFT CDF,
+when matplotlib is installed. The last line of stdout is one JSON object;
 ``ttft_p99_ratio_vs_baseline`` < 1 means rayturn is better.
 """
 
@@ -36,8 +37,8 @@ from typing import Any
 from rayturn.replay.agent_client import drive
 from rayturn.replay.agent_report import compare, summarize, write_plot
 from rayturn.replay.agent_workload import Call, Shape, default_token_scale, make_workload, warmup_calls
-from rayturn.replay.harness import SMALL_MACHINE, emit, machine
-from rayturn.replay.paths import RESULTS_DIR
+from rayturn.replay.cli_help import plain_help
+from rayturn.replay.harness import SMALL_MACHINE, add_out_argument, emit, machine
 from rayturn.replay.probes import prefill_paths
 
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -114,7 +115,7 @@ def run_clusters(
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="4 short sessions: seconds of load per system")
     parser.add_argument("--url", default=None, help="drive this running cluster (no baseline)")
@@ -128,8 +129,11 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=18080)
     parser.add_argument("--grpc-port", type=int, default=19080)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "agent_sessions.json")
-    return parser.parse_args(argv)
+    add_out_argument(parser, "agent_sessions")
+    args = parser.parse_args(argv)
+    if args.out.suffix == ".json":
+        parser.error(f"--out is the results folder (agent_sessions.json goes in it), got the file name {args.out}")
+    return args
 
 
 def make_shape(args: argparse.Namespace) -> Shape:
@@ -173,9 +177,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "machine": machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**result, "ttft_samples_s": ttfts}, indent=1, sort_keys=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_file = args.out / "agent_sessions.json"
+    results_file.write_text(json.dumps({**result, "ttft_samples_s": ttfts}, indent=1, sort_keys=True))
     title = f"Agent sessions, {args.model}, {shape.num_sessions} sessions: TTFT CDF"
-    plot = write_plot(ttfts, title, args.out.with_suffix(".png"))
-    emit({**result, "results_file": str(args.out), "plot_file": None if plot is None else str(plot)})
+    plot = write_plot(ttfts, title, args.out / "agent_sessions.png")
+    emit({**result, "results_file": str(results_file), "plot_file": None if plot is None else str(plot)})
     return 0 if all(s["failures"] == 0 for s in summaries.values()) else 1

@@ -1,10 +1,11 @@
 """Replay recorded agent traces against a rayturn cluster, closed loop: KV reuse, idle capture, prewarm hits, latency.
 
-Reads weka (Claude Code), Mooncake and TraceLab traces (files or folders;
-default ``../shared/traces/weka`` next to the repository, or to the current
-directory outside a checkout (``rayturn.replay.paths``), skipped with a
-message when absent), turns each call into exact prompt token ids at a token
-scale and each gap into scaled seconds (``rayturn.replay.plans``), and sends
+Reads kv-cache-tester (Claude Code, "weka"), Mooncake and TraceLab traces
+(files or folders; default ``../shared/traces/weka`` next to the repository,
+or to the current directory outside a checkout (``rayturn.replay.paths``);
+when that is absent too, sample conversations it writes under ``--out``
+(``rayturn.replay.sample_traces``)), turns each call into exact prompt token
+ids at a token scale and each gap into scaled seconds (``rayturn.replay.plans``), and sends
 every call to ``/v1/completions`` as token ids, streaming, greedy, with
 ``ignore_eos`` so it streams exactly its scaled output length. Each
 conversation's agents run closed loop: a call goes out once the previous one
@@ -42,7 +43,7 @@ of the default hazard one).
     python bench/replay.py [TRACES ...] [--quick] [--compare] [--url http://127.0.0.1:8000]
     rayturn replay [args]
 
-Results: ``--out`` (default ``bench/results/replay``, in the checkout or the
+Results: the folder ``--out`` (default ``bench/results/replay``, in the checkout or the
 current directory) gets ``replay.json`` (summaries and every call),
 ``replay.md`` and ``replay_*.png``; the last line of stdout is one JSON object
 with the first system's headline figures (definitions in
@@ -62,8 +63,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from rayturn.replay.cli_help import plain_help
 from rayturn.replay.driver import Drive, SystemRun, replay
-from rayturn.replay.harness import SMALL_MACHINE, emit, machine
+from rayturn.replay.harness import SMALL_MACHINE, add_out_argument, emit, machine
 from rayturn.replay.kv_demand import auto_device_pages, busiest_pages, kv_demand_pages
 from rayturn.replay.model import model_vocabulary, with_context
 from rayturn.replay.paths import DEFAULT_TRACES, RESULTS_DIR
@@ -71,6 +73,7 @@ from rayturn.replay.plans import ConversationPlan, plan_conversation
 from rayturn.replay.probes import health_capacity_pages
 from rayturn.replay.records import record_dict
 from rayturn.replay.report import markdown, write_plots
+from rayturn.replay.sample_traces import write_sample_traces
 from rayturn.replay.scaling import Scale, auto_token_scale, fit_to_context
 from rayturn.replay.summaries import compare, summarize
 from rayturn.replay.synthesis import TokenSynthesizer
@@ -130,9 +133,14 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("paths", nargs="*", type=Path, help="trace files or folders (default: ../shared/traces/weka)")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        help="trace files or folders (default: ../shared/traces/weka, else generated sample conversations)",
+    )
     parser.add_argument("--traces", action="append", type=Path, default=[], help="a trace file or folder (repeatable)")
     parser.add_argument("--quick", action="store_true", help="4 turn-heavy conversations for 20 s: about a minute")
     parser.add_argument("--url", default=None, help="drive this running cluster (one system, no --compare)")
@@ -165,7 +173,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=18080)
     parser.add_argument("--grpc-port", type=int, default=19080)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "replay", help="results folder")
+    add_out_argument(parser, "replay")
     args = parser.parse_args(argv)
     if args.url and (args.compare or args.systems):
         parser.error("--compare and --systems start their own clusters: drop --url")
@@ -227,12 +235,21 @@ def run_clusters(
     return runs
 
 
-def trace_paths(args: argparse.Namespace) -> list[Path] | None:
-    """The traces to read; None when none were named and the default folder is absent."""
+def trace_paths(args: argparse.Namespace) -> tuple[list[Path], bool]:
+    """The traces to read, and whether they are generated samples (no traces named, the default folder absent)."""
     paths = [*args.paths, *args.traces]
     if paths:
-        return paths
-    return [DEFAULT_TRACES] if DEFAULT_TRACES.is_dir() else None
+        return paths, False
+    if DEFAULT_TRACES.is_dir():
+        return [DEFAULT_TRACES], False
+    folder = args.out / "sample_traces"
+    samples = write_sample_traces(folder, seed=args.seed)
+    print(
+        f"no traces at {DEFAULT_TRACES.resolve()}: replaying {len(samples)} generated sample conversations "
+        f"(kv-cache-tester format) written to {folder}; pass trace files or folders to replay recorded ones",
+        file=sys.stderr,
+    )
+    return [folder], True
 
 
 HEADLINE = (
@@ -244,8 +261,8 @@ HEADLINE = (
 
 
 REPORTED_SETUP = (
-    "token_scale", "time_scale", "announce_lead_s", "device_kv_pages", "kv_demand_over_device_capacity",
-    "conversations", "wall_s",
+    "sample_traces", "token_scale", "time_scale", "announce_lead_s", "device_kv_pages",
+    "kv_demand_over_device_capacity", "conversations", "wall_s",
 )  # fmt: skip
 
 
@@ -254,12 +271,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     args = parse_args(argv, prog)
     started = time.perf_counter()
-    paths = trace_paths(args)
-    if paths is None:
-        reason = f"no traces: {DEFAULT_TRACES.resolve()} is absent; pass trace files or folders"
-        print(f"skipping the replay: {reason}", file=sys.stderr)
-        emit({"bench": "replay", "skipped": reason})
-        return 0
+    paths, sample_traces = trace_paths(args)
     base = load_config(args.config, **base_overrides(args))
     model, page_size = base.model.name, base.model.page_size
     vocabulary = model_vocabulary(model, base.model.max_model_len)
@@ -300,6 +312,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "model": model,
         "seed": args.seed,
         "traces": [str(path) for path in paths],
+        "sample_traces": sample_traces,
         "conversations": len(plans),
         "truncated_conversations": fitted.cut,
         "dropped_conversations": fitted.dropped,

@@ -1,15 +1,20 @@
-"""What every benchmark shares: progress on stderr, percentiles, the machine, the JSON line, a small host's cluster."""
+"""What every benchmark shares: progress on stderr, percentiles, the machine, ``--out``, the JSON line, a small
+host's cluster."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from rayturn.replay.paths import RESULTS_DIR
 
 # Cluster settings for a small host: two decode replicas (so routing matters) on fractional CPUs.
 SMALL_MACHINE: dict[str, Any] = {
@@ -63,6 +68,17 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out DIR``: the one folder a benchmark writes all it makes to (JSON, Markdown, plots, traces)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR / name,
+        metavar="DIR",
+        help=f"folder for every output: JSON, plots (default: bench/results/{name})",
+    )
 
 
 def emit(result: dict[str, Any]) -> None:

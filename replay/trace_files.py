@@ -10,7 +10,8 @@ format of each file from its content:
   answered a permission prompt); a call whose new input is only tool results
   continues the turn. A sub-agent's calls never open a turn: they run inside
   the parent's turn, from ``t - duration_ms`` (its entry's ``t`` is when it
-  finished) on the parent's clock. ``api_time`` is the call's duration where
+  finished; one launched asynchronously records no duration and starts at
+  ``t``) on the parent's clock. ``api_time`` is the call's duration where
   recorded; streamed calls without it count as taking no time, so the gap after
   them is an upper bound.
 * ``mooncake`` -- JSON lines of chat requests with global block hashes and no
@@ -204,7 +205,8 @@ def _weka_calls(
         previous_t = t
         if fields.text(request, "type", at) == "subagent":
             agent_id = fields.text(request, "agent_id", at)
-            start_s = offset_s + t - fields.number(request, "duration_ms", at) / 1000.0
+            duration_ms = fields.optional_number(request, "duration_ms", at) or 0.0  # None: launched async
+            start_s = offset_s + t - duration_ms / 1000.0
             _weka_calls(fields, fields.rows(request, "requests", at), _field(at, "requests"), start_s, agent_id, calls)
             continue
         input_types = fields.items(request, "input_types", at, str)

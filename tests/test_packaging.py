@@ -75,14 +75,34 @@ sys.exit(code)
 """
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = [sys.executable, "-c", program]
-    replay = subprocess.run([*run, "replay", "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    replay = subprocess.run([*run, "replay", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert replay.returncode == 0, replay.stderr
-    *_, emitted, loaded = replay.stdout.strip().splitlines()
-    assert json.loads(loaded) == {"outside": [], "bench_on_path": [], "checkout": "None"}
-    # No traces next to the current directory: skipped, naming where it looked.
+    assert replay.stdout.startswith("usage: rayturn replay")
+    assert json.loads(replay.stdout.strip().splitlines()[-1]) == {
+        "outside": [],
+        "bench_on_path": [],
+        "checkout": "None",
+    }
+    # No traces next to the current directory: sample ones, written with the results, relative to it too
+    # (the replay itself then starts a cluster: tests/replay/test_replay_quick.py runs that).
+    lookup = """
+import json, sys
+sys.meta_path[:] = [finder for finder in sys.meta_path if not finder.__module__.startswith("__editable__")]
+from rayturn.replay import cli
+paths, sample = cli.trace_paths(cli.parse_args(["--quick"]))
+print(json.dumps({"paths": [str(path) for path in paths], "sample": sample, "module": cli.__file__}))
+"""
+    found = subprocess.run([sys.executable, "-c", lookup], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
     looked_at = (tmp_path.parent / "shared" / "traces" / "weka").resolve()
-    assert json.loads(emitted)["skipped"] == f"no traces: {looked_at} is absent; pass trace files or folders"
-    assert f"skipping the replay: no traces: {looked_at} is absent" in replay.stderr
+    assert f"no traces at {looked_at}: replaying 6 generated sample conversations" in found.stderr
+    samples = Path("bench", "results", "replay", "sample_traces")
+    assert json.loads(found.stdout) == {
+        "paths": [str(samples)],
+        "sample": True,
+        "module": str(site / "rayturn/replay/cli.py"),
+    }
+    assert len(list((tmp_path / samples).glob("sample_*.json"))) == 6
     bench = subprocess.run([*run, "bench", "--quick", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert bench.returncode == 0, bench.stderr
     assert bench.stdout.startswith("usage: rayturn bench")

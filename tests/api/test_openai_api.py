@@ -14,6 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from rayturn.api.bodies import (
     MIN_LOGPROB,
+    TokenNames,
     assistant_output,
     chat_choice,
     chat_chunk,
@@ -27,10 +28,13 @@ from rayturn.api.bodies import (
     completion_id,
     completion_logprobs,
     completion_usage_chunk,
+    model_card,
     models_list,
     usage,
+    vllm_prompt_logprobs,
 )
 from rayturn.api.chat_request import parse_chat_request
+from rayturn.api.completion_request import CompletionRequest, parse_completion_request
 from rayturn.api.errors import (
     APIError,
     authentication_failed,
@@ -40,13 +44,8 @@ from rayturn.api.errors import (
     rate_limited,
     server_error,
 )
-from rayturn.api.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    SamplingSpec,
-    parse_completion_request,
-    to_sampling_params,
-)
+from rayturn.api.protocol import ChatRequest, SamplingSpec, to_sampling_params
+from rayturn.api.serving_completion import MAX_PROMPT_SCORES, _check_score_size
 from rayturn.api.streaming import SSE_DONE, ChatStreamState, sse
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
@@ -142,7 +141,6 @@ def _with_messages(*messages: Any) -> dict[str, Any]:
 _ASSISTANT_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 
 CHAT_400_CASES = [
-    ({"model": None}, "model"),
     ({"model": 3}, "model"),
     ({"messages": None}, "messages"),
     ({"messages": []}, "messages"),
@@ -416,9 +414,27 @@ COMPLETION_400_CASES = [
     ({"prompt": 5}, "prompt"),
     ({"prompt": [1, -1]}, "prompt[1]"),
     ({"prompt": [1, "a"]}, "prompt[1]"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 3]}, "prompt[1]"),
+    ({"prompt": ["a", [1, -2]]}, "prompt[1][1]"),
+    ({"prompt": [[1], []]}, "prompt[1]"),
+    ({"prompt": ["a"] * 257}, "prompt"),
     ({"prompt": [""]}, "prompt[0]"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"suffix": "end"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
@@ -442,14 +458,72 @@ def test_completion_request() -> None:
     )
     assert request == CompletionRequest(
         model=MODEL,
-        prompt=[1, 2, 3],
+        prompts=((1, 2, 3),),
         sampling=SamplingSpec(max_tokens=8, logprobs=True, top_logprobs=2),
         stream=True,
         include_usage=False,
         user=None,
     )
-    assert parse_completion_request(_completion_body(prompt=["hello"]), MODEL).prompt == "hello"
+    assert parse_completion_request(_completion_body(prompt=["hello"]), MODEL).prompts == ("hello",)
     assert _completion_error(_completion_body(model="other")).status_code == 404
+
+
+@pytest.mark.parametrize("body", [{"prompt": "hi"}, {"model": "", "prompt": "hi"}, {"model": None, "prompt": "hi"}])
+def test_a_missing_or_empty_model_is_the_served_model(body: dict[str, Any]) -> None:
+    assert parse_completion_request(body, MODEL).model == MODEL
+    assert parse_chat_request({**body, "messages": [{"role": "user", "content": "hi"}]}, MODEL).model == MODEL
+
+
+def test_completion_prompt_batches() -> None:
+    assert parse_completion_request(_completion_body(prompt=["a", "b"]), MODEL).prompts == ("a", "b")
+    mixed = parse_completion_request(_completion_body(prompt=["a", [5, 6], "c"]), MODEL)
+    assert mixed.prompts == ("a", (5, 6), "c")
+    assert [mixed.param(index) for index in range(3)] == ["prompt[0]", "prompt[1]", "prompt[2]"]
+    assert parse_completion_request(_completion_body(prompt=[[1], [2, 3]]), MODEL).prompts == ((1,), (2, 3))
+
+
+def test_echo_scores_the_prompt_with_the_answers_alternatives() -> None:
+    request = parse_completion_request(_completion_body(echo=True, logprobs=3, max_tokens=0), MODEL)
+    assert (request.echo, request.generates, request.sampling.prompt_logprobs) == (True, False, 3)
+    assert parse_completion_request(_completion_body(echo=True), MODEL).sampling.prompt_logprobs is None
+
+
+def test_vllm_sampling_extensions_reach_the_engine() -> None:
+    body = _completion_body(
+        repetition_penalty=1.2,
+        min_p=0.05,
+        min_tokens=3,
+        max_tokens=8,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        use_beam_search=False,
+        length_penalty=1.0,
+        guided_json=None,
+        bad_words=[],
+        spaces_between_special_tokens=True,
+        prompt_logprobs=2,
+    )
+    params = _params(parse_completion_request(body, MODEL).sampling)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.2, 0.05, 3)
+    assert (params.include_stop_str_in_output, params.skip_special_tokens, params.prompt_logprobs) == (True, False, 2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+    ],
+)
+def test_chat_refuses_what_it_cannot_honour(fields: dict[str, Any], param: str) -> None:
+    error = _chat_error(_chat_body(**fields))
+    assert (error.status_code, error.param) == (400, param)
+    assert f"'{param}'" in error.message
 
 
 # ---------------------------------------------------------------- sampling params
@@ -526,8 +600,13 @@ def test_engine_rejections_become_400s_naming_the_field() -> None:
 # ---------------------------------------------------------------- responses
 
 
-def _token_text(token_id: int) -> str:
-    return {1: "Hel", 2: "lo", 3: " wörld", 4: "!"}.get(token_id, f"<{token_id}>")
+def _token_bytes(token_id: int) -> bytes:
+    return {1: b"Hel", 2: b"lo", 3: " wörld".encode(), 4: b"!", 5: b"\xc3", 6: b"\xa9"}.get(
+        token_id, f"<{token_id}>".encode()
+    )
+
+
+NAMES = TokenNames(_token_bytes)
 
 
 LOGPROBS = (
@@ -543,7 +622,7 @@ def test_usage_shape() -> None:
 
 
 def test_chat_completion_shape_with_logprobs() -> None:
-    logprobs = chat_logprobs(LOGPROBS, _token_text)
+    logprobs = chat_logprobs(LOGPROBS, NAMES)
     body = chat_completion(
         response_id=chat_completion_id(),
         model=MODEL,
@@ -604,9 +683,7 @@ def test_completion_shape_with_logprobs() -> None:
         model=MODEL,
         created=1,
         choices=[
-            completion_choice(
-                0, text="Hel wörld", finish_reason="abort", logprobs=completion_logprobs(LOGPROBS, _token_text)
-            )
+            completion_choice(0, text="Hel wörld", finish_reason="abort", logprobs=completion_logprobs(LOGPROBS, NAMES))
         ],
         usage=usage(4, 2, cached_tokens=2),
     )
@@ -639,7 +716,7 @@ def test_chat_chunks() -> None:
     common: dict[str, Any] = {"response_id": "chatcmpl-1", "model": MODEL, "created": 1}
     state = ChatStreamState(0, parse_tools=False)
     opening = state.start()
-    pushed = state.push("Hi", chat_logprobs(LOGPROBS[:1], _token_text))
+    pushed = state.push("Hi", chat_logprobs(LOGPROBS[:1], NAMES))
     assert pushed is not None
     chunks = [
         chat_chunk(**common, choices=[opening], include_usage=True),
@@ -664,10 +741,67 @@ def test_sse_framing() -> None:
 
 
 def test_models_list() -> None:
-    body = models_list(MODEL, created=1700000000)
+    card = model_card(MODEL, 1700000000, root="/models/qwen", max_model_len=4096)
+    body = models_list([card])
     assert body["object"] == "list"
     model = Model.model_validate(body["data"][0])
     assert (model.id, model.created, model.object) == (MODEL, 1700000000, "model")
+    assert (card["max_model_len"], card["root"]) == (4096, "/models/qwen")
+
+
+def test_logprob_tokens_are_their_raw_bytes_and_never_collide() -> None:
+    """Two tokens that each hold half of 'é' read as U+FFFD when decoded alone; OpenAI names them by bytes."""
+    halves = (TokenLogprob(token_id=5, logprob=-0.5, top=((5, -0.5), (6, -0.9), (1, -3.0))),)
+    chat = chat_logprobs(halves, NAMES)[0]
+    assert (chat["token"], chat["bytes"]) == ("bytes:\\xc3", [0xC3])
+    assert [(top["token"], top["bytes"]) for top in chat["top_logprobs"]] == [
+        ("bytes:\\xc3", [0xC3]),
+        ("bytes:\\xa9", [0xA9]),
+        ("Hel", list(b"Hel")),
+    ]
+    completion = completion_logprobs(halves + (TokenLogprob(6, -0.2, ()),), NAMES)
+    assert completion["top_logprobs"][0] == {"bytes:\\xc3": -0.5, "bytes:\\xa9": -0.9, "Hel": -3.0}
+    assert completion["text_offset"] == [0, 0]  # 'é' is one character, whole after the second token
+    same_name = TokenNames(lambda token_id: b"x")
+    assert completion_logprobs((TokenLogprob(1, -1.0, ((1, -1.0), (2, -2.0))),), same_name)["top_logprobs"] == [
+        {"x": -1.0, "token_id:2": -2.0}
+    ]
+    as_ids = NAMES.with_token_ids(True)
+    assert chat_logprobs(halves, as_ids)[0]["token"] == "token_id:5"
+
+
+def test_the_chosen_token_keeps_its_name_when_another_reads_alike() -> None:
+    alike = TokenNames(lambda token_id: b" " if token_id in (7, 8) else b"x")
+    body = completion_logprobs((TokenLogprob(8, -0.5, ((7, -0.4), (8, -0.5))),), alike)
+    assert body["tokens"] == [" "]
+    assert body["top_logprobs"] == [{"token_id:7": -0.4, " ": -0.5}]
+
+
+def test_vllm_prompt_logprobs_shape() -> None:
+    scored = (None, TokenLogprob(3, -1.5, ((1, -0.2), (3, -1.5))), TokenLogprob(4, -6.0, ((1, -0.1),)))
+    assert vllm_prompt_logprobs(scored, NAMES) == [
+        None,
+        {
+            "3": {"logprob": -1.5, "rank": 2, "decoded_token": " wörld"},
+            "1": {"logprob": -0.2, "rank": 1, "decoded_token": "Hel"},
+        },
+        {
+            "4": {"logprob": -6.0, "rank": None, "decoded_token": "!"},
+            "1": {"logprob": -0.1, "rank": 1, "decoded_token": "Hel"},
+        },
+    ]
+
+
+def test_an_echoed_prompt_leads_with_an_unscored_token() -> None:
+    """As OpenAI's and vLLM's echo answers: the first prompt token has null logprob and alternatives (the
+    SDK's pydantic types say non-null, so this checks the body itself)."""
+    body = completion_logprobs(LOGPROBS, NAMES, unscored=2)
+    assert body == {
+        "tokens": ["lo", "Hel", " wörld"],
+        "token_logprobs": [None, -0.1, MIN_LOGPROB],
+        "top_logprobs": [None, {"Hel": -0.1, "lo": -2.5}, {"!": -0.01, " wörld": MIN_LOGPROB}],
+        "text_offset": [0, 2, 5],
+    }
 
 
 # ---------------------------------------------------------------- streaming with tools
@@ -787,7 +921,7 @@ def test_without_tools_text_streams_unchanged() -> None:
 
 
 def test_logprobs_wait_for_the_next_emitted_chunk() -> None:
-    entries = chat_logprobs(LOGPROBS, _token_text)
+    entries = chat_logprobs(LOGPROBS, NAMES)
     state = ChatStreamState(0, parse_tools=True)
     assert state.push("<tool_", entries[:1]) is None
     emitted = state.push("x>", entries[1:])
@@ -802,3 +936,13 @@ def test_stream_state_for_request_parses_only_when_tools_are_offered() -> None:
     with_tools = ChatStreamState.for_request(offered, 0, id_factory=_sequential_ids())
     assert _delta(with_tools.push(text))["tool_calls"][0]["function"]["name"] == "get_weather"
     assert _delta(ChatStreamState.for_request(declined, 0).push(text))["content"] == text
+
+
+def test_prompt_scores_are_bounded_per_prompt() -> None:
+    """A long context's scores, each a Python object through the replica and the ingress, are capped."""
+    _check_score_size(MAX_PROMPT_SCORES // 21, 20, "prompt")
+    with pytest.raises(APIError) as caught:
+        _check_score_size(MAX_PROMPT_SCORES // 21 + 1, 20, "prompt[3]")
+    assert (caught.value.status_code, caught.value.param) == (400, "prompt[3]")
+    assert f"at most {MAX_PROMPT_SCORES // 21} tokens" in caught.value.message
+    _check_score_size(MAX_PROMPT_SCORES // 2, 1, "prompt")

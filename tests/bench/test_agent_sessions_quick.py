@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,9 @@ from rayturn.replay.agent_client import CallSample
 from rayturn.replay.agent_report import compare, summarize
 from rayturn.replay.agent_sessions import make_shape, parse_args
 from rayturn.replay.agent_workload import make_workload
+from rayturn.replay.cli import parse_args as replay_args
 from rayturn.replay.harness import percentile
+from rayturn.replay.paths import RESULTS_DIR
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +189,11 @@ def test_rayturn_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert out.startswith("usage: rayturn bench")
     assert "--quick" in out
+
+
+def test_out_is_a_results_folder_as_for_the_replay(tmp_path: Path) -> None:
+    assert parse_args([]).out == RESULTS_DIR / "agent_sessions"
+    assert replay_args([]).out == RESULTS_DIR / "replay"
+    assert parse_args(["--out", str(tmp_path)]).out == replay_args(["--out", str(tmp_path)]).out == tmp_path
+    with pytest.raises(SystemExit):  # the file name it once took
+        parse_args(["--out", str(tmp_path / "agent_sessions.json")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import sys
 import time
@@ -26,6 +27,7 @@ from rayturn.replay.model import model_vocabulary, with_context
 from rayturn.replay.plans import PlannedCall, plan_conversation
 from rayturn.replay.records import CallRecord, SessionView, parse_session_header
 from rayturn.replay.report import markdown, write_plots
+from rayturn.replay.sample_traces import write_sample_traces
 from rayturn.replay.scaling import Scale, auto_token_scale, block_tokens, call_tokens, fit_to_context
 from rayturn.replay.summaries import compare, lifecycle_figures, prefix_bound, summarize, targets
 from rayturn.replay.synthesis import TokenSynthesizer, prompts
@@ -495,15 +497,37 @@ def test_a_bad_trace_file_names_the_file_and_the_field(tmp_path: Path) -> None:
         read_traces([tmp_path / "absent"])
 
 
-def test_no_traces_folder_skips_with_a_message(
+def test_without_traces_the_replay_writes_sample_ones_under_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(replay, "DEFAULT_TRACES", tmp_path / "shared" / "traces" / "weka")
-    assert replay.main([]) == 0
-    captured = capsys.readouterr()
-    assert "skipping the replay" in captured.err and "shared/traces/weka" in captured.err
-    last = json.loads(captured.out.strip().splitlines()[-1])
-    assert last["bench"] == "replay" and "absent" in last["skipped"]
+    args = replay.parse_args(["--quick", "--out", str(tmp_path / "out")])
+    paths, sample = replay.trace_paths(args)
+    assert sample and paths == [tmp_path / "out" / "sample_traces"]
+    assert "shared/traces/weka" in capsys.readouterr().err
+    traced = read_traces(paths)
+    assert [item.conversation_id for item in traced] == [f"sample_{i:04d}" for i in range(1, 7)]
+    assert all(item.shared_prefix_tokens == 15_000 for item in traced)
+    assert replay.trace_paths(args)[0] == paths  # the same files again: a function of the seed
+    weka_file(tmp_path / "real", "conv", [request(0.0, [1], text=True)])
+    assert replay.trace_paths(replay.parse_args([str(tmp_path / "real")])) == ([tmp_path / "real"], False)
+    monkeypatch.setattr(replay, "DEFAULT_TRACES", tmp_path / "real")
+    assert replay.trace_paths(replay.parse_args([])) == ([tmp_path / "real"], False)
+
+
+def test_sample_traces_grow_by_appended_blocks_and_open_turns_with_text(tmp_path: Path) -> None:
+    for item in read_traces(write_sample_traces(tmp_path, seed=3)):
+        calls = item.conversation.calls
+        assert item.conversation.block_size == 64 and calls[0].starts_turn
+        assert 2 <= sum(call.starts_turn for call in calls) <= 4
+        for before, after in itertools.pairwise(calls):
+            assert after.arrival_s >= before.end_s and after.input_tokens > before.input_tokens
+            full_blocks = before.input_tokens // 64
+            assert after.hash_ids[:full_blocks] == before.hash_ids[:full_blocks]  # a growing prompt's blocks
+            assert len(after.hash_ids) == -(-after.input_tokens // 64)
+            assert set(after.hash_ids[full_blocks:]).isdisjoint(before.hash_ids)
+            assert (after.kind == "user") == (before.finish_reason == "stop")  # a turn ends, the next opens
+    assert (tmp_path / "sample_0001.json").read_text() == write_sample_traces(tmp_path / "again", seed=3)[0].read_text()
 
 
 def test_arguments() -> None:

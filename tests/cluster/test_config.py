@@ -455,7 +455,8 @@ def test_engine_kwargs_match_the_engine() -> None:
         ("tiny", None, "tiny"),
         ("small", None, "small"),
         ("/models/Qwen2.5-Coder-7B/", None, "Qwen2.5-Coder-7B"),
-        ("checkpoints/llama", None, "llama"),
+        ("./checkpoints/llama", None, "llama"),
+        ("Qwen/Qwen2.5-Coder-7B-Instruct", None, "Qwen/Qwen2.5-Coder-7B-Instruct"),  # a Hugging Face id, as vLLM
         ("/models/Qwen2.5-Coder-7B", "qwen-coder", "qwen-coder"),
     ],
 )

@@ -5,13 +5,19 @@ so the tests snapshot the command's process tree before stopping it and check
 that, once the command has exited, none of those processes (nor anything in
 its process group) is still alive, and that the KV store segments they
 created are gone from /dev/shm. That holds whether the signal comes while it
-serves or while it is still starting. Bad input exits with code 2 before
-Ray starts, naming what is wrong.
+serves or while it is still starting. The serving test runs the command as a
+``vllm serve`` user would: the model positional (a Hugging Face id, found in
+a hub cache laid out under ``HF_HOME``), the flags after the subcommand, the
+key from ``RAYTURN_API_KEY``; its console carries no access log and none of
+the warnings Ray prints when Serve is started twice or shut down by waiting
+on its controller. Bad input exits with code 2 before Ray starts, naming
+what is wrong.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,12 +27,27 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hf_cache import cache_model
+
+from rayturn.engine.presets import preset_dir
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
 HTTP_PORT, GRPC_PORT = 18451, 19451
-API_KEY = "sk-from-the-command-line-7e2d"
+API_KEY = "sk-from-the-environment-7e2d"
+MODEL_ID = "rayturn-test/tiny-from-the-hub"
+SERVED_NAME = "tiny-served"
+# What a start and stop printed before: Serve started twice (``serve.start``, then ``serve.run`` again), and Ray
+# reporting the controller's shutdown call as failed; per-request access lines; Ray's notice of token auth.
+UNWANTED_LINES = (
+    "will not be applied",
+    "graceful_shutdown failed",
+    "GET /v1/models",
+    "POST /v1/chat/completions",
+    "Token authentication is enabled",
+    "Traceback",
+)
 STARTUP_TIMEOUT_S = 180.0
 SHUTDOWN_TIMEOUT_S = 90.0
 # Small pools, as the other cluster tests use, so the command starts quickly on a laptop or CI runner.
@@ -109,22 +130,14 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
-def start_serve(tmp_path: Path, config: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """``rayturn serve`` in its own session (so its process group is its own); killed if a test fails."""
+def start_serve(
+    tmp_path: Path, *arguments: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``rayturn serve ARGUMENTS`` in its own session (so its process group is its own); killed if a test fails."""
     log = tmp_path / "serve.log"
-    command = [
-        *rayturn_command(),
-        "serve",
-        "--config",
-        str(config),
-        "--http-port",
-        str(HTTP_PORT),
-        "--grpc-port",
-        str(GRPC_PORT),
-        *extra,
-    ]
+    command = [*rayturn_command(), "serve", *arguments]
     with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         yield process, log
     finally:
@@ -138,7 +151,28 @@ def start_serve(tmp_path: Path, config: Path, *extra: str) -> Iterator[tuple[sub
 
 @pytest.fixture
 def server(tmp_path: Path, small_config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    yield from start_serve(tmp_path, small_config, "--api-key", API_KEY)
+    """The model from a Hugging Face cache, flags after the subcommand, the key from the environment."""
+    cache_model(tmp_path / "hf" / "hub", MODEL_ID, preset_dir("tiny"))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "RAYTURN_API_KEY": API_KEY}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    yield from start_serve(
+        tmp_path,
+        MODEL_ID,
+        "--config",
+        str(small_config),
+        "--port",
+        str(HTTP_PORT),
+        "--grpc-port",
+        str(GRPC_PORT),
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        "1k",
+        "--log-level",
+        "INFO",
+        env=env,
+    )
 
 
 @pytest.fixture
@@ -151,7 +185,10 @@ def stuck_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path
     config = tmp_path / "stuck.yaml"
     config.write_text(SMALL_CONFIG.replace("decode:\n", "decode:\n  resources: {no_such_node: 1}\n"))
     assert "no_such_node" in config.read_text()
-    yield from start_serve(tmp_path, config)
+    # The flags' older names, before the model (the default, tiny).
+    yield from start_serve(
+        tmp_path, "--config", str(config), "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)
+    )
 
 
 def healthy() -> bool:
@@ -188,20 +225,28 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Po
     process, log = server
     wait_for(healthy, process, log, "healthy /health")
     wait_for(lambda: "rayturn is serving" in log.read_text(), process, log, "serving banner")
+    assert f"rayturn is serving {SERVED_NAME!r}" in log.read_text()
     stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
-    with pytest.raises(openai.AuthenticationError):  # --api-key made keys required
+    with pytest.raises(openai.AuthenticationError):  # RAYTURN_API_KEY made keys required: a 401
         stranger.models.list()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    (model,) = client.models.list().data
+    assert model.id == SERVED_NAME
+    assert model.model_extra is not None and model.model_extra["max_model_len"] == 1000  # 1k
     response = client.chat.completions.create(
-        model="tiny",
+        model=SERVED_NAME,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=4,
         temperature=0,
     )
     assert response.choices[0].finish_reason in ("length", "stop")
     assert response.usage is not None and response.usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1000 tokens"):
+        client.completions.create(model=SERVED_NAME, prompt=[1] * 1001, max_tokens=1)
     stop_and_check_nothing_is_left(process, log)
-    assert API_KEY not in log.read_text()  # nor anywhere the command printed or logged
+    printed = log.read_text()
+    assert API_KEY not in printed  # nor anywhere the command printed or logged
+    assert [line for line in printed.splitlines() if any(unwanted in line for unwanted in UNWANTED_LINES)] == []
 
 
 def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
@@ -216,8 +261,8 @@ def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
     assert "rayturn is serving" not in log.read_text()
 
 
-def run_rayturn(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*rayturn_command(), *args], capture_output=True, text=True, timeout=120)
+def run_rayturn(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*rayturn_command(), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_serve_names_a_missing_model_and_exits_2() -> None:
@@ -226,10 +271,83 @@ def test_serve_names_a_missing_model_and_exits_2() -> None:
     assert "/nonexistent" in result.stderr and "error" in result.stderr
 
 
+def test_a_context_longer_than_the_models_is_an_error_naming_both() -> None:
+    result = run_rayturn("serve", "tiny", "--max-model-len", "99999", "--port", str(HTTP_PORT))
+    assert result.returncode == 2, result.stderr
+    assert "99999" in result.stderr and "4096" in result.stderr and "max_model_len" in result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+
+
+def test_serve_names_the_hub_cache_it_looked_in_for_an_absent_id(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    result = run_rayturn("serve", "org/absent", "--port", str(HTTP_PORT), env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "rayturn: error: model 'org/absent' is neither a preset (tiny, small, tiny-bpe), a directory, nor in the "
+        f"Hugging Face cache at {tmp_path / 'hf' / 'hub'}; download it first, e.g. "
+        "`huggingface-cli download org/absent`"
+    )
+    assert "Ray" not in result.stdout  # refused before Ray started
+
+
+def test_serve_names_the_file_a_model_directory_lacks(tmp_path: Path) -> None:
+    directory = Path(shutil.copytree(preset_dir("tiny"), tmp_path / "model"))
+    for missing in ("config.json", "tokenizer.json"):
+        (directory / missing).unlink()
+        result = run_rayturn("serve", str(directory), "--port", str(HTTP_PORT))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"rayturn: error: {directory / missing}: missing"), result.stderr
+        assert "Traceback" not in result.stderr
+        shutil.copy(preset_dir("tiny") / missing, directory / missing)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        (["--port", "http"], "argument --port/--http-port: invalid port number: 'http'"),
+        (["--grpc-port", "70000"], "argument --grpc-port: must be a port number in 0-65535, got 70000"),
+        (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
+        (["--max-model-len", "0"], "argument --max-model-len: must be >= 1, got '0'"),
+        (["--dtype", "double"], "argument --dtype: invalid choice: 'double'"),
+        (["tiny", "--model", "small"], "two models given: 'tiny' and --model 'small'; give one"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_serve_flags_get_argparse_errors(arguments: list[str], problem: str) -> None:
+    result = run_rayturn("serve", *arguments)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("usage: rayturn serve [MODEL] [options]\n"), result.stderr
+    assert f"rayturn serve: error: {problem}" in result.stderr
+
+
+def test_help_reads_like_vllm_serve_and_holds_no_markup() -> None:
+    top, serve = run_rayturn("--help"), run_rayturn("serve", "--help")
+    assert top.returncode == serve.returncode == 0
+    assert "``" not in top.stdout + serve.stdout
+    assert serve.stdout.startswith("usage: rayturn serve [MODEL] [options]\n")
+    flags = (
+        "  MODEL ", "  --model MODEL ", "  --config FILE ", "  --host HOST ", "  --port PORT, --http-port PORT\n",
+        "  --grpc-port GRPC_PORT\n", "  --api-key API_KEY ", "  --served-model-name NAME\n",
+        "  --max-model-len MAX_MODEL_LEN\n", "  --dtype {auto,bfloat16,float,float16,float32,half}\n",
+        "  --tool-call-parser NAME\n", "  --address ADDRESS ", "  --log-level {debug,info,warning,error,critical}\n",
+    )  # fmt: skip
+    assert [flag for flag in flags if flag not in serve.stdout] == []
+    assert "RAYTURN_API_KEY" in serve.stdout and "(default: 8000" in serve.stdout
+
+
+@pytest.mark.parametrize("command", ["bench", "replay", "generate"])
+def test_every_commands_help_is_plain_text(command: str) -> None:
+    result = run_rayturn(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: rayturn" in result.stdout and "``" not in result.stdout
+
+
 def test_serve_names_an_unknown_config_key_and_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("decode:\n  min_replica: 2\n")
-    result = run_rayturn("serve", "--config", str(bad))
+    result = run_rayturn("serve", "--config", str(bad), "--log-level", "warning")  # the level after the subcommand
     assert result.returncode == 2, result.stderr
     assert "decode.min_replica" in result.stderr
 

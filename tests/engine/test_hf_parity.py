@@ -99,7 +99,8 @@ def test_prompt_logits_match_transformers(
     for prompt in make_prompts():
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     step = engine.scheduler.schedule()  # one batched step covers every prompt
-    sampled, logits = engine.runner.run(step.chunks)
+    out = engine.runner.run(step.chunks)
+    sampled, logits = out.sampled, out.logits
     assert len(sampled) == len(expected_logits)
     order = {chunk.seq.request_id: row for row, chunk in enumerate(sampled)}
     for i, reference_logits in enumerate(expected_logits):

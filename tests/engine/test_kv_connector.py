@@ -14,6 +14,7 @@ import torch
 
 from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
 from rayturn.engine.kv_connector import StoreConnector
+from rayturn.engine.sequence import TokenLogprob
 
 PAGE = 16
 
@@ -207,3 +208,40 @@ def test_a_tenants_pages_are_stored_as_its_own_and_never_load_for_another() -> N
         assert final.completions[0].token_ids == expected
         # bob's salt names other pages, and the store would not hand alice's to bob anyway.
         assert final.num_loaded_prompt_tokens == (0 if salt == "bob" else len(alice_keys) * PAGE)
+
+
+def test_a_request_scoring_its_prompt_loads_nothing_but_still_publishes(reference: list[int]) -> None:
+    store = DictStore()
+    make_engine(store).generate([PROMPT], GREEDY)
+    scoring = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    expected = make_engine(None).generate([PROMPT], scoring)[0].prompt_logprobs
+    assert expected is not None and len(expected) == len(PROMPT)
+
+    engine = make_engine(store)
+    out = engine.generate([PROMPT], scoring)[0]
+    assert out.token_ids == reference and same_scores(out.prompt_logprobs, expected)
+    assert (out.num_cached_prompt_tokens, out.num_loaded_prompt_tokens) == (0, 0)
+    again = engine.generate([PROMPT], GREEDY)[0]  # the pages it computed are cached here now
+    assert (again.num_cached_prompt_tokens, again.num_loaded_prompt_tokens) == (64, 0)
+
+    # A remote prefill's decode half that wants prompt logprobs computes the prompt itself too.
+    decode = make_engine(store)
+    decode.add_request(PROMPT, scoring, request_id="r", output_prefix=reference[:1])
+    outputs = []
+    while decode.has_unfinished_requests():
+        outputs.extend(decode.step())
+    final = outputs[-1]
+    assert final.token_ids == reference and same_scores(final.prompt_logprobs, expected)
+    assert final.num_loaded_prompt_tokens == 0
+
+
+def same_scores(got: tuple[TokenLogprob | None, ...] | None, expected: tuple[TokenLogprob | None, ...]) -> bool:
+    """The same tokens and alternatives, with log probabilities equal up to float noise."""
+    assert got is not None and len(got) == len(expected) and got[0] is expected[0] is None
+    for ours, theirs in zip(got[1:], expected[1:]):
+        assert ours is not None and theirs is not None
+        assert (ours.token_id, [t for t, _ in ours.top]) == (theirs.token_id, [t for t, _ in theirs.top])
+        assert [ours.logprob, *(v for _, v in ours.top)] == pytest.approx(
+            [theirs.logprob, *(v for _, v in theirs.top)], abs=1e-5
+        )
+    return True

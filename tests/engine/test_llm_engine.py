@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -147,11 +148,41 @@ def test_bad_prompts_raise_value_error(engine: LLMEngine, prompt: object, params
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
         ({"logprobs": 50}, "logprobs"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.2}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_new_sampling_params_take_their_bounds() -> None:
+    params = SamplingParams(repetition_penalty=0.5, min_p=1.0, min_tokens=16, max_tokens=16, prompt_logprobs=20)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens, params.prompt_logprobs) == (0.5, 1.0, 16, 20)
+    off = SamplingParams()
+    assert (off.repetition_penalty, off.min_p, off.min_tokens, off.prompt_logprobs) == (1.0, 0.0, 0, None)
+
+
+def test_max_model_len_beyond_the_model_is_an_error() -> None:
+    message = (
+        "max_model_len 99999 is more than the model's context length 4096 (max_position_embeddings in config.json)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLMEngine.from_pretrained("tiny", backend="torch", max_model_len=99999)
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        LLMEngine.from_pretrained("tiny", backend="torch", max_model_len=0)
+    shorter = LLMEngine.from_pretrained("tiny", backend="torch", max_model_len=4096 // 2, num_pages=64)
+    assert shorter.max_model_len == 2048 and shorter.limits.max_model_len == 2048
 
 
 def test_a_bad_prompt_in_a_batch_admits_nothing(engine: LLMEngine) -> None:

@@ -315,6 +315,12 @@ def test_mistral_sliding_window_caps_max_model_len() -> None:
     assert (windowed.sliding_window, windowed.max_model_len) == (64, 64)
     unwindowed = ModelConfig.from_dict({**mistral, "sliding_window": None})
     assert (unwindowed.sliding_window, unwindowed.max_model_len) == (None, 1024)
+    with pytest.raises(
+        ValueError, match=r"max_model_len 65 is more than the model's context length 64 \(sliding_window"
+    ):
+        windowed.check_max_model_len(65)
+    assert (windowed.check_max_model_len(None), windowed.check_max_model_len(32)) == (64, 32)
+    assert unwindowed.check_max_model_len(1024) == 1024
 
 
 def test_heads_must_be_a_multiple_of_kv_heads() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoTokenizer
 
 import rayturn.engine.scheduler
 from rayturn.engine import LLMEngine, SamplingParams, bpe_tokenizer
@@ -68,7 +69,9 @@ def test_unknown_preset_lists_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"unknown preset 'huge'; known: {known}"):
         preset_dir("huge", root=tmp_path)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=r"'huge' is neither a preset \(tiny, small, tiny-bpe\) nor a directory"):
+    with pytest.raises(
+        ValueError, match=r"'huge' is neither a preset \(tiny, small, tiny-bpe\), a directory, nor in the"
+    ):
         LLMEngine.from_pretrained("huge")
 
 
@@ -184,3 +187,13 @@ def test_transformers_loads_tiny_bpe_and_agrees_greedily_past_tinys_context() ->
 
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [list(out.token_ids) for out in outs] == expected
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "tiny-bpe"])
+def test_the_tokenizer_config_states_the_models_context(name: str) -> None:
+    """Clients that read ``tokenizer_config.json`` (as transformers does) see the context ``config.json`` gives."""
+    built = preset_dir(name)
+    config = json.loads((built / "config.json").read_text())
+    tokenizer_config = json.loads((built / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"]
+    assert AutoTokenizer.from_pretrained(built).model_max_length == config["max_position_embeddings"]

@@ -49,6 +49,31 @@ def test_messages_input_round_trips() -> None:
     ]
 
 
+def test_an_agent_turn_round_trips() -> None:
+    call = rayturn_pb2.ToolCall(id="call_0", name="run_tests", arguments='{"path": "tests"}')
+    request = rayturn_pb2.GenerateRequest(
+        messages=rayturn_pb2.Messages(
+            messages=[
+                rayturn_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+                rayturn_pb2.ChatMessage(role="tool", content="3 passed", tool_call_id="call_0"),
+            ]
+        ),
+        tools=[rayturn_pb2.Tool(name="run_tests", description="Run pytest.", parameters_json='{"type": "object"}')],
+        tool_choice=rayturn_pb2.ToolChoice(function_name="run_tests"),
+        parallel_tool_calls=False,
+    )
+    parsed = _round_trip(request)
+    assert parsed == request
+    assert list(parsed.messages.messages[0].tool_calls) == [call]
+    assert parsed.tool_choice.WhichOneof("choice") == "function_name"
+    assert parsed.HasField("parallel_tool_calls") and not parsed.parallel_tool_calls
+    assert not rayturn_pb2.GenerateRequest(text="x").HasField("parallel_tool_calls")
+    assert not rayturn_pb2.GenerateRequest(text="x").HasField("tool_choice")
+    choice = rayturn_pb2.ToolChoice(function_name="run_tests")
+    choice.mode = rayturn_pb2.ToolChoice.MODE_REQUIRED  # one form at a time
+    assert choice.WhichOneof("choice") == "mode" and not choice.function_name
+
+
 def test_setting_one_input_clears_the_others() -> None:
     request = rayturn_pb2.GenerateRequest(text="hello")
     request.token_ids.ids.append(7)
@@ -75,8 +100,19 @@ def test_response_and_health_round_trip() -> None:
         token_ids=[5, 6],
         text="ok",
         finish_reason="stop",
-        usage=rayturn_pb2.Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=8),
-        logprobs=rayturn_pb2.Logprobs(token_logprobs=[-0.5, -0.25]),
+        usage=rayturn_pb2.Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=8, kv_store_tokens=4),
+        logprobs=rayturn_pb2.Logprobs(
+            token_logprobs=[-0.5, -0.25],
+            top_logprobs=[
+                rayturn_pb2.TopLogprobs(
+                    alternatives=[
+                        rayturn_pb2.TokenLogprob(token_id=5, text="\ufffd", logprob=-0.5, token_bytes=b"\xc3")
+                    ]
+                ),
+                rayturn_pb2.TopLogprobs(),
+            ],
+        ),
+        tool_calls=[rayturn_pb2.ToolCall(id="call_1", name="open_file", arguments="{}")],
     )
     parsed = rayturn_pb2.GenerateResponse.FromString(response.SerializeToString())
     assert parsed == response

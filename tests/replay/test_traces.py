@@ -122,6 +122,14 @@ def test_weka_turns_and_gaps(tmp_path: Path) -> None:
     assert think[0].end_s == 100.0
 
 
+def test_an_async_subagent_without_a_duration_starts_at_its_entry(tmp_path: Path) -> None:
+    """kv-cache-tester records a sub-agent launched in the background with ``duration_ms: null``."""
+    trace = weka_trace()
+    trace["requests"][1] |= {"t": 12.5, "duration_ms": None, "status": "async_launched"}
+    (conversation,) = read_trace(write(tmp_path / "c.json", trace))
+    assert [call.arrival_s for call in conversation.calls if call.subagent_id] == [12.5, 18.5]
+
+
 def test_first_turn_opens_with_the_first_call_even_without_a_user_message() -> None:
     calls = (Call(0.0, 10, 1, "tool_continuation", duration_s=1.0), Call(5.0, 10, 1, "user", duration_s=1.0))
     conversation = Conversation("c", "weka", calls)

@@ -1,0 +1,54 @@
+"""What a call produced, folded from its steps as they pass: each completion's output, and the call's counts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayturn.engine.sequence import TokenLogprob
+from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
+
+from .bodies import usage
+
+
+@dataclass
+class CompletionState:
+    """One completion's accumulated output, for non-streaming answers and usage."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # The decode replica's split of the text into prose and tool calls (calls that offered tools).
+    tool_parse: list[ToolCallDelta] = field(default_factory=list)
+
+    def parsed_tool_calls(self) -> ParsedToolCalls | None:
+        """The whole text's prose and tool calls as the replica split it, or None when it did not."""
+        if not self.tool_parse:
+            return None
+        content = "".join(piece.content for piece in self.tool_parse)
+        calls = tuple(call for piece in self.tool_parse for call in piece.tool_calls)
+        return ParsedToolCalls(content=content or None, tool_calls=calls)
+
+
+@dataclass
+class CallResult:
+    completions: dict[int, CompletionState]
+    request_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    loaded_tokens: int = 0
+    path: str = "local"
+    replica_id: str | None = None
+    session: Mapping[str, Any] | None = None  # the decode replica's view of the session at arrival
+    # Each prompt token's logprob (the first None), for a call that asked for them.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions.values())
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)

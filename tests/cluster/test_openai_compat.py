@@ -1,0 +1,339 @@
+"""What a vLLM user's tools expect of the OpenAI API, against a real ``rayturn serve`` (the command, as a user
+starts it) with the official ``openai`` client.
+
+Scores and answers are checked against ``transformers`` on the same weights: an echoed prompt's logprobs equal
+the log-softmax of the model's logits at each position, and greedy answers with a repetition penalty equal
+``generate(repetition_penalty=...)`` token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rayturn.engine.presets import preset_dir  # noqa: E402
+from rayturn.engine.tokenizer import Tokenizer  # noqa: E402
+
+HTTP_PORT, GRPC_PORT = 18581, 19581
+BASE = f"http://127.0.0.1:{HTTP_PORT}"
+STARTUP_TIMEOUT_S = 240.0
+THRESHOLD = 64  # prompts this long go to the prefill pool, unless they ask for prompt logprobs
+CONFIG = f"""\
+model:
+  num_pages: 512
+prefill:
+  num_cpus: 0.25
+decode:
+  num_cpus: 0.25
+kvstore:
+  segment_bytes: 32MiB
+router:
+  disaggregation_threshold_tokens: {THRESHOLD}
+"""
+PROMPT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
+LONG_PROMPT = "Refactor this module: " + "def f(x): return x + 1\n" * 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("serve")
+    config = directory / "rayturn.yaml"
+    config.write_text(CONFIG)
+    log = directory / "serve.log"
+    script = Path(sys.executable).with_name("rayturn")
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cli"]
+    command += ["serve", "--model", "tiny", "--config", str(config)]
+    command += ["--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy():
+            assert process.poll() is None, f"rayturn serve exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"rayturn serve did not start:\n{log.read_text()}"
+            time.sleep(0.5)
+        yield BASE
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _healthy() -> bool:
+    try:
+        response = requests.get(f"{BASE}/health", timeout=5)
+    except requests.RequestException:
+        return False
+    return response.status_code == 200 and response.json()["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(preset_dir("tiny"))
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(preset_dir("tiny"), torch_dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_prompt_logprobs(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)  # row p scores token p + 1
+
+
+# ---------------------------------------------------------------- the model field, models, routes
+
+
+@pytest.mark.parametrize("model", ["", None], ids=["empty", "missing"])
+def test_an_empty_or_missing_model_selects_the_served_one(server: str, model: str | None) -> None:
+    body: dict[str, Any] = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    if model is not None:
+        body["model"] = model
+    response = requests.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "tiny"
+
+
+def test_the_model_card_names_the_context(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    card = client.models.retrieve("tiny")
+    config = json.loads((preset_dir("tiny") / "config.json").read_text())
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "rayturn")
+    assert card.model_extra is not None and card.model_extra["max_model_len"] == config["max_position_embeddings"]
+    assert [model.id for model in client.models.list()] == ["tiny"]
+    assert client.models.list().data[0].model_extra == card.model_extra
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body is not None and "no-such-model" in caught.value.body["message"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("POST", "/v1/embeddingz", 404), ("GET", "/v1/completions", 405)]
+)
+def test_unknown_routes_answer_in_openais_error_shape(server: str, method: str, path: str, status: int) -> None:
+    response = requests.request(method, f"{server}{path}", json={}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert path in error["message"] and error["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- completions: echo and batches
+
+
+def test_echo_scores_the_prompt_as_transformers_does(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any
+) -> None:
+    """What log-likelihood evaluation sends: echo, logprobs, no generation. A prompt past the disaggregation
+    threshold still scores every position (it is computed where the scores are read)."""
+    for prompt in (PROMPT, LONG_PROMPT):
+        token_ids = tokenizer.encode(prompt)
+        assert (len(token_ids) >= THRESHOLD) == (prompt is LONG_PROMPT)
+        response = client.completions.create(
+            model="tiny", prompt=prompt, echo=True, logprobs=3, max_tokens=0, temperature=0
+        )
+        choice = response.choices[0]
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert response.usage is not None
+        assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(token_ids), 0)
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+        assert len(logprobs.token_logprobs) == len(token_ids)
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        expected = _hf_prompt_logprobs(hf_model, token_ids)
+        for position in range(1, len(token_ids)):
+            want = expected[position - 1, token_ids[position]].item()
+            assert math.isclose(logprobs.token_logprobs[position], want, rel_tol=1e-4, abs_tol=1e-4)
+            top = logprobs.top_logprobs[position]
+            assert len(top) >= 3
+            best = sorted(top.values(), reverse=True)[:3]
+            want_top = expected[position - 1].topk(3).values.tolist()
+            assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(best, want_top))
+        assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+
+
+def test_prompt_logprobs_come_back_in_vllms_form(client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any) -> None:
+    token_ids = tokenizer.encode(PROMPT)
+    response = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    scored = response.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(scored) == len(token_ids) and scored[0] is None
+    expected = _hf_prompt_logprobs(hf_model, token_ids)
+    for position in range(1, len(token_ids)):
+        entry = scored[position][str(token_ids[position])]
+        assert math.isclose(entry["logprob"], expected[position - 1, token_ids[position]].item(), abs_tol=1e-4)
+        ranked = sorted((e for e in scored[position].values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2]
+
+
+def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    plain_logprobs, echoed_logprobs = plain.choices[0].logprobs, echoed.choices[0].logprobs
+    assert plain_logprobs is not None and echoed_logprobs is not None
+    assert echoed_logprobs.tokens is not None and plain_logprobs.tokens is not None
+    num_prompt = len(tokenizer.encode(PROMPT))
+    assert echoed_logprobs.tokens[num_prompt:] == plain_logprobs.tokens
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == echoed.choices[0].text
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    prompts: list[Any] = ["Once upon a time", tokenizer.encode("The answer is"), "x = [1, 2,"]
+    alone = [
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0).choices[0].text
+        for prompt in prompts
+    ]
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [choice.index for choice in batch.choices] == list(range(6))
+    assert [choice.text for choice in batch.choices] == [text for text in alone for _ in range(2)]
+    assert batch.usage is not None
+    assert batch.usage.prompt_tokens == sum(
+        len(p) if isinstance(p, list) else len(tokenizer.encode(p)) for p in prompts
+    )
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[index] for index in range(3)] == alone
+    token_lists = client.completions.create(
+        model="tiny", prompt=[tokenizer.encode(p) for p in ("ab", "cd")], max_tokens=3, temperature=0
+    )
+    assert len(token_lists.choices) == 2
+
+
+def test_one_bad_prompt_in_a_batch_names_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=["fine", [1, 10**6]], max_tokens=3)
+    assert caught.value.param == "prompt[1]"  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- sampling extensions
+
+
+def test_repetition_penalty_matches_transformers(client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any) -> None:
+    token_ids = tokenizer.encode(PROMPT)
+    for penalty in (1.5, 0.7):
+        # transformers' own processor, step by step, so EOS is neither masked nor a stop (``ignore_eos``).
+        processor = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+        sequence = torch.tensor([token_ids])
+        with torch.no_grad():
+            for _ in range(12):
+                scores = processor(sequence, hf_model(sequence).logits[:, -1].float())
+                sequence = torch.cat([sequence, scores.argmax(-1, keepdim=True)], dim=1)
+        expected = sequence[0, len(token_ids) :].tolist()
+        response = client.completions.create(
+            model="tiny",
+            prompt=token_ids,
+            max_tokens=12,
+            temperature=0,
+            logprobs=0,
+            extra_body={"repetition_penalty": penalty, "ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        logprobs = response.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens is not None
+        assert [int(token.removeprefix("token_id:")) for token in logprobs.tokens] == expected
+
+
+def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    first = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert first.choices[0].logprobs is not None and first.choices[0].logprobs.tokens is not None
+    first_token = int(first.choices[0].logprobs.tokens[0].removeprefix("token_id:"))
+    stopped = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [first_token]}
+    )
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    held = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [first_token], "min_tokens": 5},
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= 5
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    for seed in (1, 2):
+        only_the_best = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed, extra_body={"min_p": 1.0}
+        )
+        assert only_the_best.choices[0].text == greedy.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("use_beam_search", True), ("guided_json", {"type": "object"}), ("bad_words", ["x"]), ("logit_bias", {"5": 3})],
+)
+def test_fields_not_supported_are_refused_by_name(client: openai.OpenAI, field: str, value: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={field: value})
+    assert caught.value.param == field  # type: ignore[attr-defined]
+    assert f"'{field}'" in caught.value.message
+
+
+# ---------------------------------------------------------------- logprob tokens
+
+
+def test_logprob_tokens_carry_their_raw_bytes_and_alternatives_never_collide(
+    client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    """The tiny model's tokens are single bytes; those past ASCII are half characters, all decoding to U+FFFD."""
+    completion = client.completions.create(model="tiny", prompt="héllo wörld", max_tokens=4, temperature=0, logprobs=20)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs is not None
+    assert all(len(top) == 20 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "héllo"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=20,
+    )
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None
+    for entry in content.content:
+        assert len({top.token for top in entry.top_logprobs}) == 20
+        for top in [entry, *entry.top_logprobs]:
+            assert top.bytes is not None and len(top.bytes) >= 1
+            raw = bytes(top.bytes)
+            try:
+                assert top.token == raw.decode("utf-8")
+            except UnicodeDecodeError:
+                assert top.token == "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
