@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 
-from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import token_display
 from rayturn.messages import Call
 from rayturn.protos import SERVICER_FUNCTION
@@ -36,7 +35,7 @@ from .errors import APIError, authentication_failed, client_error, invalid_reque
 from .grpc_request import RawPrompt, parse_generate_request
 from .grpc_stream import GrpcStream
 from .pipeline import CallPipeline, chain_steps, new_request_id
-from .protocol import ChatRequest, SamplingSpec, to_sampling_params
+from .protocol import ChatRequest
 from .session import (
     LifecycleHints,
     lifecycle_hints,
@@ -130,29 +129,16 @@ class GrpcService:
     async def _raw_call(
         self, request_id: str, raw: RawPrompt, tenant: str, session_id: str | None, hints: LifecycleHints
     ) -> Call:
-        pipeline = self.pipeline
-        if isinstance(raw.prompt, str):
-            prompt_ids = await pipeline.text_prompt(raw.prompt, param=raw.param)
-        else:
-            prompt_ids = raw.prompt
-        # Before walking the ids: a million of them are refused by their count alone.
-        params = self._params(raw.sampling, prompt_ids, raw.param)
-        try:
-            pipeline.check_prompt_ids(prompt_ids)
-        except ValueError as err:
-            raise invalid_request(f"Invalid '{raw.param}': {err}", param=raw.param) from err
-        return await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
-
-    def _params(self, sampling: SamplingSpec, prompt_ids: list[int], prompt_param: str) -> SamplingParams:
         """Unset ``max_tokens`` may fill the rest of the context."""
-        return to_sampling_params(
-            sampling,
-            default_max_tokens=self.pipeline.max_model_len,
-            prompt_tokens=len(prompt_ids),
-            max_model_len=self.pipeline.max_model_len,
-            prompt_param=prompt_param,
+        pipeline = self.pipeline
+        prompt_ids, params = await pipeline.raw_prompt(
+            raw.prompt,
+            raw.sampling,
+            param=raw.param,
+            default_max_tokens=pipeline.max_model_len,
             max_tokens_param="sampling.max_tokens",
         )
+        return await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
 
     def _stream(self, call: Call, parsed: ChatRequest | RawPrompt) -> GrpcStream:
         params = call.params

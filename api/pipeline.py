@@ -16,14 +16,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from rayturn.engine.config import ModelConfig
 from rayturn.engine.llm_engine import model_identity
 from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.prefix_pins import Retention
-from rayturn.engine.presets import PRESETS, preset_dir
+from rayturn.engine.presets import resolve_model_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
@@ -36,7 +35,7 @@ from .errors import client_error, invalid_request, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
-from .protocol import CachePoint, ChatRequest, to_sampling_params
+from .protocol import CachePoint, ChatRequest, SamplingSpec, to_sampling_params
 from .request_limits import PromptBudget, off_loop
 from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
@@ -102,7 +101,7 @@ class CallPipeline:
         self.prefill = prefill
         self.store_nodes = store_nodes
         model = settings.model
-        model_dir = preset_dir(model) if model in PRESETS else Path(model)
+        model_dir = resolve_model_dir(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.token_bytes = TokenBytes(self.tokenizer.backend)
         self.model_root = model
@@ -176,12 +175,32 @@ class CallPipeline:
         self.budget.check(text, param=param)
         return await off_loop(len(text), lambda: self.tokenizer.encode(text))
 
-    def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
+    async def raw_prompt(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingSpec,
+        *,
+        param: str,
+        default_max_tokens: int,
+        max_tokens_param: str = "max_tokens",
+    ) -> tuple[list[int], SamplingParams]:
+        """A prompt given as text or token ids (no chat template): its ids and its sampling; 400 naming
+        ``param`` when it cannot fit or holds an id the vocabulary lacks."""
+        prompt_ids = await self.text_prompt(prompt, param=param) if isinstance(prompt, str) else list(prompt)
+        # The length first: a prompt of a million ids is refused without walking them.
+        params = to_sampling_params(
+            sampling,
+            default_max_tokens=default_max_tokens,
+            prompt_tokens=len(prompt_ids),
+            max_model_len=self.max_model_len,
+            prompt_param=param,
+            max_tokens_param=max_tokens_param,
+        )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if not prompt_ids or bad:
+            problem = f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}" if bad else "it is empty"
+            raise invalid_request(f"Invalid '{param}': {problem}.", param=param)
+        return prompt_ids, params
 
     # -- the call ---------------------------------------------------------
 

@@ -51,9 +51,11 @@ def replica_headers(result: CallResult) -> dict[str, str]:
     return headers
 
 
-def sse_response(events: AsyncIterator[str], result: CallResult) -> StreamingResponse:
+def sse_response(
+    events: AsyncIterator[str], result: CallResult, headers: Mapping[str, str] | None = None
+) -> StreamingResponse:
     # The first step has arrived before the response starts, so the replica is known.
-    headers = {"Cache-Control": "no-cache", **replica_headers(result)}
+    headers = {"Cache-Control": "no-cache", **(headers or {}), **replica_headers(result)}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 

@@ -37,7 +37,7 @@ from .bodies import (
 from .completion_request import CompletionRequest, parse_completion_request
 from .errors import invalid_request, server_error
 from .pipeline import NO_STEP, CallResult, chain_steps
-from .protocol import JSON, to_sampling_params
+from .protocol import JSON
 from .request_limits import off_loop
 from .serving import HTTPServing, replica_headers, sse_response, stream_failure
 from .streaming import SSE_DONE, sse
@@ -115,27 +115,14 @@ class ServingCompletion(HTTPServing):
 
     async def _prepare(self, spec: CompletionRequest, index: int, prompt: str | tuple[int, ...]) -> _Prompt:
         param = spec.param(index)
-        if isinstance(prompt, str):
-            token_ids = await self.pipeline.text_prompt(prompt, param=param)
-        else:
-            token_ids = list(prompt)
-        # The length first: a prompt of a million ids is refused without walking them.
         sampling = spec.sampling
         if not spec.generates:  # scoring only: the engine draws one token, which the answer leaves out
             sampling = dataclasses.replace(sampling, max_tokens=1)
-        if sampling.prompt_logprobs is not None:
-            _check_score_size(len(token_ids), sampling.prompt_logprobs, param)
-        params = to_sampling_params(
-            sampling,
-            default_max_tokens=DEFAULT_MAX_TOKENS,
-            prompt_tokens=len(token_ids),
-            max_model_len=self.pipeline.max_model_len,
-            prompt_param=param,
+        token_ids, params = await self.pipeline.raw_prompt(
+            prompt, sampling, param=param, default_max_tokens=DEFAULT_MAX_TOKENS
         )
-        try:
-            self.pipeline.check_prompt_ids(token_ids)
-        except ValueError as err:
-            raise invalid_request(str(err), param=param) from err
+        if params.prompt_logprobs is not None:
+            _check_score_size(len(token_ids), params.prompt_logprobs, param)
         text = prompt if isinstance(prompt, str) else ""
         if spec.echo and not isinstance(prompt, str):
             skip = spec.sampling.skip_special_tokens

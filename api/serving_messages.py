@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rayturn.engine.tool_calls import ToolCall
 
@@ -37,7 +37,7 @@ from .bodies import assistant_output
 from .errors import RETRY_AFTER_S, client_error, outcome
 from .pipeline import CallResult, CompletionState, Steps, chain_steps
 from .protocol import JSON
-from .serving import HTTPServing, replica_headers
+from .serving import HTTPServing, replica_headers, sse_response
 from .session import classify_call
 
 API = "messages"
@@ -63,9 +63,8 @@ class ServingMessages(HTTPServing):
                 call=classify_call(body["messages"]),  # tool_result blocks: a tool continuation
             )
             if chat.stream:
-                headers = {"Cache-Control": "no-cache", REQUEST_ID_HEADER: request_id, **replica_headers(result)}
                 events = self._stream(parsed, steps, first, result)
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+                return sse_response(events, result, {REQUEST_ID_HEADER: request_id})
             async for _ in chain_steps(first, steps):
                 pass
         except Exception as err:

@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -67,10 +66,6 @@ def model_path(config: ClusterConfig) -> str:
     becomes its snapshot in this machine's cache, which other nodes must see at the same path, as any
     directory), checked here so that a bad ``model.name`` fails before anything starts."""
     return resolve_model(config.model.name)
-
-
-def model_dir(config: ClusterConfig) -> Path:
-    return resolve_model_dir(config.model.name)
 
 
 def store_membership(config: ClusterConfig) -> StoreMembership:

@@ -31,7 +31,6 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from rayturn.replay.agent_client import drive
@@ -50,14 +49,11 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 
 
 def context_tokens(model: str) -> int:
-    from rayturn.engine.presets import PRESETS
+    from rayturn.engine.presets import PRESETS, resolve_model_dir
 
     if model in PRESETS:
         return PRESETS[model].max_position_embeddings
-    config_file = Path(model) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
-    return int(json.loads(config_file.read_text())["max_position_embeddings"])
+    return int(json.loads((resolve_model_dir(model) / "config.json").read_text())["max_position_embeddings"])
 
 
 def cluster_overrides(system: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -19,12 +19,10 @@ class Vocabulary:
 def model_vocabulary(model: str, max_model_len: int | None = None) -> Vocabulary:
     """A preset's or model directory's plain token ids and context (capped at ``max_model_len``)."""
     from rayturn.engine.config import ModelConfig
-    from rayturn.engine.presets import PRESETS, preset_dir
+    from rayturn.engine.presets import resolve_model_dir
     from rayturn.engine.tokenizer import Tokenizer
 
-    model_dir = preset_dir(model) if model in PRESETS else Path(model)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
+    model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
     backend = Tokenizer.from_dir(model_dir).backend
     special = set(backend.get_added_tokens_decoder())
