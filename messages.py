@@ -33,6 +33,29 @@ NextStep = Literal["tool", "user"]
 PrefillPath = Literal["local", "disaggregated"]
 
 
+class ReplicaAtCapacity(Exception):
+    """A decode replica refused a call that starts a turn: its share of the replica's slots is taken
+    (``rayturn.decode.admission``). The ingress answers 429 / RESOURCE_EXHAUSTED, to be retried."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """What a completion had streamed when its decode replica died: the next replica decodes on after it.
+
+    ``text_pieces`` are the texts of the deltas as they arrived, so a replica
+    that splits the answer into prose and tool calls reaches the same state by
+    taking the same pieces in the same order.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    text_pieces: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     """One generation call, as the decode pool (and a prefill replica) receives it."""
@@ -58,6 +81,9 @@ class Call:
     # The offered tools (OpenAI function-tool objects), for tool-call formats whose argument values are typed by
     # the tool's schema (Qwen3-Coder's XML parameters); empty for the formats that do not need them.
     tool_specs: tuple[Mapping[str, Any], ...] = ()
+    # A call whose decode replica died mid-stream, sent again: what its one completion had streamed
+    # (``rayturn.api.resume``); None for a call's first send.
+    resume: ResumePoint | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 from rayturn.engine.tool_calls import TOOL_CALL_ID_PREFIX, ToolCall
 
 from .errors import APIError
+from .json_fields import json_in_text
 from .protocol import JSON
 
 TOOL_USE_ID_PREFIX = "toolu_"
@@ -39,6 +40,7 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     OVERLOADED_STATUS: "overloaded_error",
 }
@@ -85,10 +87,7 @@ def tool_use_block(call: ToolCall, *, streaming: bool = False) -> JSON:
 
 
 def _input(call: ToolCall) -> Any:
-    try:
-        value = json.loads(call.arguments)
-    except json.JSONDecodeError:
-        return {}
+    value = json_in_text(call.arguments)
     return value if isinstance(value, dict) else {}
 
 

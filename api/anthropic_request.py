@@ -41,12 +41,11 @@ not apply to an open-weight model or are rayturn's to decide (caching).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from .errors import invalid_request, unsupported
-from .json_fields import Fields, body_fields, range_error, type_error
+from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .protocol import JSON, CachePoint, ChatRequest, SamplingSpec, ToolChoice, model_field
 
 MAX_TOOLS = 128
@@ -335,10 +334,7 @@ def _metadata_session(fields: Fields) -> str | None:
     user_id = metadata.string("user_id")
     if not user_id:
         return None
-    try:
-        value = json.loads(user_id)
-    except json.JSONDecodeError:
-        value = None
+    value = json_in_text(user_id)
     if isinstance(value, dict) and isinstance(value.get("session_id"), str) and value["session_id"]:
         return str(value["session_id"])
     legacy = _LEGACY_SESSION.search(user_id)

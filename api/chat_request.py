@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .errors import invalid_request, unsupported
-from .json_fields import Fields, body_fields, range_error, type_error
+from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .protocol import (
     JSON,
     ChatRequest,
@@ -183,10 +182,7 @@ def _assistant_tool_calls(fields: Fields) -> list[JSON] | None:
 
 def decoded_arguments(arguments: str) -> JSON | str:
     """A JSON-object argument string as a dict; anything else (models emit bad JSON) stays a string."""
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
+    value = json_in_text(arguments)
     return value if isinstance(value, dict) else arguments
 
 

@@ -124,4 +124,4 @@ def _token_ids(prompt: list[object], param: str) -> tuple[int, ...]:
     for index, token_id in enumerate(prompt):
         if not is_integer(token_id) or token_id < 0:  # type: ignore[operator]
             raise range_error(f"{param}[{index}]", "a non-negative integer token id", token_id)
-    return tuple(prompt)  # type: ignore[arg-type]
+    return tuple(int(token_id) for token_id in prompt)  # type: ignore[call-overload]

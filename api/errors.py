@@ -7,7 +7,10 @@ process id and node. That belongs in the operator's log, not in an answer:
 the client gets a 503 that says to retry (``Retry-After`` on HTTP,
 UNAVAILABLE on gRPC), and the log line carries the details under the call's
 request id. A replica refusing the call (its engine's ``ValueError``) stays a
-400 with the engine's reason, and a full decode queue a 429.
+400 with the engine's reason; a full decode queue, or a decode replica
+refusing a new turn to keep room for tool continuations
+(``ReplicaAtCapacity``), a 429 with ``Retry-After`` (gRPC:
+RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from rayturn.messages import ReplicaAtCapacity
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +123,15 @@ def client_error(err: BaseException, request_id: str) -> APIError:
     """What the client is told about ``err``, raised while its call was served; the details go to the log."""
     if isinstance(err, APIError):
         return err
-    if isinstance(err, BackPressureError):
+    cause = err.cause if isinstance(err, RayTaskError) else err
+    if isinstance(err, BackPressureError) or isinstance(cause, ReplicaAtCapacity):
         return rate_limited("rayturn is at capacity; retry shortly")
     reason = refused_reason(err)
     if reason is not None:
         return invalid_request(reason, param=None)
+    if isinstance(err, RecursionError):  # only a request's own nesting runs the ingress out of stack
+        message = "The request nests too deeply to process (arrays, objects or schemas within each other)."
+        return invalid_request(message, param=None, code="json_too_deep")
     if isinstance(err, RayError | DeploymentUnavailableError):
         logger.warning("request %s: a replica failed: %s: %s", request_id, type(err).__name__, err)
         return replica_unavailable()

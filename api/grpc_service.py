@@ -3,7 +3,8 @@
 Serve's gRPC proxy calls the ingress deployment's ``Generate``, ``Prewarm``
 and ``Health``, which hand over to ``GrpcService``. Every method checks the
 caller's key first (``authorization: Bearer <key>`` or ``x-api-key``
-metadata) when keys are set: UNAUTHENTICATED otherwise. Errors set the
+metadata) when keys are set: UNAUTHENTICATED otherwise; then that its
+request message decoded (``grpc_decoding``): INVALID_ARGUMENT otherwise. Errors set the
 status on the context and raise, which Serve turns into that status:
 INVALID_ARGUMENT for bad input, RESOURCE_EXHAUSTED for a full queue,
 UNAVAILABLE for a failed replica (retry), never Ray's own error text.
@@ -28,10 +29,10 @@ import grpc
 
 from rayturn.engine.token_bytes import token_display
 from rayturn.messages import Call
-from rayturn.protos import SERVICER_FUNCTION
 from rayturn.protos import rayturn_pb2 as pb
 
 from .errors import APIError, authentication_failed, client_error, invalid_request, outcome
+from .grpc_decoding import SERVICER_FUNCTION, UndecodableRequest, decoded
 from .grpc_request import RawPrompt, parse_generate_request
 from .grpc_stream import GrpcStream
 from .pipeline import CallPipeline, chain_steps, new_request_id
@@ -88,11 +89,14 @@ class GrpcService:
             raise authentication_failed()
         return tenant
 
-    async def generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest | UndecodableRequest, grpc_context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
         pipeline = self.pipeline
         request_id = new_request_id()
         try:
             tenant = self._tenant(grpc_context)
+            request = decoded(request)
             metadata = _metadata(grpc_context)
             try:
                 hints = lifecycle_hints(metadata)
@@ -155,10 +159,11 @@ class GrpcService:
         """A token as logprob answers name it: its text, or ``bytes:\\x..`` for part of a character."""
         return token_display(self.pipeline.token_bytes(token_id))
 
-    async def prewarm(self, request: Any, grpc_context: Any) -> Any:
+    async def prewarm(self, request: pb.PrewarmRequest | UndecodableRequest, grpc_context: Any) -> Any:
         request_id = new_request_id()
         try:
             tenant = self._tenant(grpc_context)
+            request = decoded(request)
             try:
                 session_id = required_session_id(
                     request.session_id.strip() or session_id_from_grpc_metadata(_metadata(grpc_context)), "session_id"
@@ -171,9 +176,10 @@ class GrpcService:
         self.pipeline.telemetry.requests.labels("grpc_prewarm", "ok").inc()
         return pb.PrewarmResponse(state=answer.state, replica_id=answer.replica_id or "")
 
-    async def health(self, request: Any, grpc_context: Any) -> Any:
+    async def health(self, request: pb.HealthRequest | UndecodableRequest, grpc_context: Any) -> Any:
         try:
             self._tenant(grpc_context)
+            decoded(request)
         except APIError as err:
             raise self._fail(grpc_context, "grpc_health", err) from None
         status, body = await self.pipeline.health(detailed=True)

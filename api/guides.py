@@ -73,7 +73,7 @@ class GuideMaker:
         guide = Guide.json_schema(form["json_schema"]["schema"])
         try:
             check_guide(guide)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
             raise invalid_request(
                 f"Invalid 'response_format.json_schema.schema': {err}", param="response_format"
             ) from err
@@ -87,11 +87,11 @@ class GuideMaker:
             return guide
         # Mistral's tags are special tokens; the other formats' tags match as text.
         token_id = self.tokenizer.token_to_id if self.parser == "mistral" else None
-        closed = [_closed_tool(tool) for tool in tools]
         try:
+            closed = [_closed_tool(tool) for tool in tools]
             guide = Guide.lark(forced_call_grammar(self.parser, closed, parallel=parallel, token_id=token_id))
             check_guide(guide)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
             raise invalid_request(f"Cannot force a call of these tools: {err}", param="tools") from err
         self._grammars[key] = guide
         if len(self._grammars) > MAX_CACHED_GRAMMARS:

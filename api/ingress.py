@@ -13,6 +13,10 @@ per-step deltas back as SSE or gRPC messages. Each API is one module:
 error shape of its API (gRPC: INVALID_ARGUMENT) and never reaches a replica; a
 full decode queue answers 429, a failed replica 503 (Anthropic: 529).
 
+``GET /openapi.json`` is the HTTP APIs' OpenAPI document with the request
+schemas of every route (``openapi``); it names the served model, so it asks
+for a key when keys are set, as ``/v1/models`` does.
+
 Every HTTP answer from the decode pool carries the header ``x-rayturn-replica``:
 the Serve id of the decode replica that served the call, so clients and tests
 can see where a session's calls land.
@@ -31,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .bodies import model_card, models_list
 from .errors import APIError, invalid_request, model_not_found, route_not_found
 from .grpc_service import GrpcService
+from .openapi import openapi_document
 from .pipeline import CallPipeline, new_request_id
 from .serving import REPLICA_HEADER, HTTPServing
 from .serving_chat import ServingChat
@@ -64,6 +69,7 @@ class Ingress:
         self.responses = ServingResponses(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())
+        self.openapi = openapi_document(self.pipeline.served_model, self.pipeline.vocab_size)
 
     # -- gRPC (Serve's gRPC proxy calls these by name) ----------------------
 
@@ -131,6 +137,14 @@ class Ingress:
         return model_card(
             pipeline.served_model, self.created, root=pipeline.model_root, max_model_len=pipeline.max_model_len
         )
+
+    @app.get("/openapi.json")
+    async def openapi_json(self, request: Request) -> JSONResponse:
+        try:
+            self.http.authorize(request)
+        except APIError as err:
+            return self.http.failure("openapi", err, new_request_id())
+        return JSONResponse(self.openapi)
 
     @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
     async def prewarm(self, session_id: str, request: Request) -> JSONResponse:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import APIError, invalid_request
+
+# Every integer field is an int64 at most, what protobuf, torch and the engine hold; past it, a 400.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Fields:
@@ -50,14 +54,14 @@ class Fields:
             raise type_error(self.path(key), "a boolean", value)
         return value
 
-    def integer(self, key: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    def integer(self, key: str, *, minimum: int = INT64_MIN, maximum: int = INT64_MAX) -> int | None:
         value = self.raw(key)
         if value is None:
             return None
         if not is_integer(value):
             raise type_error(self.path(key), "an integer", value)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            raise range_error(self.path(key), f"an integer {_bounds(minimum, maximum)}", value)
+        if not minimum <= value <= maximum:
+            raise range_error(self.path(key), f"an integer {_bounds(minimum, maximum, value)}", value)
         return int(value)
 
     def number(self, key: str, *, minimum: float, maximum: float, exclusive_minimum: bool = False) -> float | None:
@@ -85,7 +89,19 @@ class Fields:
         return value
 
 
+def json_in_text(text: str) -> object | None:
+    """The JSON value a string field holds (tool-call arguments, Claude Code's ``metadata.user_id``), or None
+    when it holds none: not JSON, or nested too deeply for the parser (a 400 is the caller's to raise)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def is_integer(value: object) -> bool:
+    """An integer as JSON (and JSON Schema) means it: ``2`` and ``2.0`` alike; ``int(value)`` reads it."""
+    if isinstance(value, float):
+        return math.isfinite(value) and value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -93,10 +109,13 @@ def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _bounds(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f"in [{minimum}, {maximum}]"
-    return f">= {minimum}" if minimum is not None else f"<= {maximum}"
+def _bounds(minimum: int, maximum: int, value: float) -> str:
+    """The bounds ``value`` breaks, as the field's error names them (the int64 ones only when broken)."""
+    if maximum == INT64_MAX and value < minimum:
+        return f">= {minimum}"
+    if minimum == INT64_MIN and maximum != INT64_MAX:
+        return f"<= {maximum}"
+    return f"in [{minimum}, {maximum}]"
 
 
 def json_type(value: object) -> str:

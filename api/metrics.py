@@ -37,6 +37,12 @@ class IngressMetrics:
             "rayturn_prompt_tokens", "Prompt tokens by where their KV came from", ["source"], registry=self.registry
         )
         self.completion_tokens = Counter("rayturn_completion_tokens", "Generated tokens", registry=self.registry)
+        self.replica_losses = Counter(
+            "rayturn_replica_losses",
+            "Calls whose decode replica died, by what followed: retried, resumed, finished (nothing lost), failed",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.session_returns = Counter(
             "rayturn_session_returns",
             "Calls that start a new turn of a known session, by the session's KV state at arrival",

@@ -5,6 +5,7 @@
     token ids ------> serve request          (page hashes computed once, salted by the tenant)
     serve request --> decode pool            (KV-aware routing on those hashes)
     per-step deltas --> folded into a CallResult as they pass to the API's own stream
+    a dead replica ---> the call sent again, resumed on another, or a retryable error (resume)
 
 The API modules own their wire formats; this module owns everything in
 between, so a call costs the same through every door.
@@ -31,12 +32,13 @@ from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnoun
 from rayturn.router.scoring import page_hash_key
 
 from .call_result import CallResult, CompletionState
-from .errors import client_error, invalid_request, server_error
+from .errors import client_error, invalid_request, replica_unavailable, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
 from .protocol import CachePoint, ChatRequest, SamplingSpec, to_sampling_params
 from .request_limits import PromptBudget, off_loop
+from .resume import CallResumer, replica_died
 from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
 from .tenants import presented_key
@@ -283,51 +285,76 @@ class CallPipeline:
         return result, steps, await first_step(steps, call.request_id)
 
     async def _steps(self, call: Call, result: CallResult) -> Steps:
-        """The decode pool's per-step deltas, folded into ``result`` as they pass."""
+        """The decode pool's per-step deltas, folded into ``result`` as they pass; a replica that dies mid-call
+        is replaced (``resume``): the call is sent again or resumed on another, or ends with a retryable error."""
         start = time.perf_counter()
         last = start
         first = True
-        generator = self.decode.generate.options(stream=True).remote(call)
+        resumer = CallResumer(call)
+        sent = call
+        generator = None
         done = False
         try:
-            async for step in generator:
-                assert isinstance(step, Step)
-                now = time.perf_counter()
-                if first:
-                    self.telemetry.ttft.labels(step.path).observe(now - start)
-                    first = False
-                else:
-                    self.telemetry.itl.observe(now - last)
-                last = now
-                result.prompt_tokens = step.prompt_tokens
-                result.cached_tokens = step.cached_tokens
-                result.loaded_tokens = step.loaded_tokens
-                result.path = step.path
-                result.replica_id = step.replica_id
-                if step.prompt_logprobs is not None:
-                    result.prompt_logprobs = step.prompt_logprobs
-                if step.session is not None:
-                    result.session = step.session
-                    self.telemetry.count_session(step.session)
-                for delta in step.deltas:
-                    if delta.finish_reason == GUIDE_BROKEN:
-                        # The engine met a token its guide refused: the answer is not what was asked, so no answer.
-                        raise server_error(f"The answer broke its required format (request id {call.request_id}).")
-                    state = result.completions.setdefault(delta.index, CompletionState())
-                    state.token_ids.extend(delta.token_ids)
-                    state.text += delta.text
-                    if delta.logprobs:
-                        state.logprobs.extend(delta.logprobs)
-                    state.finish_reason = delta.finish_reason
-                    state.stop_reason = delta.stop_reason
-                    state.tool_parse.extend(delta.tool_parse)
-                yield step.deltas
-            done = True
+            while True:
+                generator = self.decode.generate.options(stream=True).remote(sent)
+                try:
+                    async for step in generator:
+                        assert isinstance(step, Step)
+                        now = time.perf_counter()
+                        if first:
+                            self.telemetry.ttft.labels(step.path).observe(now - start)
+                            first = False
+                        else:
+                            self.telemetry.itl.observe(now - last)
+                        last = now
+                        self._fold(call, step, result)
+                        for delta in step.deltas:
+                            resumer.record(delta.index, delta.text)
+                        yield step.deltas
+                    done = True
+                    return
+                except Exception as err:
+                    generator.cancel()
+                    if not replica_died(err):
+                        raise
+                    loss = resumer.after_death(err, result)
+                    self.telemetry.replica_losses.labels(loss.outcome).inc()
+                    if loss.outcome == "failed":
+                        raise replica_unavailable() from err
+                    if loss.call is None:
+                        done = True
+                        return
+                    sent = loss.call
         finally:
-            if not done:
+            if not done and generator is not None:
                 generator.cancel()
             self.telemetry.e2e.observe(time.perf_counter() - start)
             self._count_tokens(result)
+
+    def _fold(self, call: Call, step: Step, result: CallResult) -> None:
+        """One step's counts and deltas into ``result``."""
+        result.prompt_tokens = step.prompt_tokens
+        result.cached_tokens = step.cached_tokens
+        result.loaded_tokens = step.loaded_tokens
+        result.path = step.path
+        result.replica_id = step.replica_id
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = step.prompt_logprobs
+        if step.session is not None:
+            result.session = step.session
+            self.telemetry.count_session(step.session)
+        for delta in step.deltas:
+            if delta.finish_reason == GUIDE_BROKEN:
+                # The engine met a token its guide refused: the answer is not what was asked, so no answer.
+                raise server_error(f"The answer broke its required format (request id {call.request_id}).")
+            state = result.completions.setdefault(delta.index, CompletionState())
+            state.token_ids.extend(delta.token_ids)
+            state.text += delta.text
+            if delta.logprobs:
+                state.logprobs.extend(delta.logprobs)
+            state.finish_reason = delta.finish_reason
+            state.stop_reason = delta.stop_reason
+            state.tool_parse.extend(delta.tool_parse)
 
     def _count_tokens(self, result: CallResult) -> None:
         local = result.cached_tokens - result.loaded_tokens

@@ -46,14 +46,17 @@ from typing import Any
 from rayturn.engine.sampling_params import SamplingParams
 
 from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
-from .json_fields import Fields, is_integer, range_error, type_error
+from .json_fields import INT64_MAX, INT64_MIN, Fields, is_integer, range_error, type_error
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Logits are divided by the temperature and by the repetition penalty; below this either one overflows them
+# to infinity (a temperature of 1e-300 is valid JSON). A smaller temperature is greedy, as vLLM treats it; a
+# smaller penalty acts as this one, whose effect is already total.
+MIN_LOGIT_DIVISOR = 1e-5
 _ENGINE_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
 
 JSON = dict[str, Any]
@@ -183,11 +186,14 @@ def to_sampling_params(
         raise invalid_request(message, param=max_tokens_param, code="context_length_exceeded")
     else:
         max_tokens = spec.max_tokens
+    temperature = 0.0 if 0 < spec.temperature < MIN_LOGIT_DIVISOR else spec.temperature
+    penalty = spec.repetition_penalty
+    repetition_penalty = MIN_LOGIT_DIVISOR if 0 < penalty < MIN_LOGIT_DIVISOR else penalty
     try:
         return SamplingParams(
             n=spec.n,
             max_tokens=max_tokens,
-            temperature=spec.temperature,
+            temperature=temperature,
             top_p=spec.top_p,
             top_k=spec.top_k,
             seed=spec.seed,
@@ -195,7 +201,7 @@ def to_sampling_params(
             stop_token_ids=spec.stop_token_ids,
             ignore_eos=spec.ignore_eos,
             logprobs=(spec.top_logprobs or 0) if spec.logprobs else None,
-            repetition_penalty=spec.repetition_penalty,
+            repetition_penalty=repetition_penalty,
             min_p=spec.min_p,
             min_tokens=spec.min_tokens,
             include_stop_str_in_output=spec.include_stop_str_in_output,
@@ -330,7 +336,7 @@ def _stop_token_ids(fields: Fields) -> tuple[int, ...]:
     for i, token_id in enumerate(values):
         if not is_integer(token_id) or token_id < 0:
             raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)
-    return tuple(values)
+    return tuple(int(token_id) for token_id in values)
 
 
 def include_usage(fields: Fields, stream: bool) -> bool:

@@ -25,7 +25,7 @@ from .bodies import TokenNames
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps
 from .protocol import ChatRequest
-from .request_limits import off_loop, parse_json, read_body
+from .request_limits import check_json_media_type, off_loop, parse_json, read_body
 from .session import (
     SESSION_STATE_HEADER,
     LifecycleHints,
@@ -80,7 +80,9 @@ class HTTPServing:
         return tenant
 
     async def json_body(self, request: Request) -> tuple[object, int]:
-        """The parsed body and its size in bytes; 413 past ``server.max_request_bytes``, 400 if not JSON."""
+        """The parsed body and its size in bytes; 415 unless sent as JSON, 413 past ``server.max_request_bytes``,
+        400 if not JSON."""
+        check_json_media_type(request.headers)
         raw = await read_body(request.headers, request.stream(), self.pipeline.max_request_bytes)
         return await off_loop(len(raw), lambda: parse_json(raw)), len(raw)
 

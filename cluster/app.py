@@ -57,8 +57,6 @@ _deployment: Any = serve.deployment
 
 APP_NAME = "rayturn"
 KV_NAMESPACE = "rayturn"
-# Requests a decode replica queues beyond its ongoing ones before callers get 429.
-MAX_QUEUED_REQUESTS = 256
 
 
 def model_path(config: ClusterConfig) -> str:
@@ -156,7 +154,6 @@ def build_app(config: ClusterConfig) -> Application:
         _deployment(DecodeServer).options(
             name="decode",
             request_router_config=router,
-            max_queued_requests=MAX_QUEUED_REQUESTS,
             **config.decode.serve_options(),
         ),
         model,
@@ -166,6 +163,7 @@ def build_app(config: ClusterConfig) -> Application:
         config.router.disaggregation_threshold_tokens,
         config.lifecycle,
         config.model.tool_call_parser,
+        config.decode.admission_limits(),
     )
     store_nodes = None
     kv = config.kvstore

@@ -36,6 +36,7 @@ import yaml
 
 from rayturn.api.settings import ServerSettings
 from rayturn.api.tenants import TENANT_NAME, TENANT_NAME_RULE
+from rayturn.decode.admission import AdmissionLimits
 from rayturn.decode.lifecycle.settings import LifecycleSettings
 from rayturn.engine.settings import ModelSettings
 from rayturn.kvstore.settings import KVStoreSettings
@@ -90,6 +91,11 @@ class PoolSpec:
     num_gpus: float = 0.0
     resources: Mapping[str, float] = field(default_factory=dict, hash=False)
     max_ongoing_requests: int = 64
+    # Calls the pool's callers queue beyond its replicas' ongoing ones; past it, 429 (decode) or, for the
+    # prefill pool, the decode replica prefilling the call itself.
+    max_queued_requests: int = 256
+    # The share of a decode replica's ongoing calls kept for calls that continue a turn (``decode.admission``).
+    continuation_reserve: float = 0.25
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     num_pages: int | None = None  # KV cache pages per replica of this pool; None: model.num_pages
 
@@ -113,6 +119,8 @@ class PoolSpec:
         check_at_least("num_gpus", self.num_gpus, 0)
         check_resources("resources", self.resources)
         check_at_least("max_ongoing_requests", self.max_ongoing_requests, 1)
+        check_at_least("max_queued_requests", self.max_queued_requests, 1)
+        self.admission_limits()  # checks continuation_reserve
 
     @property
     def autoscaled(self) -> bool:
@@ -127,10 +135,15 @@ class PoolSpec:
             options["resources"] = dict(self.resources)
         return options
 
+    def admission_limits(self) -> AdmissionLimits:
+        """What a decode replica of this pool admits (``rayturn.decode.admission``)."""
+        return AdmissionLimits(self.max_ongoing_requests, self.continuation_reserve)
+
     def serve_options(self) -> dict[str, Any]:
         """Ray Serve deployment options: a fixed ``num_replicas`` when min == max, else an ``autoscaling_config``."""
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
             "ray_actor_options": self.ray_actor_options(),
         }
         if not self.autoscaled:

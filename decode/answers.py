@@ -6,7 +6,9 @@ offered tools it also runs the model's tool-call parser (a
 ``rayturn.engine.tool_calls.ToolCallStream`` of its format) over each
 completion's text as it arrives, so the ingress formats the calls without
 parsing them again, and the session planner learns whether the answer called
-a tool (the agent will be back in seconds) from the same parse.
+a tool (the agent will be back in seconds) from the same parse. A call
+resumed after its replica died (``Call.resume``) starts from what the dead
+replica had sent.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from rayturn.engine import RequestOutput
 from rayturn.engine.outputs import CompletionOutput
 from rayturn.engine.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallDelta, ToolCallStream
-from rayturn.messages import Delta
+from rayturn.messages import Delta, ResumePoint
 
 
 @dataclass(slots=True)
@@ -44,17 +46,33 @@ class AnswerTracker:
         """What each completion gained since the last call: new token ids, text, logprobs, finish reason."""
         return tuple(delta for c in output.completions if (delta := self._delta(c)) is not None)
 
+    def resume(self, point: ResumePoint) -> None:
+        """Completion 0 already streamed ``point`` from a replica that died: send only what comes after it.
+
+        The tool-call split takes the streamed pieces as the dead replica did, so it holds what that one held.
+        """
+        sent = self._sent_for(0)
+        if sent.tool_calls is not None:
+            for piece in point.text_pieces:
+                sent.tool_calls.push(piece)
+        sent.tokens, sent.chars = len(point.token_ids), len(point.text)
+        sent.logprobs = len(point.logprobs) if point.logprobs is not None else 0
+
     def called_tools(self, index: int = 0) -> bool:
         """Whether completion ``index`` has called a tool (only a call that offered tools can)."""
         sent = self._sent.get(index)
         return sent is not None and sent.tool_calls is not None and bool(sent.tool_calls.tool_calls)
 
-    def _delta(self, completion: CompletionOutput) -> Delta | None:
-        sent = self._sent.get(completion.index)
+    def _sent_for(self, index: int) -> _Sent:
+        sent = self._sent.get(index)
         if sent is None:
             tools = list(self.tool_specs) or None
             tool_calls = ToolCallStream(self.tool_call_parser, tools) if self.tools else None
-            sent = self._sent[completion.index] = _Sent(tool_calls=tool_calls)
+            sent = self._sent[index] = _Sent(tool_calls=tool_calls)
+        return sent
+
+    def _delta(self, completion: CompletionOutput) -> Delta | None:
+        sent = self._sent_for(completion.index)
         finished = completion.finish_reason is not None
         new_tokens = completion.token_ids[sent.tokens :]
         new_text = completion.text[sent.chars :]

@@ -12,6 +12,15 @@ prompt's KV (conditional disaggregation):
   the store and returns the first token; this replica loads the pages
   straight into its cache and decodes on from that token.
 
+Failures around a call::
+
+    remote prefill --fails or times out--> prefilled here; the pool is left alone for PREFILL_BACKOFF_S
+    a call resumed after its replica died (``Call.resume``) --> prefilled here from the store's pages,
+        decoding on after the tokens already streamed (``rayturn.api.resume`` decides when)
+    Serve retires this replica --> ``__del__``: engine stopped, sessions' pages handed to other segments
+    this replica is killed ------> nothing runs: pages published to the store (every prompt's once it is
+        computed, every answer's at its finish) outlive it only on other segments (``kvstore.replicas``)
+
 Calls arrive as ``rayturn.messages.Call`` (tokens, sampling, tenant salt,
 session, the prompt's page hashes as the ingress computed them, the session
 life-cycle hints, whether the call offered tools); ``generate`` yields one
@@ -26,9 +35,11 @@ of it at arrival (``rayturn.decode.lifecycle``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import aclosing
 from typing import Any
 
 import ray
@@ -37,6 +48,7 @@ from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
@@ -44,6 +56,7 @@ from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, Se
 from rayturn.router.request_router import serve_replica_id
 from rayturn.router.scoring import routing_report
 
+from .admission import Admission, AdmissionLimits, continues_turn
 from .answers import AnswerTracker
 from .idle_work import DeferredJob, IdleWork
 from .lifecycle.planner import SessionPlanner
@@ -61,6 +74,17 @@ STORE_LOOKUP_MIN_TOKENS = 256
 # keeps one); the master writes at most one per SNAPSHOT_MIN_INTERVAL_S, whoever asks.
 IDLE_SNAPSHOT_EVERY_S = 5.0
 SNAPSHOT_MIN_INTERVAL_S = 2.0
+
+# A retiring replica hands its sessions' pages to the store for at most this long (Serve's
+# ``graceful_shutdown_timeout_s``, 20 s by default, bounds the whole shutdown).
+HAND_OFF_TIMEOUT_S = 10.0
+# A remote prefill gets this long plus PREFILL_TIMEOUT_S_PER_TOKEN for each token it computes; then it is
+# abandoned and the prompt prefilled here. A dead prefill replica fails its calls at once, but calls sent
+# while the pool has no live replica wait for a replacement, and a stuck replica never answers.
+PREFILL_TIMEOUT_S = 5.0
+PREFILL_TIMEOUT_S_PER_TOKEN = 1 / 2000
+# After a remote prefill failed, this replica prefills locally for this long before asking the pool again.
+PREFILL_BACKOFF_S = 5.0
 
 
 def connect_engine(
@@ -82,20 +106,43 @@ def connect_engine(
     return AsyncEngine(engine), client
 
 
+def output_prefix_of(
+    call: Call, first: PrefillAnswer | None
+) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...] | None]:
+    """The output a call's sequence starts with: what it streamed before its last replica died, else the
+    prefill replica's first token, else nothing."""
+    if call.resume is not None:
+        return call.resume.token_ids, call.resume.logprobs
+    if first is not None:
+        return first.token_ids, first.logprobs
+    return (), None
+
+
 def shut_down_replica(engine: AsyncEngine | None, kv_client: KVStoreClient | None) -> None:
-    """Stop the engine thread, then leave the KV store.
+    """Stop the engine thread, hand the sessions' pages to the rest of the KV store, then leave it.
 
     Serve calls a replica's ``__del__`` when it stops the replica (scale-down,
     redeploy, shutdown) and kills the process right after, before ``atexit``
     hooks run. Leaving the store here makes the master forget the segment at
     once (instead of handing out its pages until the heartbeat times out) and
     unlinks the segment's shared memory, which would otherwise stay in
-    /dev/shm until another replica on the node sweeps it.
+    /dev/shm until another replica on the node sweeps it. Once the master has
+    forgotten the segment, and before it goes, the sessions this replica
+    served put their cached pages again, so they land on other segments and
+    the sessions' next calls on other replicas load them instead of
+    recomputing (for up to ``HAND_OFF_TIMEOUT_S``, within Serve's
+    ``graceful_shutdown_timeout_s``).
     """
     if engine is not None:
         engine.shutdown(timeout_s=1.0)
     if kv_client is not None:
-        kv_client.close()
+        kv_client.close(hand_off=functools.partial(_hand_off, engine) if engine is not None else None)
+
+
+def _hand_off(engine: AsyncEngine) -> None:
+    started_s = time.perf_counter()
+    num_pages = engine.hand_off_sessions(HAND_OFF_TIMEOUT_S)
+    logger.info("handed %d session pages to the KV store in %.2f s", num_pages, time.perf_counter() - started_s)
 
 
 class DecodeServer:
@@ -110,8 +157,10 @@ class DecodeServer:
         disaggregation_threshold_tokens: int = 512,
         lifecycle: LifecycleSettings | None = None,
         tool_call_parser: str | None = None,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         settings = lifecycle or LifecycleSettings()
+        self.admission = Admission(admission or AdmissionLimits())
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
         # None: the format the model's chat template teaches, read once here.
         template = self.engine.tokenizer.chat_template
@@ -137,9 +186,10 @@ class DecodeServer:
             )
         self.prefill = prefill  # a Serve handle to the prefill pool, or None
         self.threshold = disaggregation_threshold_tokens
+        self._prefill_again_at = 0.0  # time.monotonic() from which the prefill pool is asked again
         self.replica_id = serve_replica_id()
         self.started_at = time.time()
-        self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0}
+        self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0, "resumed": 0}
         logger.info("decode replica ready: backend %s, tool calls %s", self.engine.backend_name, self.tool_call_parser)
 
     async def _uncached_tokens(self, call: Call) -> int:
@@ -179,27 +229,40 @@ class DecodeServer:
         await asyncio.to_thread(self.kv_client.master.call, "snapshot_now", SNAPSHOT_MIN_INTERVAL_S)
 
     async def generate(self, call: Call) -> AsyncIterator[Step]:
+        # A new turn past its share of the replica is refused here, before any work (``admission``); a call
+        # resumed after its replica died was admitted once already and goes on as a continuation would.
+        with self.admission.admitted(call.call if call.resume is None else "tool_continuation"):
+            async with aclosing(self._generate(call)) as steps:
+                async for step in steps:
+                    yield step
+
+    async def _generate(self, call: Call) -> AsyncGenerator[Step, None]:
         self.counters["requests"] += 1
         if self.idle_work is not None and self._idle_work_task is None:
             self._idle_work_task = asyncio.get_running_loop().create_task(self.idle_work.run_forever())
         session_id = call.session_id if self.planner is not None else None
         report = self.planner.arrive(session_id, call.call) if self.planner and session_id else None
         answers = AnswerTracker(tools=call.tools, tool_call_parser=self.tool_call_parser, tool_specs=call.tool_specs)
+        if call.resume is not None:
+            self.counters["resumed"] += 1
+            answers.resume(call.resume)
         last: RequestOutput | None = None
         prompt_logprobs_sent = False
         try:
             first = await self._prefill(call)
             path: PrefillPath = "local" if first is None else "disaggregated"
+            output_prefix, output_prefix_logprobs = output_prefix_of(call, first)
             async for output in self.engine.generate(
                 call.prompt_token_ids,
                 call.params,
                 call.request_id,
                 cache_salt=call.cache_salt,
-                output_prefix=first.token_ids if first is not None else (),
-                output_prefix_logprobs=first.logprobs if first is not None else None,
+                output_prefix=output_prefix,
+                output_prefix_logprobs=output_prefix_logprobs,
                 session_id=session_id,
                 page_hashes=call.page_hashes,
                 retention=call.retention,
+                continues_turn=continues_turn(call.call),
             ):
                 last = output
                 deltas = answers.deltas(output)
@@ -229,15 +292,20 @@ class DecodeServer:
 
     async def _prefill(self, call: Call) -> PrefillAnswer | None:
         """Conditional disaggregation: the prefill replica's answer when the prefill pool computed the prompt;
-        None when this replica prefills it itself."""
-        if self._can_disaggregate(call.params) and await self._uncached_tokens(call) >= self.threshold:
-            try:
-                answer: PrefillAnswer = await self.prefill.prefill.remote(call)
-                self.counters["disaggregated"] += 1
-                return answer
-            except Exception as err:  # the prefill pool failing must not fail the call
-                self.counters["failed_prefill"] += 1
-                logger.warning("remote prefill failed, prefilling locally: %s", err)
+        None when this replica prefills it itself (always for a resumed call: its output has begun; and for
+        ``PREFILL_BACKOFF_S`` after a remote prefill failed)."""
+        if call.resume is None and self._can_disaggregate(call.params) and time.monotonic() >= self._prefill_again_at:
+            uncached = await self._uncached_tokens(call)
+            if uncached >= self.threshold:
+                timeout_s = PREFILL_TIMEOUT_S + uncached * PREFILL_TIMEOUT_S_PER_TOKEN
+                try:
+                    answer: PrefillAnswer = await asyncio.wait_for(self.prefill.prefill.remote(call), timeout_s)
+                    self.counters["disaggregated"] += 1
+                    return answer
+                except Exception as err:  # the prefill pool failing must not fail the call
+                    self.counters["failed_prefill"] += 1
+                    self._prefill_again_at = time.monotonic() + PREFILL_BACKOFF_S
+                    logger.warning("remote prefill failed, prefilling locally: %s: %s", type(err).__name__, err)
         self.counters["local_prefill"] += 1
         return None
 
@@ -292,6 +360,7 @@ class DecodeServer:
             "idle_work": self.idle_work.stats() if self.idle_work is not None else None,
             "uptime_s": round(time.time() - self.started_at, 1),
             **self.counters,
+            "refused_new_turns": self.admission.num_refused,
             **{k: v for k, v in self.engine.stats().items() if k != "cached_page_hashes"},
         }
 

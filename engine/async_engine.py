@@ -146,12 +146,14 @@ class AsyncEngine:
         session_id: str | None = None,
         page_hashes: Sequence[PageHash] | None = None,
         retention: Retention | None = None,
+        continues_turn: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ``ValueError`` for bad input before the first one.
 
         ``page_hashes``: the prompt's leading page hashes, computed by the
         serving layer (see ``LLMEngine.add_request``). ``retention``: what of
         the prompt to keep cached after the request (``prefix_pins.py``).
+        ``continues_turn``: admitted before waiting new turns (``LLMEngine.add_request``).
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
@@ -170,6 +172,7 @@ class AsyncEngine:
                 session_id=session_id,
                 page_hashes=page_hashes,
                 retention=retention,
+                continues_turn=continues_turn,
             )
             # Both on the engine thread, so no step runs in between and no output is missed.
             self._listeners[request_id] = (loop, outputs)
@@ -265,6 +268,14 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive()
+
+    def hand_off_sessions(self, timeout_s: float) -> int:
+        """After ``shutdown``: put every recorded session's cached pages in the store (``LLMEngine.hand_off_sessions``)
+        on the caller's thread; 0 while the engine thread still runs (it owns the engine)."""
+        if self._thread.is_alive():
+            logger.warning("the engine thread is still running: sessions are not handed off")
+            return 0
+        return self._engine.hand_off_sessions(timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._running = False

@@ -1,10 +1,10 @@
 """Page traffic between the engine's KV cache and the store behind a ``KVConnector``.
 
 Loads happen at arrival (the prompt's pages missing here) and at a session
-prewarm; saves at a sequence's finish, at a session offload and when memory
-pressure moves a pinned prefix (``prefix_pins.py``), whose pages the store
-then soft-pins. Both move
-whole pages between the store and the runner's cache tensor, addressed by
+prewarm; saves at a sequence's finish (with asynchronous saves also once its
+prompt is computed), at a session offload and when memory pressure moves a
+pinned prefix (``prefix_pins.py``), whose pages the store then soft-pins.
+Both move whole pages between the store and the runner's cache tensor, addressed by
 their chained hashes (``page_hash.py``). The store is an optimisation: a
 failed lookup, load or save is logged and only costs compute.
 
@@ -152,6 +152,20 @@ class KVTransfer:
         hashes = self.kv_cache.computed_hashes(seq)
         owner = f"request {seq.request_id}"
         self._publish(owner, hashes, seq.pages[: len(hashes)], seq.cache_salt, wait=self._saver is None)
+
+    def save_prompt(self, seq: Sequence) -> None:
+        """With ``kv_save="async"``: publish the full pages of ``seq``'s prompt once they are computed.
+
+        A session's pages then reach the store while its answer is still being
+        decoded, so a call that outlives this engine's process (resumed
+        elsewhere, or the session's next call) finds its prompt there. The save
+        at the finish sends only what the answer added.
+        """
+        if self._saver is None:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.page_size
+        hashes = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
+        self._publish(f"the prompt of request {seq.request_id}", hashes, seq.pages[:num_full], seq.cache_salt, False)
 
     def store_now(self, hashes: list[PageHash], pages: list[Page], tenant: str) -> tuple[int, int]:
         """Make sure the store holds these pages: (how many leading ones it holds afterwards, how many were written).

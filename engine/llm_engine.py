@@ -161,6 +161,7 @@ class LLMEngine:
         session_id: str | None = None,
         page_hashes: Seq[PageHash] | None = None,
         retention: Retention | None = None,
+        continues_turn: bool = False,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -176,6 +177,8 @@ class LLMEngine:
         must not come from a client (a wrong hash would file KV under another
         prompt's name).
         ``retention``: keep the prompt's first pages cached after it finishes (``prefix_pins.py``).
+        ``continues_turn``: the call continues an agent's turn (a tool's result): the scheduler admits it
+        before the new turns waiting (``scheduler.py``).
         """
         request = self.requests.open(
             self.limits.encode_prompt(prompt),
@@ -191,6 +194,7 @@ class LLMEngine:
             return request.request_id
         self.prefix_pins.expect(request.request_id, retention)
         seq = request.seqs[0]
+        seq.continues_turn = continues_turn
         if self.kv_transfer is not None:
             # A request arriving with output already made (a remote prefill) finds its pages in the store.
             self.kv_transfer.load_prefix(seq, 0 if output_prefix else self.kv_load_min_tokens)
@@ -268,6 +272,13 @@ class LLMEngine:
         load = functools.partial(transfer.load_for_prewarm, announced=announced)
         return self.session_holds.prewarm(session_id, ttl_s, load, kind="tool" if announced else "prewarm")
 
+    def hand_off_sessions(self, timeout_s: float) -> int:
+        """Make sure the store holds every recorded session's cached pages, the most recently used first, for up
+        to ``timeout_s``; returns the pages written. For an engine that is about to stop (a retiring replica)."""
+        if self.kv_transfer is None:
+            return 0
+        return self.session_holds.hand_off(self.kv_transfer.store_now, self.session_holds.clock() + timeout_s)
+
     def session_residency(self, session_id: str) -> tuple[int, int]:
         """(leading recorded pages of a session cached here now, recorded pages)."""
         return self.session_holds.residency(session_id)
@@ -298,6 +309,10 @@ class LLMEngine:
         sampled, logits = self._run(chunks)
         if not sampled:  # only mid-prompt chunks ran
             return arrived
+        if self.kv_transfer is not None:
+            for chunk in sampled:
+                if chunk.seq.num_computed_tokens - chunk.num_tokens < chunk.seq.num_prompt_tokens:  # prompt done
+                    self.kv_transfer.save_prompt(chunk.seq)
         seqs, rows = self.requests.fork_fresh([chunk.seq for chunk in sampled], self._start_fork)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]

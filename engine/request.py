@@ -261,6 +261,7 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
         completion_index=completion_index,
         guide=parent.guide.fork() if parent.guide is not None else None,
         prompt_logprobs=parent.prompt_logprobs,
+        continues_turn=parent.continues_turn,
     )
     child.num_computed_tokens = parent.num_computed_tokens
     child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

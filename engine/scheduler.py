@@ -5,9 +5,13 @@ go first, in admission order: a decode costs one token, an unfinished prompt
 gets the next chunk that fits. When pages run out, the most recently admitted
 running sequence is preempted (its pages freed, to be recomputed later —
 cheaply, since its full pages stay in the prefix cache until evicted) until
-the older one fits. Waiting sequences are admitted, oldest first, with
+the older one fits. Waiting sequences are admitted in queue order with
 whatever budget, sequence slots and pages remain; none are admitted in a
-step that had to preempt.
+step that had to preempt. The queue puts calls that continue an agent's turn
+(a tool's result coming back) before new turns, so under load the agents
+already working keep going while new work waits::
+
+    waiting = [preempted (last preempted first)] + [continuations, oldest first] + [new turns, oldest first]
 """
 
 from __future__ import annotations
@@ -76,7 +80,19 @@ class Scheduler:
         }
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if not seq.continues_turn:
+            self.waiting.append(seq)
+            return
+        # Behind the preempted and the continuations already waiting, ahead of every new turn that never ran.
+        position = next(
+            (
+                index
+                for index, other in enumerate(self.waiting)
+                if not other.continues_turn and other.num_cached_prompt_tokens is None
+            ),
+            len(self.waiting),
+        )
+        self.waiting.insert(position, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Add a fork whose pages are already shared with a running sibling."""

@@ -62,6 +62,7 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     completion_index: int = 0  # which of the request's n completions this is
+    continues_turn: bool = False  # an agent's turn goes on (a tool's result): admitted before new turns
     guide: GuideState | None = None  # where the output stands in its grammar, for a guided request
     # With params.prompt_logprobs: entry i scores prompt token i given those before it (entry 0 is
     # None), filled as prompt chunks run; forks share their parent's, complete by then.

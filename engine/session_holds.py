@@ -15,6 +15,9 @@ elsewhere decides when; this module is the mechanism. A session's pages::
           +--------------------------------------> in the store only ---+
                                                    (evicted here, hashes kept)
 
+An engine about to stop hands every recorded session's cached pages to the
+store (``hand_off``), so the sessions' next calls elsewhere load them.
+
 Offload first saves what the store lacks, then evicts every page of the
 session that the store confirms it holds and that nothing else needs: pages
 referenced by running sequences or other sessions' holds, and pages other
@@ -194,6 +197,20 @@ class SessionHolds:
             bytes_moved=num_saved * self.bytes_per_page,
             seconds=time.perf_counter() - started_s,
         )
+
+    def hand_off(self, save: SavePages, until_s: float) -> int:
+        """Have ``save`` put every recorded session's cached pages in the store, the most recently used session
+        first, until the holds' clock reaches ``until_s``; returns the pages written. For an engine that is about
+        to stop: nothing is released or evicted here."""
+        num_written = 0
+        for session_id in reversed(self._sessions):
+            if self.clock() >= until_s:
+                break
+            recorded = self._sessions[session_id]
+            pages = self.pool.cached_prefix(recorded.hashes)
+            if pages:
+                num_written += save(recorded.hashes[: len(pages)], pages, recorded.tenant)[1]
+        return num_written
 
     def prewarm(self, session_id: str, ttl_s: float, load: LoadPages, kind: str = "prewarm") -> SessionMove:
         """Have ``load`` bring back the session's pages missing here, then hold the cached prefix (kind "prewarm",

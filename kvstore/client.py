@@ -15,7 +15,13 @@ segment, a same-node segment straight out of shared memory, or over UCX.
 
 A heartbeat thread keeps the segment registered; when the master's epoch
 changes (it restarted), the client fetches the store secret again, registers
-again and re-advertises what its segment holds.
+again and re-advertises what its segment holds (with each object's CRC-32,
+computed from the segment's bytes).
+
+The store is a cache: while the master does not answer (it restarts in a few
+seconds), a lookup or get gives up after ``master_timeout_s`` (a put after
+``_PUT_TIMEOUT_S``) and its keys count as misses (gets, lookups) or as not
+stored (puts), instead of failing or waiting.
 
 Every call acts for one tenant (the client's own unless ``tenant=`` names
 another, as a server does for each call's tenant): puts store objects as
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +44,15 @@ import ray
 
 from .access import SegmentGate, WriteGrant
 from .bytes_view import as_bytes_view
-from .connection import MasterConnection, RayMaster, RemoteClient, RemoteServer, WriteCallback
+from .connection import (
+    MASTER_TIMEOUT_S,
+    MasterConnection,
+    MasterUnavailable,
+    RayMaster,
+    RemoteClient,
+    RemoteServer,
+    WriteCallback,
+)
 from .held_index import HeldIndex
 from .master_types import Location, PutStart
 from .metrics import KVMetrics
@@ -50,6 +65,14 @@ from .ucx_transport import TransportError, UcxClient, UcxServer, init_ucx
 ServerFactory = Callable[[memoryview, WriteCallback, SegmentGate], RemoteServer]
 
 logger = logging.getLogger(__name__)
+
+# Joining the store and re-advertising a segment's objects may wait for a master that is just starting.
+_MEMBERSHIP_TIMEOUT_S = 30.0
+# A put runs off the request's critical path: it may wait longer for the master than a lookup does.
+_PUT_TIMEOUT_S = 5.0
+TRANSFER_TIMEOUT_S = 10.0
+"""Longest a read or write of another owner's segment over UCX may take (connecting included): a batch
+of pages moves in milliseconds, and an owner that stops answering must cost a miss, not a stuck worker."""
 
 
 class KVStoreClient:
@@ -81,7 +104,7 @@ class KVStoreClient:
         self.gate = SegmentGate(master.auth, self.segment_id)  # its epoch is set when the segment registers
         self._server = make_server(segment.buffer, self._on_remote_write, self.gate)
         self.ucx_address = self._server.start()
-        self._remote: RemoteClient = remote_client or UcxClient(auth=master.auth)
+        self._remote: RemoteClient = remote_client or UcxClient(auth=master.auth, timeout_s=TRANSFER_TIMEOUT_S)
         self._peers = PeerDirectory(master)
         chosen = TRANSPORTS.create(transport, master, node_id)
         self._attached = chosen.attached  # other owners' segments mapped here: closed with the client
@@ -110,6 +133,7 @@ class KVStoreClient:
         ucx_config: Mapping[str, str] | None = None,
         page_bytes: int | None = None,
         heartbeat_interval_s: float = 1.0,
+        master_timeout_s: float = MASTER_TIMEOUT_S,
     ) -> KVStoreClient:
         """Join the store run by the named master (inside a Ray session), contributing a segment.
 
@@ -128,7 +152,7 @@ class KVStoreClient:
         segment = Segment.create(segment_bytes)
         node_id = ray.get_runtime_context().get_node_id()
         return cls(
-            RayMaster(master),
+            RayMaster(master, timeout_s=master_timeout_s),
             segment,
             tenant,
             node_id,
@@ -136,14 +160,15 @@ class KVStoreClient:
             page_bytes=page_bytes,
             heartbeat_interval_s=heartbeat_interval_s,
             server_factory=lambda buffer, on_write, gate: UcxServer(
-                buffer, gate=gate, host=ucx_host, port=ucx_port, on_write=on_write
+                buffer, gate=gate, host=ucx_host, port=ucx_port, on_write=on_write, io_timeout_s=TRANSFER_TIMEOUT_S
             ),
         )
 
     # -- membership -------------------------------------------------------
 
-    def _register(self) -> str:
-        """Register the segment; from then on its server takes only grants of the master's current run."""
+    def _register(self, held: list[tuple[bytes, str, int, int, int]] | None = None) -> str:
+        """Register the segment with what it ``held``; from then on its server takes only grants of the master's
+        current run."""
         epoch: str = self.master.call(
             "register_segment",
             self.segment_id,
@@ -152,6 +177,8 @@ class KVStoreClient:
             self.segment.capacity_bytes,
             self.ucx_address,
             self._page_bytes,
+            held,
+            timeout_s=_MEMBERSHIP_TIMEOUT_S,
         )
         self.gate.epoch = epoch
         return epoch
@@ -162,11 +189,18 @@ class KVStoreClient:
                 epoch = self.master.call("heartbeat", self.segment_id, timeout_s=30)
                 if epoch is None or epoch != self._epoch:  # master restarted, perhaps re-created
                     self.master.refresh_auth()
-                    self._epoch = self._register()
-                    adopted = self.master.call("advertise", self.segment_id, self.held.items())
-                    logger.info("kv master restarted; re-advertised %d objects", adopted)
+                    held = self._held_with_digests()
+                    self._epoch = self._register(held)
+                    logger.info("kv master restarted; re-advertised %d objects", len(held))
             except Exception as err:  # the master may be restarting: keep trying
                 logger.debug("kv heartbeat failed: %s", err)
+
+    def _held_with_digests(self) -> list[tuple[bytes, str, int, int, int]]:
+        """What the segment holds, each with the CRC-32 of its bytes there (``HeldIndex`` keeps them its own)."""
+        return [
+            (key, tenant, offset, num_bytes, zlib.crc32(self.segment.view(offset, num_bytes)))
+            for key, tenant, offset, num_bytes in self.held.items()
+        ]
 
     def _on_remote_write(self, keys: list[bytes], ranges: list[tuple[int, int]], tenant: str) -> None:
         for key, (offset, num_bytes) in zip(keys, ranges):
@@ -197,9 +231,24 @@ class KVStoreClient:
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         owner = self._tenant(tenant)
         views = [as_bytes_view(v) for v in values]
-        started: PutStart = self.master.call(
-            "put_start", list(keys), [v.nbytes for v in views], owner, replicas, self.segment_id, pin_ttl_s
-        )
+        digests = [zlib.crc32(view) for view in views]
+        try:
+            started: PutStart = self.master.call(
+                "put_start",
+                list(keys),
+                [v.nbytes for v in views],
+                owner,
+                replicas,
+                self.segment_id,
+                pin_ttl_s,
+                digests,
+                timeout_s=_PUT_TIMEOUT_S,
+            )
+        except MasterUnavailable as err:
+            logger.warning("kv put of %d keys not stored: %s", len(keys), err)
+            for _ in keys:
+                self.metrics.put_failure()
+            return [False] * len(keys)
         plans = started.plans
         to_write = [i for i, plan in enumerate(plans) if plan.status == "write"]
         written: list[bytes] = []
@@ -218,9 +267,14 @@ class KVStoreClient:
                 failed_indices.update(i for i, _ in items)
         for i in to_write:
             (failed if i in failed_indices else written).append(keys[i])
-        if failed:
-            self.master.call("put_revoke", failed)
-        committed = dict(zip(written, self.master.call("put_end", written))) if written else {}
+        committed: dict[bytes, bool] = {}
+        try:
+            if failed:
+                self.master.call("put_revoke", failed, timeout_s=_PUT_TIMEOUT_S)
+            if written:
+                committed = dict(zip(written, self.master.call("put_end", written, timeout_s=_PUT_TIMEOUT_S)))
+        except MasterUnavailable as err:  # uncommitted puts are reclaimed after the master's put timeout
+            logger.warning("kv put of %d keys not committed: %s", len(written), err)
         result = []
         for key, plan in zip(keys, plans):
             ok = plan.status == "exists" or committed.get(key, False)
@@ -276,13 +330,21 @@ class KVStoreClient:
     def exists(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bool]:
         """Whether each key is a stored object of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        result: list[bool] = self.master.call("exists", list(keys), self._tenant(tenant))
+        try:
+            result: list[bool] = self.master.call("exists", list(keys), self._tenant(tenant))
+        except MasterUnavailable as err:
+            logger.warning("kv exists answered as misses: %s", err)
+            return [False] * len(keys)
         return result
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
         """How many leading keys are stored objects of ``tenant`` (default: the client's)."""
         _check_keys(keys)
-        count: int = self.master.call("longest_prefix", list(keys), self._tenant(tenant))
+        try:
+            count: int = self.master.call("longest_prefix", list(keys), self._tenant(tenant))
+        except MasterUnavailable as err:
+            logger.warning("kv longest_prefix answered as a miss: %s", err)
+            return 0
         return count
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -312,8 +374,13 @@ class KVStoreClient:
         }
         return stats
 
-    def close(self) -> None:
-        """Leave the store: stop serving, release the segment (its objects become misses)."""
+    def close(self, hand_off: Callable[[], object] | None = None) -> None:
+        """Leave the store: stop serving, release the segment (its objects become misses).
+
+        ``hand_off`` runs once the master has forgotten the segment and before
+        this client stops: what it puts again lands on other segments, so
+        objects worth keeping outlive this one (a retiring replica's sessions).
+        """
         if self._stop.is_set():
             return
         self._stop.set()
@@ -322,6 +389,11 @@ class KVStoreClient:
             self.master.call("drop_segment", self.segment_id, timeout_s=10)
         except Exception as err:
             logger.debug("kv drop_segment on close failed: %s", err)
+        if hand_off is not None:
+            try:
+                hand_off()
+            except Exception as err:  # leaving must not fail: what was not handed off is recomputed
+                logger.warning("kv hand-off on close failed: %s", err)
         self._server.stop()
         self._remote.close()
         segments = [*self._attached.values(), self.segment]

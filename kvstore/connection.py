@@ -28,6 +28,14 @@ from .ucx_transport import PeerUnreachable, TransportError
 Address = tuple[str, int]
 WriteCallback = Callable[[list[bytes], list[tuple[int, int]], str], None]
 
+MASTER_TIMEOUT_S = 2.0
+"""How long a call waits for the master unless it says otherwise: the master restarts in a few seconds, and
+a lookup that waits for it costs a request more than recomputing the pages does."""
+
+
+class MasterUnavailable(TransportError):
+    """The master did not answer in time (it is restarting, or swamped): the call's keys count as misses."""
+
 
 class MasterConnection(Protocol):
     auth: StoreAuth  # the store secret's keys: proofs for the store's sockets, grant checks for the segment
@@ -69,8 +77,11 @@ class RemoteClient(Protocol):
 class RayMaster:
     """The master actor, called through Ray; lookups through its socket (``master_lookup``) where it can."""
 
-    def __init__(self, handle: Any, lookups: bool = True) -> None:
+    def __init__(self, handle: Any, lookups: bool = True, timeout_s: float = MASTER_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.handle = handle
+        self.timeout_s = timeout_s
         self.auth = StoreAuth(self._secret())
         self.lookup = LookupClient(self._lookup_address, self.auth) if lookups else None
 
@@ -82,7 +93,7 @@ class RayMaster:
         self.auth.update(self._secret())
 
     def _lookup_address(self) -> tuple[str, int] | None:
-        address = ray.get(self.handle.lookup_address.remote(), timeout=5)
+        address = ray.get(self.handle.lookup_address.remote(), timeout=self.timeout_s)
         return None if address is None else (address[0], int(address[1]))
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -95,7 +106,13 @@ class RayMaster:
                 return self.lookup.call(method, keys, tenant)
             except LookupFailed:
                 pass  # answered through Ray below
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=wait_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
+            # A restarting master runs the call once it is back (tasks are retried): a late put_start's
+            # placements are reclaimed after the put timeout, a late lease simply ends.
+            raise MasterUnavailable(f"the kv master did not answer {method} within {wait_s} s: {err}") from err
 
     def notify(self, method: str, *args: Any) -> None:
         getattr(self.handle, method).remote(*args)

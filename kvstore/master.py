@@ -88,9 +88,16 @@ class KVMaster:
         capacity_bytes: int,
         ucx_address: tuple[str, int] | None,
         page_bytes: int | None = None,
+        held: list[tuple[bytes, str, int, int, int]] | None = None,
     ) -> str:
+        """Take a segment in (again) and what it ``held`` (``advertise``), in one step: no put is placed on a
+        re-registered segment before the master knows what it holds."""
         self._ensure_started()
-        return self.state.register_segment(segment_id, node_id, shm_name, capacity_bytes, ucx_address, page_bytes)
+        epoch = self.state.register_segment(segment_id, node_id, shm_name, capacity_bytes, ucx_address, page_bytes)
+        if held:
+            adopted = self.state.advertise(segment_id, held)
+            logger.info("kv segment %s registered again; adopted %d of %d objects", segment_id, adopted, len(held))
+        return epoch
 
     async def heartbeat(self, segment_id: str) -> str | None:
         self._ensure_started()
@@ -121,10 +128,11 @@ class KVMaster:
         replicas: int = 1,
         preferred_segment_id: str | None = None,
         pin_ttl_s: float | None = None,
+        digests: Sequence[int] | None = None,
     ) -> PutStart:
         """Placements for each key, and per segment a grant to write exactly those ranges (``access``)."""
         self._ensure_started()
-        plans = self.state.put_start(keys, sizes, tenant, replicas, preferred_segment_id, pin_ttl_s)
+        plans = self.state.put_start(keys, sizes, tenant, replicas, preferred_segment_id, pin_ttl_s, digests)
         entries: dict[str, list[tuple[bytes, int, int]]] = {}
         for key, plan in zip(keys, plans):
             for location in plan.locations:
@@ -148,14 +156,17 @@ class KVMaster:
         return self._locations(keys, reader_node_id, reader_tenant)
 
     def _locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
-        """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more, grants]``.
+        """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more, grants,
+        digests]``.
 
         ``segment ids`` is a table the rest indexes; ``best`` packs the best
         replica of every key as int64 rows ``(segment index, offset,
         num_bytes)`` in bytes (segment index -1 for a miss); ``more`` lists,
         for keys with further replicas, ``[key index, segment index, offset,
         num_bytes, ...]``; ``grants`` holds, per segment id, the read grant
-        (``access.ReadGrant`` on the wire) for every range listed on it.
+        (``access.ReadGrant`` on the wire) for every range listed on it;
+        ``digests`` packs every key's CRC-32 as int64 in bytes (-1 for a
+        miss, or an object whose digest is not known).
         Bytes and few objects cross Ray, or a socket, several times faster
         than a list per key.
         """
@@ -163,10 +174,15 @@ class KVMaster:
         best: list[int] = []
         more: list[list[int]] = []
         granted: list[list[int]] = []  # per segment index: offset, num_bytes, ...
+        digests = np.full(len(keys), -1, dtype=np.int64)
+        objects = self.state.objects
         for i, replicas in enumerate(self.state.get_locations(keys, reader_node_id, reader_tenant)):
             if replicas is None:
                 best += (-1, -1, -1)
                 continue
+            digest = objects[keys[i]].digest
+            if digest is not None:
+                digests[i] = digest
             segment_id, offset, num_bytes = replicas[0]
             index = table.setdefault(segment_id, len(table))
             best += (index, offset, num_bytes)
@@ -184,7 +200,7 @@ class KVMaster:
             self.auth.read_grant(segment_id, epoch, np.array(granted[index], dtype=np.int64), ttl_s).to_wire()
             for segment_id, index in table.items()
         ]
-        return [list(table), np.array(best, dtype=np.int64).tobytes(), more, grants]
+        return [list(table), np.array(best, dtype=np.int64).tobytes(), more, grants, digests.tobytes()]
 
     async def lookup_address(self) -> tuple[str, int] | None:
         """Where the lookup socket listens (started on first ask); None if it cannot listen."""

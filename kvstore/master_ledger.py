@@ -1,5 +1,15 @@
 """The master's books: objects, the segments their replicas sit in, bytes per tenant, counters.
 
+Two indexes keep the master's periodic and eviction work proportional to
+what it touches, not to the million objects it may hold: the pending puts,
+oldest first (a tick reclaims the overdue ones without a scan), and per
+segment the keys with a replica there, least recently used first (eviction
+walks its head instead of sorting every object). Every change of an
+object's replicas or last access goes through ``add``, ``add_replica``,
+``touch``, ``complete``, ``remove_replica`` and ``forget``; a replica
+dropped behind their back leaves a stale key in its segment's order, which
+``least_recent``'s readers skip.
+
 Forgetting an object frees its replicas' space at once, unless a grant
 may still name that space: then it stays taken until the grant can no
 longer be used, so nothing new is written where a reader may be copying
@@ -29,6 +39,12 @@ class Ledger:
         # Space of removed replicas that a grant may still name: (until, replica, tenant, leased), freed at
         # ``until`` (a read lease's end, or a revoked put's deadline: its write grant expires before that).
         self._deferred: list[tuple[float, Location, str, bool]] = []
+        # Keys of pending puts in the order they started: their deadlines' order, the put timeout being one.
+        self.pending: dict[bytes, None] = {}
+        # Per segment id, the keys with a replica there, least recently used first.
+        self._recency: dict[str, dict[bytes, None]] = {}
+        # How many times space was freed: a placement remembered since is stale (``master_space``).
+        self.frees = 0
 
     def count(self, name: str, tenant: str, amount: int = 1) -> None:
         """Bump a counter store-wide and for one tenant."""
@@ -40,15 +56,57 @@ class Ledger:
         """Enter a new object; its bytes count against its tenant from now on."""
         self.objects[key] = meta
         self.tenant_bytes[meta.tenant] = self.tenant_bytes.get(meta.tenant, 0) + meta.num_bytes
+        if meta.state is ObjectState.PENDING:
+            self.pending[key] = None
+        for location in meta.replicas:
+            self._recency.setdefault(location.segment_id, {})[key] = None
+
+    def add_replica(self, key: bytes, meta: ObjectMeta, location: Location) -> None:
+        """One more replica of a known object."""
+        meta.replicas.append(location)
+        self._recency.setdefault(location.segment_id, {})[key] = None
+
+    def touch(self, key: bytes, meta: ObjectMeta, now_s: float) -> None:
+        """The object was just used: last in line for eviction on every segment it is on."""
+        meta.last_access_s = now_s
+        recency = self._recency
+        for location in meta.replicas:
+            order = recency.setdefault(location.segment_id, {})
+            order.pop(key, None)
+            order[key] = None
+
+    def complete(self, key: bytes, meta: ObjectMeta, now_s: float) -> None:
+        """A pending put's bytes are written: the object is complete, and just used."""
+        meta.state = ObjectState.COMPLETE
+        self.pending.pop(key, None)
+        self.touch(key, meta, now_s)
+
+    def remove_replica(self, key: bytes, meta: ObjectMeta, location: Location) -> None:
+        """Drop one replica of an object that keeps others, and free its space."""
+        meta.replicas.remove(location)
+        self._recency.get(location.segment_id, {}).pop(key, None)
+        self.free(location)
+
+    def unlist(self, segment_id: str, key: bytes) -> None:
+        """Take a stale key (see ``least_recent``) out of the segment's order."""
+        self._recency.get(segment_id, {}).pop(key, None)
+
+    def least_recent(self, segment_id: str) -> list[bytes]:
+        """Keys with a replica on the segment, least recently used first (a copy: evicting changes the order).
+        A key may be stale: no longer an object, or no longer on the segment."""
+        return list(self._recency.get(segment_id, ()))
 
     def forget(self, key: bytes, meta: ObjectMeta) -> None:
         """Drop an object; its space stays taken while a grant may still name it: a leased replica's until the
         lease ends, a pending put's until its deadline (its writer's grant expires before that)."""
         del self.objects[key]
         self.tenant_bytes[meta.tenant] = self.tenant_bytes.get(meta.tenant, 0) - meta.num_bytes
-        now = self.clock()
+        self.pending.pop(key, None)
+        for location in meta.replicas:
+            self._recency.get(location.segment_id, {}).pop(key, None)
         pending_until_s = meta.put_deadline_s if meta.state is ObjectState.PENDING else 0.0
         until_s = max(meta.lease_until_s, pending_until_s)
+        now = self.clock() if until_s > 0.0 else 0.0  # never read, never leased: no grant names it
         for location in meta.replicas:
             if until_s > now:
                 self._deferred.append((until_s, location, meta.tenant, meta.lease_until_s > now))
@@ -56,6 +114,7 @@ class Ledger:
                 self.free(location)
 
     def free(self, location: Location) -> None:
+        self.frees += 1
         segment = self.segments.get(location.segment_id)
         if segment is not None:
             segment.allocator.free(location.offset, location.num_bytes)
@@ -77,6 +136,7 @@ class Ledger:
         """Forget a segment and every replica on it (its owner is gone)."""
         if self.segments.pop(segment_id, None) is None:
             return
+        self._recency.pop(segment_id, None)
         for key, meta in list(self.objects.items()):
             kept = [loc for loc in meta.replicas if loc.segment_id != segment_id]
             if len(kept) != len(meta.replicas):
@@ -89,7 +149,7 @@ class Ledger:
         counters = _as_dict(self.counters)
         return {
             "objects": len(self.objects),
-            "complete_objects": sum(1 for m in self.objects.values() if m.state is ObjectState.COMPLETE),
+            "complete_objects": len(self.objects) - len(self.pending),
             "tenant_bytes": dict(self.tenant_bytes),
             "tenants": {tenant: _as_dict(counters) for tenant, counters in self.tenant_counters.items()},
             "segments": {

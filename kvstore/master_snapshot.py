@@ -16,7 +16,8 @@ from .master_types import ObjectState, parse_address
 if TYPE_CHECKING:
     from .master_state import MasterState
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1 objects carry no digest
 
 
 def snapshot(state: MasterState) -> dict[str, Any]:
@@ -31,6 +32,7 @@ def snapshot(state: MasterState) -> dict[str, Any]:
                 meta.num_bytes,
                 [[loc.segment_id, loc.offset, loc.num_bytes] for loc in meta.replicas],
                 meta.hard_pinned,
+                meta.digest,
             ]
             for key, meta in state.objects.items()
             if meta.state is ObjectState.COMPLETE
@@ -40,7 +42,7 @@ def snapshot(state: MasterState) -> dict[str, Any]:
 
 def restore(state: MasterState, snapshot: Mapping[str, Any]) -> None:
     """Rebuild ``state`` from a snapshot; segments must heartbeat within the timeout or are dropped."""
-    if snapshot.get("version") != SNAPSHOT_VERSION:
+    if snapshot.get("version") not in _READABLE_VERSIONS:
         raise ValueError(f"unsupported snapshot version {snapshot.get('version')!r}")
     for seg in snapshot["segments"]:
         state.register_segment(
@@ -52,8 +54,8 @@ def restore(state: MasterState, snapshot: Mapping[str, Any]) -> None:
             seg.get("page_bytes"),
         )
         state.segments[seg["segment_id"]].confirmed = False
-    for key, tenant, _num_bytes, replicas, hard_pinned in snapshot["objects"]:
+    for key, tenant, _num_bytes, replicas, hard_pinned, *digest in snapshot["objects"]:
         for segment_id, offset, length in replicas:
-            state.advertise(segment_id, [(key, tenant, offset, length)])
+            state.adopt(segment_id, [(key, tenant, offset, length, *digest)])
         if key in state.objects:
             state.objects[key].hard_pinned = bool(hard_pinned)

@@ -1,22 +1,35 @@
 """Where new replicas go, and what is evicted to make room.
 
-A put that does not fit evicts first (approximate LRU over complete,
-unleased, unpinned objects on that segment), and any segment past the high
-watermark is brought back to the low one (``keep_watermarks``, on every
-tick), so eviction never lags until the pool is full. A tenant over its
-quota has its own least recently used objects evicted before it is refused.
+A put that does not fit evicts first (LRU over complete, unleased,
+unpinned objects on that segment, in the ledger's order of last use), and
+any segment past the high watermark is brought back to the low one
+(``keep_watermarks``, on every tick), so eviction never lags until the pool
+is full. A tenant over its quota has its own least recently used objects
+evicted before it is refused.
+
+A put names up to 64 pages; between two of them nothing but the put itself
+moves space, so where its previous single copy went is tried first
+(``begin_put`` starts a put afresh).
 """
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
 from .master_ledger import Ledger
-from .master_types import Location, MasterConfig, ObjectMeta, SegmentInfo
+from .master_types import Location, MasterConfig, SegmentInfo
 
 
 class SpaceManager:
     def __init__(self, ledger: Ledger, config: MasterConfig) -> None:
         self._ledger = ledger
         self._config = config
+        self._last_single: _LastPlacement | None = None
+
+    def begin_put(self) -> None:
+        """A put's keys are placed next (``place``, one by one): nothing from an earlier put is carried over."""
+        self._last_single = None
 
     def place(self, num_bytes: int, replicas: int, preferred: str | None) -> list[Location]:
         """Allocate up to ``replicas`` copies on different segments, preferring different nodes.
@@ -25,16 +38,24 @@ class SpaceManager:
         watermark with it, else to any with room, and only when none has room does a segment evict:
         space on a store node beats evicting the writer's own pages.
         """
+        if replicas == 1:
+            placed = self._allocate_as_last(num_bytes, preferred)
+            if placed is not None:
+                segment, offset = placed
+                if segment.allocator.usage > self._config.high_watermark:
+                    self.evict(segment)
+                return [Location(segment.segment_id, offset, num_bytes)]
         chosen: list[Location] = []
         used_nodes: set[str] = set()
         for _ in range(replicas):
-            candidates = [
-                s
-                for s in self._ledger.segments.values()
-                if s.confirmed and all(loc.segment_id != s.segment_id for loc in chosen)
-            ]
-            candidates.sort(key=lambda s: (s.segment_id != preferred, s.node_id in used_nodes, s.allocator.usage))
-            placed = self._allocate_somewhere(candidates, num_bytes)
+            chosen_ids = {loc.segment_id for loc in chosen}
+            placed = self._allocate_first_roomy(num_bytes, preferred, chosen_ids, used_nodes, remember=replicas == 1)
+            if placed is None:
+                candidates = [
+                    s for s in self._ledger.segments.values() if s.confirmed and s.segment_id not in chosen_ids
+                ]
+                candidates.sort(key=lambda s: _order(s, preferred, used_nodes))
+                placed = self._allocate_somewhere(candidates, num_bytes)
             if placed is None:
                 break  # best effort: fewer replicas than asked
             segment, offset = placed
@@ -44,10 +65,71 @@ class SpaceManager:
                 self.evict(segment)
         return chosen
 
+    def _allocate_as_last(self, num_bytes: int, preferred: str | None) -> tuple[SegmentInfo, int] | None:
+        """A single copy where the put's previous one went, when that is still the first roomy segment.
+
+        Between two keys of one put only its own allocations and evictions move space. The other segments
+        are then as they were when the previous key chose, so the segment it chose is still first while it
+        has room and its order stays below the runner-up's; any space freed meanwhile makes it look again.
+        """
+        last = self._last_single
+        if last is None or last.num_bytes != num_bytes or last.preferred != preferred:
+            return None
+        if last.frees != self._ledger.frees or last.num_segments != len(self._ledger.segments):
+            return None
+        segment, allocator = last.segment, last.segment.allocator
+        used_bytes, capacity_bytes = allocator.used_bytes, allocator.capacity_bytes
+        if used_bytes + num_bytes > self._config.high_watermark * capacity_bytes:
+            return None
+        # ``_order`` of a single copy (no node holds one yet), inline: this runs for nearly every page put.
+        if not (segment.segment_id != preferred, False, used_bytes / capacity_bytes) < last.runner_up:
+            return None
+        offset = allocator.allocate(num_bytes)
+        return (segment, offset) if offset is not None else None
+
+    def _allocate_first_roomy(
+        self,
+        num_bytes: int,
+        preferred: str | None,
+        chosen_ids: set[str],
+        used_nodes: set[str],
+        remember: bool = False,
+    ) -> tuple[SegmentInfo, int] | None:
+        """The common case in one pass, without sorting: the segment ``_allocate_somewhere`` tries first when
+        one has room under the high watermark. None when none has, or it cannot allocate (fragmented).
+        With ``remember``, the choice and the runner-up's order are kept for ``_allocate_as_last``."""
+        first: SegmentInfo | None = None
+        first_order = runner_up = _LAST_IN_ORDER
+        for segment in self._ledger.segments.values():
+            if segment.confirmed and segment.segment_id not in chosen_ids and self._roomy(segment, num_bytes):
+                order = _order(segment, preferred, used_nodes)
+                if order < first_order:
+                    first, first_order, runner_up = segment, order, first_order
+                elif order < runner_up:
+                    runner_up = order
+        if first is None:
+            return None
+        offset = first.allocator.allocate(num_bytes)
+        if offset is None:
+            return None
+        if remember:
+            ledger = self._ledger
+            self._last_single = _LastPlacement(
+                first, num_bytes, preferred, runner_up, ledger.frees, len(ledger.segments)
+            )
+        return first, offset
+
+    def _roomy(self, segment: SegmentInfo, num_bytes: int) -> bool:
+        """Whether the segment stays under the high watermark with ``num_bytes`` more."""
+        allocator = segment.allocator
+        return allocator.used_bytes + num_bytes <= self._config.high_watermark * allocator.capacity_bytes
+
     def _allocate_somewhere(self, candidates: list[SegmentInfo], num_bytes: int) -> tuple[SegmentInfo, int] | None:
-        high = self._config.high_watermark
-        roomy = [s for s in candidates if s.allocator.used_bytes + num_bytes <= high * s.allocator.capacity_bytes]
-        for segment in roomy + [s for s in candidates if s not in roomy]:
+        roomy: list[SegmentInfo] = []
+        crowded: list[SegmentInfo] = []
+        for segment in candidates:
+            (roomy if self._roomy(segment, num_bytes) else crowded).append(segment)
+        for segment in roomy + crowded:
             offset = segment.allocator.allocate(num_bytes)
             if offset is not None:
                 return segment, offset
@@ -73,28 +155,24 @@ class SpaceManager:
         if allocator.used_bytes <= target_used:
             return 0
         now = self._ledger.clock()
-        candidates = [
-            (meta.last_access_s, key, meta)
-            for key, meta in self._ledger.objects.items()
-            if meta.evictable(now) and any(loc.segment_id == segment.segment_id for loc in meta.replicas)
-        ]
-        candidates.sort(key=lambda item: item[0])
-        evicted = 0
-        for _, key, meta in candidates:
+        objects, segment_id = self._ledger.objects, segment.segment_id
+        evictions: dict[str, int] = {}  # per tenant, counted once per call
+        for key in self._ledger.least_recent(segment_id):
             if allocator.used_bytes <= target_used:
                 break
-            self._evict_replica(key, meta, segment.segment_id)
-            evicted += 1
-        return evicted
-
-    def _evict_replica(self, key: bytes, meta: ObjectMeta, segment_id: str) -> None:
-        self._ledger.count("evictions", meta.tenant)
-        if len(meta.replicas) == 1:
-            self._ledger.forget(key, meta)
-            return
-        location = next(loc for loc in meta.replicas if loc.segment_id == segment_id)
-        meta.replicas.remove(location)
-        self._ledger.free(location)
+            meta = objects.get(key)
+            location = next((loc for loc in meta.replicas if loc.segment_id == segment_id), None) if meta else None
+            if meta is None or location is None:
+                self._ledger.unlist(segment_id, key)
+            elif meta.evictable(now):
+                if len(meta.replicas) == 1:
+                    self._ledger.forget(key, meta)
+                else:
+                    self._ledger.remove_replica(key, meta, location)
+                evictions[meta.tenant] = evictions.get(meta.tenant, 0) + 1
+        for tenant, count in evictions.items():
+            self._ledger.count("evictions", tenant, count)
+        return sum(evictions.values())
 
     def make_quota_room(self, tenant: str, num_bytes: int) -> bool:
         """Whether ``num_bytes`` more fit ``tenant``'s quota, evicting its own LRU objects to make them fit."""
@@ -122,3 +200,26 @@ class SpaceManager:
             self._ledger.count("evictions", tenant)
             self._ledger.forget(key, meta)
         return over <= 0
+
+
+# An order after every segment's (``_order``): no segment has it.
+_LAST_IN_ORDER = (True, True, float("inf"))
+
+
+@dataclass(slots=True)
+class _LastPlacement:
+    """Where a put's previous single copy went, and what it took to be first there."""
+
+    segment: SegmentInfo
+    num_bytes: int
+    preferred: str | None
+    runner_up: tuple[bool, bool, float]
+    # The ledger's frees and segment count then.
+    frees: int
+    num_segments: int
+
+
+def _order(segment: SegmentInfo, preferred: str | None, used_nodes: AbstractSet[str]) -> tuple[bool, bool, float]:
+    """Where a new replica goes first: the preferred segment, then segments on nodes without a copy yet, then
+    the least used."""
+    return (segment.segment_id != preferred, segment.node_id in used_nodes, segment.allocator.usage)

@@ -99,14 +99,29 @@ class MasterState:
         segment.last_heartbeat_s = self.clock()
         return self.epoch
 
-    def advertise(self, segment_id: str, held: Iterable[tuple[bytes, str, int, int]]) -> int:
-        """Adopt objects an owner holds (key, tenant, offset, num_bytes); returns how many were new."""
-        segment = self.segments.get(segment_id)
-        if segment is None:
+    def advertise(self, segment_id: str, held: Iterable[Sequence[Any]]) -> int:
+        """Adopt objects an owner holds (key, tenant, offset, num_bytes[, digest]); returns how many were new.
+
+        The owner sees every write to its segment, so what it advertises at an offset is what the bytes
+        there are: a complete object that the master (restored from an older snapshot) still places at the
+        same offset of this segment is stale, and loses that replica.
+        """
+        if segment_id not in self.segments:
             raise ValueError(f"unknown segment {segment_id!r}: register it first")
+        held = [tuple(entry) for entry in held]
+        key_at_offset: dict[int, bytes] = {}
+        for key, _tenant, offset, *_ in held:
+            key_at_offset.setdefault(offset, key)  # two keys at one offset: the first named wins, as in ``adopt``
+        self._drop_overwritten(segment_id, key_at_offset)
+        return self.adopt(segment_id, held)
+
+    def adopt(self, segment_id: str, held: Iterable[Sequence[Any]]) -> int:
+        """Take in objects at the places given (a snapshot's, or an owner's) where nothing else is; how many."""
+        segment = self.segments[segment_id]
         adopted = 0
         now = self.clock()
-        for key, tenant, offset, num_bytes in held:
+        for key, tenant, offset, num_bytes, *rest in held:
+            digest = rest[0] if rest else None
             location = Location(segment_id, offset, num_bytes)
             meta = self.objects.get(key)
             if meta is not None and (meta.num_bytes != num_bytes or location in meta.replicas or meta.tenant != tenant):
@@ -116,11 +131,29 @@ class MasterState:
             except ValueError:
                 continue  # overlaps space the snapshot already gave away: stale, skip it
             if meta is None:
-                self._ledger.add(key, ObjectMeta(tenant, num_bytes, ObjectState.COMPLETE, [location], now))
+                self._ledger.add(
+                    key, ObjectMeta(tenant, num_bytes, ObjectState.COMPLETE, [location], now, digest=digest)
+                )
             else:
-                meta.replicas.append(location)
+                self._ledger.add_replica(key, meta, location)
             adopted += 1
         return adopted
+
+    def _drop_overwritten(self, segment_id: str, key_at_offset: Mapping[int, bytes]) -> None:
+        """Forget replicas on ``segment_id`` whose offset its owner says now holds another key's bytes."""
+        for key in self._ledger.least_recent(segment_id):  # the keys with a replica there (some stale)
+            meta = self.objects.get(key)
+            if meta is None or meta.state is not ObjectState.COMPLETE:
+                continue
+            stale = [
+                loc
+                for loc in meta.replicas
+                if loc.segment_id == segment_id and key_at_offset.get(loc.offset, key) != key
+            ]
+            for location in stale:  # freed: the key whose bytes are there now reserves them next
+                self._ledger.remove_replica(key, meta, location)
+            if stale and not meta.replicas:
+                self._ledger.forget(key, meta)
 
     def drop_segment(self, segment_id: str) -> None:
         """Forget a segment and every replica on it (its owner is gone)."""
@@ -136,30 +169,39 @@ class MasterState:
         replicas: int = 1,
         preferred_segment_id: str | None = None,
         pin_ttl_s: float | None = None,
+        digests: Sequence[int] | None = None,
     ) -> list[PutPlan]:
+        """Plans for each key; ``digests`` (CRC-32 of each value, as the writer computed it) go to the objects
+        so that readers can check what lands."""
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if digests is not None and len(digests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         now = self.clock()
+        deadline_s = now + self.config.put_timeout_s
         plans = []
-        for key, num_bytes in zip(keys, sizes):
+        objects, space = self.objects, self._space
+        has_quota = tenant in self.config.tenant_quota_bytes
+        space.begin_put()
+        for index, (key, num_bytes) in enumerate(zip(keys, sizes)):
             if num_bytes <= 0:
                 raise ValueError(f"object size must be > 0, got {num_bytes}")
-            meta = self.objects.get(key)
+            meta = objects.get(key)
             if meta is not None and meta.tenant != tenant:  # another tenant's key: never shared, never replaced
                 self._ledger.count("put_failures", tenant)
                 plans.append(PutPlan("conflict"))
                 continue
             if meta is not None:  # duplicate put: a success, nothing to write
-                meta.last_access_s = now
+                self._ledger.touch(key, meta, now)
                 plans.append(PutPlan("exists"))
                 continue
-            if not self._space.make_quota_room(tenant, num_bytes):
+            if has_quota and not space.make_quota_room(tenant, num_bytes):
                 self._ledger.count("put_failures", tenant)
                 plans.append(PutPlan("quota"))
                 continue
-            locations = self._space.place(num_bytes, replicas, preferred_segment_id)
+            locations = space.place(num_bytes, replicas, preferred_segment_id)
             if not locations:
                 self._ledger.count("put_failures", tenant)
                 plans.append(PutPlan("no_space"))
@@ -170,8 +212,9 @@ class MasterState:
                 ObjectState.PENDING,
                 list(locations),
                 now,
-                put_deadline_s=now + self.config.put_timeout_s,
+                put_deadline_s=deadline_s,
                 pin_ttl_on_complete_s=pin_ttl_s,
+                digest=None if digests is None else digests[index],
             )
             self._ledger.add(key, meta)
             plans.append(PutPlan("write", tuple(locations)))
@@ -181,17 +224,19 @@ class MasterState:
         """Commit written objects; False for a key whose put was reclaimed or revoked meanwhile."""
         now = self.clock()
         done = []
+        puts: dict[str, int] = {}  # per tenant, counted once per call
         for key in keys:
             meta = self.objects.get(key)
             if meta is None or meta.state is not ObjectState.PENDING:
                 done.append(meta is not None)
                 continue
-            meta.state = ObjectState.COMPLETE
-            meta.last_access_s = now
+            self._ledger.complete(key, meta, now)
             if meta.pin_ttl_on_complete_s is not None:
                 meta.pin_until_s = now + meta.pin_ttl_on_complete_s
-            self._ledger.count("puts", meta.tenant)
+            puts[meta.tenant] = puts.get(meta.tenant, 0) + 1
             done.append(True)
+        for tenant, count in puts.items():
+            self._ledger.count("puts", tenant, count)
         return done
 
     def put_revoke(self, keys: Sequence[bytes]) -> None:
@@ -212,7 +257,7 @@ class MasterState:
         """
         now = self.clock()
         lease_until_s = now + self.config.lease_ttl_s
-        objects, complete = self.objects, ObjectState.COMPLETE
+        objects, complete, touch = self.objects, ObjectState.COMPLETE, self._ledger.touch
         out: list[list[Location] | None] = []
         hits = misses = 0
         for key in keys:  # a thousand keys a call: kept lean
@@ -222,7 +267,7 @@ class MasterState:
                 out.append(None)
                 continue
             hits += 1
-            meta.last_access_s = now
+            touch(key, meta, now)
             if meta.lease_until_s < lease_until_s:
                 meta.lease_until_s = lease_until_s
             replicas = meta.replicas
@@ -288,8 +333,9 @@ class MasterState:
     def tick(self) -> None:
         """Periodic work: reclaim stale puts, end leases, drop silent segments, keep watermarks."""
         now = self.clock()
-        for key, meta in list(self.objects.items()):
-            if meta.state is ObjectState.PENDING and meta.put_deadline_s <= now:
+        for key in list(self._ledger.pending):
+            meta = self.objects[key]
+            if meta.put_deadline_s <= now:
                 self._ledger.count("reclaimed_puts", meta.tenant)
                 self._ledger.count("put_failures", meta.tenant)
                 self._ledger.forget(key, meta)

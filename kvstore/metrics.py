@@ -22,7 +22,7 @@ class KVMetrics:
     def __init__(self, segment_id: str, tenant: str) -> None:
         self.tags = {"segment": segment_id, "tenant": tenant}
         self._lock = threading.Lock()  # the UCX server thread counts too
-        self._totals = {"bytes_in": 0, "bytes_out": 0, "put_failures": 0}
+        self._totals = {"bytes_in": 0, "bytes_out": 0, "put_failures": 0, "wrong_pages": 0}
         self._bytes_in = metrics.Counter(
             "rayturn_kv_bytes_in_total", description="Bytes landed in KV segments or caller buffers", tag_keys=_TAGS
         )
@@ -31,6 +31,11 @@ class KVMetrics:
         )
         self._put_failures = metrics.Counter(
             "rayturn_kv_client_put_failures_total", description="KV puts that stored nothing", tag_keys=_TAGS
+        )
+        self._wrong_pages = metrics.Counter(
+            "rayturn_kv_wrong_pages_total",
+            description="KV reads whose bytes failed the object's digest, taken as misses",
+            tag_keys=_TAGS,
         )
 
     def bytes_in(self, num_bytes: int) -> None:
@@ -47,6 +52,12 @@ class KVMetrics:
         with self._lock:
             self._totals["put_failures"] += 1
         self._put_failures.inc(1, tags=self.tags)
+
+    def wrong_page(self) -> None:
+        """A read landed bytes that failed the object's digest (and was taken as a miss)."""
+        with self._lock:
+            self._totals["wrong_pages"] += 1
+        self._wrong_pages.inc(1, tags=self.tags)
 
     def totals(self) -> dict[str, int]:
         with self._lock:

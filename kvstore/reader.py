@@ -5,12 +5,19 @@ The master answers with every replica of every object, best first (see
 tried at its replicas in order: the client's own segment, a same-node
 segment the transport maps from shared memory, or over UCX. A segment whose
 owner cannot be reached is left alone for ``UNREACHABLE_REST_S``.
+
+What lands is checked against the object's CRC-32, which its writer
+computed and the master keeps: bytes that are not the object's (an offset
+reused while the master's metadata was stale, a read that outlived its
+lease) read as a miss, never as the page. A master that does not answer
+within its timeout makes the whole batch a miss (``MasterUnavailable``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,18 +26,18 @@ from typing import Any
 import numpy as np
 
 from .access import ReadGrant
-from .connection import MasterConnection, RemoteClient
+from .connection import MasterConnection, MasterUnavailable, RemoteClient
 from .landing import Targets, copy_out
 from .metrics import KVMetrics
 from .peers import PeerDirectory
 from .segment import Segment
 from .transports import Transport
-from .ucx_transport import PeerUnreachable, TransportError
+from .ucx_transport import PeerTimedOut, PeerUnreachable, TransportError
 
 logger = logging.getLogger(__name__)
 
-# A segment whose owner could not be reached is not asked again for this long (the master drops a
-# silent owner's segment within its heartbeat timeout): each try would cost a connect timeout.
+# A segment whose owner could not be reached, or did not answer in time, is not asked again for this long
+# (the master drops a silent owner's segment within its heartbeat timeout): each try would cost a timeout.
 UNREACHABLE_REST_S = 10.0
 
 
@@ -58,7 +65,11 @@ class Reader:
 
     def get_batch(self, keys: Sequence[bytes], tenant: str) -> list[bytes | None]:
         """The values of ``tenant``'s objects; None for a miss."""
-        located = self._locate(keys, tenant)
+        try:
+            located = self._locate(keys, tenant)
+        except MasterUnavailable as err:
+            logger.warning("kv get of %d keys answered as misses: %s", len(keys), err)
+            return [None] * len(keys)
         buffers = [np.empty(max(size, 0), dtype=np.uint8) for size in located.best[:, 2].tolist()]
         landed = self._read(keys, tenant, located, Targets(buffers, len(keys)))
         return [buf.tobytes() if ok else None for buf, ok in zip(buffers, landed)]
@@ -66,7 +77,11 @@ class Reader:
     def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str) -> list[bool]:
         """Land each of ``tenant``'s objects in the caller's buffer (``KVStoreClient.get_into``); False for a miss."""
         targets = Targets(buffers, len(keys))
-        located = self._locate(keys, tenant)
+        try:
+            located = self._locate(keys, tenant)
+        except MasterUnavailable as err:
+            logger.warning("kv get of %d keys answered as misses: %s", len(keys), err)
+            return [False] * len(keys)
         best = located.best
         wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
         if wrong.size:
@@ -75,10 +90,11 @@ class Reader:
         return self._read(keys, tenant, located, targets)
 
     def _locate(self, keys: Sequence[bytes], tenant: str) -> _Located:
-        segment_ids, best, more, grants = self._master.call("get_locations", list(keys), self._node_id, tenant)
+        segment_ids, best, more, grants, digests = self._master.call("get_locations", list(keys), self._node_id, tenant)
         rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
         read_grants = [ReadGrant.from_wire(grant) for grant in grants]
-        return _Located(segment_ids, rows, {entry[0]: entry[1:] for entry in more}, read_grants)
+        more_replicas = {entry[0]: entry[1:] for entry in more}
+        return _Located(segment_ids, rows, more_replicas, read_grants, np.frombuffer(digests, dtype=np.int64))
 
     def _read(self, keys: Sequence[bytes], tenant: str, located: _Located, targets: Targets) -> list[bool]:
         """Land every object the master located; asks once more, for what is left, when the attempts outlived
@@ -86,8 +102,22 @@ class Reader:
         done = np.zeros(len(keys), dtype=bool)
         self._read_replicas(located, targets, done)
         if not done.all() and located.expired() and (located.best[~done, 0] >= 0).any():
-            self._read_replicas(self._locate(keys, tenant), targets, done)
+            try:
+                located = self._locate(keys, tenant)
+            except MasterUnavailable as err:
+                logger.warning("kv get: no fresh grants for the rest of the batch: %s", err)
+            else:
+                self._read_replicas(located, targets, done)
+        self._check_digests(keys, located, targets, done)
         return done.tolist()
+
+    def _check_digests(self, keys: Sequence[bytes], located: _Located, targets: Targets, done: np.ndarray) -> None:
+        """Turn every landed object whose bytes do not match its digest into a miss."""
+        for i in np.flatnonzero(done & (located.digests >= 0)).tolist():
+            if zlib.crc32(targets.array(i).data) != located.digests[i]:
+                done[i] = False
+                self._metrics.wrong_page()
+                logger.warning("kv read of %s landed bytes that are not its own: read as a miss", keys[i].hex()[:16])
 
     def _read_replicas(self, located: _Located, targets: Targets, done: np.ndarray) -> None:
         """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
@@ -150,7 +180,7 @@ class Reader:
             self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
             self._metrics.bytes_in(num_bytes)
             return True
-        except PeerUnreachable as err:
+        except (PeerUnreachable, PeerTimedOut) as err:
             logger.warning(
                 "kv read from segment %s failed, not asking it for %.0f s: %s", segment_id, UNREACHABLE_REST_S, err
             )
@@ -171,6 +201,7 @@ class _Located:
     best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
     more: dict[int, list[int]]  # key index -> further replicas, flat triples
     grants: list[ReadGrant]  # per segment index: the read grant for its ranges
+    digests: np.ndarray  # [n] int64: each object's CRC-32 (-1: not known)
 
     def expired(self) -> bool:
         """Whether a grant of this answer has run out (its leases are then about to)."""

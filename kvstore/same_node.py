@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from .segment import Segment, owner_alive
 from .transports import Transport
+from .ucx_client import PeerUnreachable
 
 if TYPE_CHECKING:
     from .connection import MasterConnection
@@ -21,14 +22,14 @@ class SharedMemoryTransport(Transport):
         self.attached = {}
 
     def shared_segment(self, segment_id: str, peer: Peer) -> Segment | None:
-        """The peer's shared memory, if it is on this node and its owner process is alive (a dead owner's
-        pages are lost)."""
+        """The peer's shared memory, if it is on this node; PeerUnreachable if its owner process is gone (a
+        dead owner's pages are lost, and asking its UCX port would only cost a timeout)."""
         if peer.node_id != self._node_id:
             return None
         if not owner_alive(peer.shm_name):
             self.attached.pop(segment_id, None)
             self._master.notify("drop_segment", segment_id)
-            return None
+            raise PeerUnreachable(f"the owner of segment {segment_id} on this node is gone")
         if segment_id not in self.attached:
             self.attached[segment_id] = Segment.attach(peer.shm_name)
         return self.attached[segment_id]

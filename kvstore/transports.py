@@ -30,7 +30,8 @@ class Transport(ABC):
 
     @abstractmethod
     def shared_segment(self, segment_id: str, peer: Peer) -> Segment | None:
-        """The peer's segment mapped here to copy out of, or None: read it over UCX."""
+        """The peer's segment mapped here to copy out of, or None: read it over UCX. PeerUnreachable when the
+        transport knows the peer is gone."""
 
 
 def _auto(master: MasterConnection, node_id: str) -> Transport:

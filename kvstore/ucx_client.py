@@ -46,7 +46,7 @@ from rayturn.kvstore.ucx_runtime import (
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "PeerUnreachable", "TransportError", "UcxClient"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "PeerTimedOut", "PeerUnreachable", "TransportError", "UcxClient"]
 
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 # A blocking call waits this long past its request's own timeout (enforced on the loop, where the
@@ -63,6 +63,10 @@ class TransportError(RuntimeError):
 class PeerUnreachable(TransportError):
     """The server could not be reached or did not accept this peer, or the connection broke: not worth asking
     again soon."""
+
+
+class PeerTimedOut(TransportError):
+    """The request did not finish within its timeout: the peer is slow, stopped, or busy with earlier requests."""
 
 
 class _ProtocolError(Exception):
@@ -328,7 +332,7 @@ class UcxClient:
         except _ConnectionFailed as error:
             raise PeerUnreachable(f"{what} {address} failed: {error}") from error.__cause__
         except asyncio.TimeoutError:  # a slow transfer, or one waiting its turn: the peer may be fine
-            raise TransportError(f"{what} {address} timed out after {timeout_s} s") from None
+            raise PeerTimedOut(f"{what} {address} timed out after {timeout_s} s") from None
 
 
 def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:

@@ -104,7 +104,8 @@ class UcxServer:
     ``on_write(keys, ranges, tenant)`` runs on the UCX loop thread after a write's bytes have
     fully landed; if it raises, the client gets a TransportError saying so. Non-contiguous
     requests over ``max_staging_bytes`` are refused; once a request has been accepted, each of
-    its data and body transfers must arrive within ``io_timeout_s`` or the connection closes.
+    its data and body transfers, and each reply, must complete within ``io_timeout_s`` or the
+    connection closes (a stopped peer costs one connection, never the server's loop).
     """
 
     def __init__(
@@ -269,7 +270,8 @@ class _ServerConnection:
         gate = self._server._gate
         nonce = gate.auth.challenge()
         try:
-            await self._channel.send_control(wire.encode({"type": "challenge", "nonce": nonce}))
+            challenge = self._channel.send_control(wire.encode({"type": "challenge", "nonce": nonce}))
+            await asyncio.wait_for(challenge, HANDSHAKE_TIMEOUT_S)
             answer = await asyncio.wait_for(self._channel.recv_control(expected_type="auth"), HANDSHAKE_TIMEOUT_S)
             proof = gate.auth.check_answer(nonce, answer["nonce"], answer["proof"])
         except (AccessDenied, wire.WireError, FramingError, asyncio.TimeoutError) as error:
@@ -281,14 +283,20 @@ class _ServerConnection:
                     timeout=1.0,
                 )
             raise
-        await self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True, proof=proof)
+        accepted = self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True, proof=proof)
+        await asyncio.wait_for(accepted, HANDSHAKE_TIMEOUT_S)
+
+    async def _reply(self, request_id: int, *, ok: bool, total_bytes: int = 0, error: str | None = None) -> None:
+        """Send a reply; a peer that does not take it within the I/O timeout loses the connection."""
+        reply = self._channel.send_reply(request_id, ok=ok, total_bytes=total_bytes, error=error)
+        await asyncio.wait_for(reply, self._server._io_timeout_s)
 
     async def _next_request(self) -> dict[str, Any] | None:
         try:
             # No timeout: an idle connection may wait for its next request indefinitely.
             return await self._channel.recv_control(body_timeout_s=self._server._io_timeout_s)
         except wire.WireError as error:  # the frame was sound, only its message was not: keep serving
-            await self._channel.send_reply(UNPARSED_REQUEST_ID, ok=False, error=f"malformed request: {error}")
+            await self._reply(UNPARSED_REQUEST_ID, ok=False, error=f"malformed request: {error}")
             return None
         except FramingError as error:  # cannot find the next message boundary: say why, then hang up
             with contextlib.suppress(Exception):
@@ -311,7 +319,7 @@ class _ServerConnection:
             else:
                 await self._serve_write(request_id, request["keys"], request["ranges"], request["tenant"])
         except _RequestRefused as error:
-            await self._channel.send_reply(request_id, ok=False, error=str(error))
+            await self._reply(request_id, ok=False, error=str(error))
 
     async def _serve_read(self, request_id: int, ranges: list[Range]) -> None:
         total_bytes = self._server._check_request(ranges)
@@ -328,7 +336,7 @@ class _ServerConnection:
         # Reply and data are posted back to back (UCX keeps their order): the data does not wait
         # for the reply's completion to make its way back to this loop.
         await asyncio.gather(
-            self._channel.send_reply(request_id, ok=True, total_bytes=data.nbytes),
+            self._reply(request_id, ok=True, total_bytes=data.nbytes),
             self._channel.send_data(data, self._server._io_timeout_s),
         )
 
@@ -343,10 +351,10 @@ class _ServerConnection:
                 await self._recv_write(request_id, data)
                 scatter(data, ranges, segment)
         self._server._notify_write(keys, ranges, tenant)
-        await self._channel.send_reply(request_id, ok=True, total_bytes=total_bytes)  # "done"
+        await self._reply(request_id, ok=True, total_bytes=total_bytes)  # "done"
 
     async def _recv_write(self, request_id: int, into: memoryview) -> None:
         await asyncio.gather(
-            self._channel.send_reply(request_id, ok=True, total_bytes=into.nbytes),  # "ready: send the data"
+            self._reply(request_id, ok=True, total_bytes=into.nbytes),  # "ready: send the data"
             self._channel.recv_data(into, self._server._io_timeout_s),
         )

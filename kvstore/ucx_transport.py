@@ -17,7 +17,13 @@ This module is the public face of the transport; the parts live in their own mod
 
 from __future__ import annotations
 
-from rayturn.kvstore.ucx_client import DEFAULT_CONNECT_TIMEOUT_S, PeerUnreachable, TransportError, UcxClient
+from rayturn.kvstore.ucx_client import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    PeerTimedOut,
+    PeerUnreachable,
+    TransportError,
+    UcxClient,
+)
 from rayturn.kvstore.ucx_framing import (
     CONTROL_HEADER,
     CONTROL_MAGIC,
@@ -40,6 +46,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FLAG_BODY_FOLLOWS",
     "Address",
+    "PeerTimedOut",
     "PeerUnreachable",
     "TransportError",
     "UcxClient",

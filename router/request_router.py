@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -73,11 +73,13 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from rayturn.messages import Call, SessionAnnouncement
+from rayturn.router.page_index import PageIndex
 from rayturn.router.scoring import (
     ReplicaStats,
     ScoringWeights,
     following_replicas,
-    scored_replicas,
+    page_hash_key,
+    scored_by_residency,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,8 @@ class RoutingHints:
     """What a call tells the router about itself (see the module docstring)."""
 
     session_id: str | None = None
-    page_hashes: tuple[str, ...] = ()
+    # The prompt's pages as ``page_hash_key`` prefixes, what replica stats list.
+    page_keys: tuple[str, ...] = ()
     prompt_tokens: int = 0
     store_prefix_pages: int = 0
     prewarm: bool = False
@@ -133,7 +136,8 @@ class RoutingHints:
             # The request itself is not logged: it carries the user's prompt.
             logger.debug("Ignoring malformed routing hints (keys: %s).", sorted(map(str, request)))
             return cls()
-        return cls(session_id or None, tuple(page_hashes), prompt_tokens, store_prefix_pages, prewarm)
+        page_keys = tuple(page_hash_key(page_hash) for page_hash in page_hashes)
+        return cls(session_id or None, page_keys, prompt_tokens, store_prefix_pages, prewarm)
 
 
 def serve_replica_id() -> str | None:
@@ -149,7 +153,8 @@ def _is_count(value: object) -> bool:
 
 
 class KVAwareRequestRouter(RequestRouter):
-    """Ranks replicas for every call by ``rayturn.router.scoring.scored_replicas``."""
+    """Ranks replicas for every call as ``rayturn.router.scoring.scored_replicas`` does, with the replicas'
+    pages looked up in a ``PageIndex`` kept up to date as their reports arrive."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -158,6 +163,7 @@ class KVAwareRequestRouter(RequestRouter):
         # Serve replaces that dict when new stats arrive, so identity tells
         # whether to parse again.
         self._parsed_stats: dict[str, tuple[dict[str, Any], ReplicaStats | None]] = {}
+        self._pages = PageIndex()
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Take ``ScoringWeights`` fields from ``request_router_kwargs``."""
@@ -198,8 +204,10 @@ class KVAwareRequestRouter(RequestRouter):
             ranks = [[by_id[replica_id]] for replica_id in following]
             for replica_id in following:
                 del stats[replica_id]
-        scored = scored_replicas(
-            hints.page_hashes,
+        resident = self._pages.resident_prefixes(hints.page_keys, stats)
+        scored = scored_by_residency(
+            len(hints.page_keys),
+            resident,
             hints.session_id,
             hints.prompt_tokens,
             stats,
@@ -216,9 +224,21 @@ class KVAwareRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self.refresh_stats(replicas)
+
+    def refresh_stats(self, replicas: Sequence[RunningReplica]) -> None:
+        """Parse the reports that changed and forget replicas that left.
+
+        Serve calls ``update_replicas`` with every broadcast of replica infos,
+        new routing stats included, so parsing here keeps it off the path of
+        a routing decision.
+        """
         live = {replica.replica_id.unique_id for replica in replicas}
         for replica_id in self._parsed_stats.keys() - live:
             del self._parsed_stats[replica_id]
+            self._pages.remove(replica_id)
+        for replica in replicas:
+            self._stats(replica)
 
     def _stats(self, replica: RunningReplica) -> ReplicaStats | None:
         """The replica's last reported stats, or None before its first report or after a bad one."""
@@ -234,6 +254,7 @@ class KVAwareRequestRouter(RequestRouter):
             except ValueError as error:
                 logger.warning("Replica %s reported unusable routing stats: %s", replica_id, error)
         self._parsed_stats[replica_id] = (reported, stats)
+        self._pages.update(replica_id, stats)
         return stats
 
 

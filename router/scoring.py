@@ -15,6 +15,7 @@ spills over to other replicas instead of saturating its preferred one.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,10 @@ SCORE_DECIMALS = 9
 DEFAULT_PAGE_SIZE = 16
 
 _COUNT_FIELDS = ("queued_prompt_tokens", "running_seqs", "max_num_seqs", "free_pages", "total_pages")
+
+
+# ``page_hash_key`` of a hex string.
+_KEY_OF_HEX = operator.itemgetter(slice(PAGE_HASH_PREFIX_CHARS))
 
 
 def page_hash_key(page_hash: bytes | str) -> str:
@@ -163,7 +168,7 @@ def _hash_set(data: Mapping[str, Any], name: str, *, required: bool) -> frozense
         raise ValueError(f"replica stats {name!r} must be a list of hex strings")
     if not all(isinstance(value, str) for value in values):
         raise ValueError(f"replica stats {name!r} must hold only strings")
-    return frozenset(page_hash_key(value) for value in values)
+    return frozenset(map(_KEY_OF_HEX, values))  # ``page_hash_key`` of each (all strings), at C speed
 
 
 def _session_times(data: Mapping[str, Any]) -> dict[str, float]:
@@ -303,22 +308,24 @@ def score(
     is overloaded.
     """
     page_keys = [page_hash_key(h) for h in page_hashes]
-    return _score(page_keys, stats, prompt_tokens, affinity_score, weights, store_prefix_pages)
+    resident = _resident_prefix(page_keys, stats) if stats is not None else (0, 0)
+    return _score(len(page_keys), resident, stats, prompt_tokens, affinity_score, weights, store_prefix_pages)
 
 
 def _score(
-    page_keys: Sequence[str],
+    num_pages: int,
+    resident: tuple[int, int],
     stats: ReplicaStats | None,
     prompt_tokens: int,
     affinity_score: float,
     weights: ScoringWeights,
     store_prefix_pages: int,
 ) -> float:
-    device_pages, host_pages = _resident_prefix(page_keys, stats) if stats is not None else (0, 0)
+    device_pages, host_pages = resident
     load = load_penalty(stats, prompt_tokens, resident_pages=device_pages)
     if load >= OVERLOAD_THRESHOLD:
         affinity_score = 0.0
-    overlap = _overlap(len(page_keys), device_pages, host_pages, store_prefix_pages)
+    overlap = _overlap(num_pages, device_pages, host_pages, store_prefix_pages)
     return weights.kv_overlap * overlap - weights.load * load + weights.affinity * affinity_score
 
 
@@ -338,14 +345,42 @@ def scored_replicas(
     """
     # Keys are cut once here, not once per replica: prompts run to thousands of pages.
     page_keys = [page_hash_key(h) for h in page_hashes]
-    preferred = preferred_replica(session_id, stats_by_replica)
+    resident = {
+        replica_id: _resident_prefix(page_keys, stats) if stats is not None else (0, 0)
+        for replica_id, stats in stats_by_replica.items()
+    }
+    return scored_by_residency(
+        len(page_keys), resident, session_id, prompt_tokens, stats_by_replica, weights, store_prefix_pages
+    )
+
+
+def scored_by_residency(
+    num_pages: int,
+    resident: Mapping[str, tuple[int, int]],
+    session_id: str | None,
+    prompt_tokens: int,
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    weights: ScoringWeights,
+    store_prefix_pages: int = 0,
+) -> list[tuple[str, float]]:
+    """``scored_replicas`` for a prompt of ``num_pages`` pages of which each replica holds the prefix in
+    ``resident`` (device pages, host pages), however that was found (``router.page_index`` finds it for all
+    replicas in one walk)."""
     tie_key = session_id or ""
+    # One rendezvous weight per replica serves both the session's preferred replica and the tie order.
+    tie_weights = {replica_id: rendezvous_weight(tie_key, replica_id) for replica_id in stats_by_replica}
+    preferred = (
+        max(tie_weights, key=lambda replica_id: (tie_weights[replica_id], replica_id), default=None)
+        if session_id
+        else None
+    )
     scored = [
         (
             replica_id,
             round(
                 _score(
-                    page_keys,
+                    num_pages,
+                    resident[replica_id],
                     stats,
                     prompt_tokens,
                     1.0 if replica_id == preferred else 0.0,
@@ -357,7 +392,7 @@ def scored_replicas(
         )
         for replica_id, stats in stats_by_replica.items()
     ]
-    scored.sort(key=lambda pair: (-pair[1], -rendezvous_weight(tie_key, pair[0]), pair[0]))
+    scored.sort(key=lambda pair: (-pair[1], -tie_weights[pair[0]], pair[0]))
     return scored
 
 

@@ -129,6 +129,10 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"decode": {"resources": {"rayturn-decode": 0}}}, r"decode\.resources\.rayturn-decode must be > 0, got 0"),
         ({"decode": {"resources": {"": 1}}}, r"decode\.resources must not hold an empty resource name"),
         ({"decode": {"max_ongoing_requests": 0}}, r"decode\.max_ongoing_requests must be >= 1"),
+        ({"decode": {"max_queued_requests": 0}}, r"decode\.max_queued_requests must be >= 1"),
+        ({"decode": {"continuation_reserve": 1.0}}, r"decode\.continuation_reserve must lie in \[0, 1\)"),
+        ({"prefill": {"continuation_reserve": -0.1}}, r"prefill\.continuation_reserve must lie in \[0, 1\)"),
+        ({"decode": {"max_queued_requests": "many"}}, r"decode\.max_queued_requests must be an integer"),
         ({"decode": {"autoscaling": {"target_ongoing_requests": 0}}}, r"decode\.autoscaling\.target_ongoing_requests"),
         ({"prefill": {"autoscaling": {"upscale_delay_s": -1}}}, r"prefill\.autoscaling\.upscale_delay_s must be >= 0"),
         ({"prefill": {"autoscaling": {"downscale_delay_s": -1}}}, r"prefill\.autoscaling\.downscale_delay_s"),
@@ -375,6 +379,7 @@ def test_serve_options_for_a_fixed_pool() -> None:
     assert pool.serve_options() == {
         "num_replicas": 3,
         "max_ongoing_requests": 16,
+        "max_queued_requests": 256,
         "ray_actor_options": {"num_cpus": 2},
     }
 
@@ -400,6 +405,7 @@ def test_serve_options_for_an_autoscaled_pool() -> None:
             "downscale_delay_s": 120.0,
         },
         "max_ongoing_requests": 64,
+        "max_queued_requests": 256,
         "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1.0},
     }
     started_at_two = PoolSpec(min_replicas=0, max_replicas=4, initial_replicas=2)

@@ -6,6 +6,7 @@ import json
 
 from rayturn.decode.answers import AnswerTracker
 from rayturn.engine.outputs import CompletionOutput, RequestOutput
+from rayturn.messages import ResumePoint
 
 QWEN3_CODER_CALL = (
     "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -71,3 +72,27 @@ def test_the_call_s_tool_schemas_type_xml_parameter_values() -> None:
     (delta,) = untyped.deltas(_output(text, finished=True))
     (call,) = [call for piece in delta.tool_parse for call in piece.tool_calls]
     assert json.loads(call.arguments) == {"content": 42, "line": 7}  # without the schema, as JSON
+
+
+def test_a_resumed_answer_sends_only_what_follows_and_splits_tool_calls_as_one_run_would() -> None:
+    cuts = (QWEN3_CODER_CALL.index("<tool_call>") + 3, QWEN3_CODER_CALL.index("Paris"))
+    whole = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    lost = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    streamed = [delta for cut in cuts for delta in lost.deltas(_output(QWEN3_CODER_CALL[:cut], finished=False))]
+    pieces = tuple(delta.text for delta in streamed)
+    assert "".join(pieces) == QWEN3_CODER_CALL[: cuts[-1]]
+
+    resumed = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    prefix = QWEN3_CODER_CALL[: cuts[-1]].encode()
+    resumed.resume(ResumePoint(tuple(prefix), None, pieces))
+    (rest,) = resumed.deltas(_output(QWEN3_CODER_CALL, finished=True))
+    assert rest.text == QWEN3_CODER_CALL[cuts[-1] :] and rest.token_ids == tuple(
+        QWEN3_CODER_CALL.encode()[len(prefix) :]
+    )
+    assert resumed.called_tools(0)
+
+    parsed = [piece for delta in (*streamed, rest) for piece in delta.tool_parse]
+    (reference,) = whole.deltas(_output(QWEN3_CODER_CALL, finished=True))
+    assert "".join(piece.content for piece in parsed) == "".join(piece.content for piece in reference.tool_parse)
+    calls = [(call.name, call.arguments) for piece in parsed for call in piece.tool_calls]
+    assert calls == [(call.name, call.arguments) for piece in reference.tool_parse for call in piece.tool_calls]

@@ -245,3 +245,29 @@ def same_scores(got: tuple[TokenLogprob | None, ...] | None, expected: tuple[Tok
             [theirs.logprob, *(v for _, v in theirs.top)], abs=1e-5
         )
     return True
+
+
+def test_async_saves_publish_the_prompt_before_the_answer_ends_and_another_engine_resumes_it(
+    reference: list[int],
+) -> None:
+    store = DictStore()
+    engine = make_engine(store, kv_save="async")
+    engine.add_request(PROMPT, GREEDY, request_id="r")
+    streamed: list[int] = []
+    while len(streamed) < 3:
+        (output,) = engine.step()
+        streamed = output.token_ids
+    engine.flush_saves()
+    assert not output.finished and streamed == reference[:3]
+    # The prompt's 4 full pages are in the store while the answer is still being decoded.
+    assert len(store.objects) == len(PROMPT) // PAGE
+
+    # The engine is lost; another continues after the streamed tokens from the stored prompt pages.
+    other = make_engine(store)
+    other.add_request(PROMPT, GREEDY, request_id="r-resumed", output_prefix=streamed)
+    outputs = []
+    while other.has_unfinished_requests():
+        outputs.extend(other.step())
+    final = outputs[-1]
+    assert final.finished and final.token_ids == reference
+    assert final.num_loaded_prompt_tokens == 64

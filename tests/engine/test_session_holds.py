@@ -273,6 +273,27 @@ def test_offload_saves_what_the_store_lacks_and_keeps_pages_another_session_hold
     assert engine.session_stats()["prewarmed_pages"] == 1 and engine.session_stats()["held_sessions"] == 2
 
 
+def test_an_engine_about_to_stop_hands_every_session_to_the_store_most_recent_first() -> None:
+    connector = DictConnector()
+    engine = make_engine(num_pages=16, connector=connector)
+    run(engine, tokens(0, 10), THREE_OUT, session_id="a")  # pages 0 1 2
+    run(engine, tokens(100, 10), THREE_OUT, session_id="b")  # pages 3 4 5
+    hashes = [engine.kv_cache.pool.pages[i].page_hash for i in range(6)]
+    connector.pages.clear()  # the segment that held them is gone
+    connector.saved.clear()
+
+    server = AsyncEngine(engine)
+    assert server.hand_off_sessions(timeout_s=10.0) == 0  # the engine thread still owns the engine
+    server.shutdown()
+    assert server.hand_off_sessions(timeout_s=10.0) == 6
+    assert connector.saved == hashes[3:] + hashes[:3]  # "b", the most recently used, first
+    assert engine.session_residency("a") == (3, 3) and engine.session_residency("b") == (3, 3)  # nothing evicted
+
+    connector.pages.clear()
+    connector.saved.clear()
+    assert engine.hand_off_sessions(timeout_s=0.0) == 0 and connector.saved == []  # no time left: nothing
+
+
 def test_offload_keeps_what_the_store_cannot_take_and_pages_other_sessions_share() -> None:
     connector = DictConnector()
     engine = make_engine(num_pages=16, connector=connector)

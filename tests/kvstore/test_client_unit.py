@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rayturn.kvstore.client import KVStoreClient
-from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster
+from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster, MasterUnavailable
 from rayturn.kvstore.master import KVMaster
 from rayturn.kvstore.master_types import MasterConfig
 from rayturn.kvstore.segment import Segment
@@ -161,3 +161,53 @@ def test_a_pin_acts_for_the_calls_tenant(master: LocalMaster, make_client: Calla
     assert objects[b"alice-prompt"].pin_until_s == pinned_until_s  # a shorter pin never cuts one short
     with pytest.raises(ValueError, match="ttl_s must be > 0"):
         server.pin([b"alice-prompt"], 0.0)
+
+
+@pytest.mark.parametrize("reader_node", ["node-a", "node-b"])  # shared memory, and the remote transport
+def test_bytes_that_are_not_the_objects_own_read_as_a_miss(
+    make_client: Callable[..., KVStoreClient], reader_node: str
+) -> None:
+    writer, reader = make_client("node-a"), make_client(reader_node)
+    assert writer.put_batch([b"mine", b"kept"], [page(20), page(21)]) == [True, True]
+    ((_, _, offset, _),) = [entry for entry in writer.held.items() if entry[0] == b"mine"]
+    # Another page's bytes where the master still places "mine" (an offset reused behind stale metadata).
+    writer.segment.write(offset, page(22))
+    assert reader.get_batch([b"mine", b"kept"]) == [None, page(21)]
+    buffers = np.zeros((2, PAGE), dtype=np.uint8)
+    assert reader.get_into([b"mine", b"kept"], buffers) == [False, True]
+    assert reader.stats()["client"]["wrong_pages"] == 2
+
+
+class DownMaster:
+    """A master connection whose master does not answer (it is restarting): every call times out."""
+
+    def __init__(self, up: LocalMaster) -> None:
+        self.auth = up.auth
+        self.down = False
+        self._up = up
+
+    def call(self, method: str, *args: object, timeout_s: float | None = None) -> object:
+        if self.down:
+            raise MasterUnavailable(f"the kv master did not answer {method}")
+        return self._up.call(method, *args, timeout_s=timeout_s)
+
+    def notify(self, method: str, *args: object) -> None:
+        self._up.notify(method, *args)
+
+    def refresh_auth(self) -> None:
+        self._up.refresh_auth()
+
+
+def test_while_the_master_is_away_calls_count_as_misses(
+    master: LocalMaster, make_client: Callable[..., KVStoreClient]
+) -> None:
+    flaky = DownMaster(master)
+    client = make_client("node-a", connection=flaky)
+    assert client.put_batch([b"before"], [page(30)]) == [True]
+    flaky.down = True
+    assert client.get_batch([b"before"]) == [None]
+    assert client.get_into([b"before"], [np.zeros(PAGE, dtype=np.uint8)]) == [False]
+    assert client.put_batch([b"during"], [page(31)]) == [False]
+    assert client.exists([b"before"]) == [False] and client.longest_prefix([b"before"]) == 0
+    flaky.down = False
+    assert client.get_batch([b"before", b"during"]) == [page(30), None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -29,7 +30,7 @@ from rayturn.kvstore.ucx_transport import TransportError, UcxClient  # noqa: E40
 
 PAGE = 32 << 10
 SEGMENT = 4 << 20
-CONFIG = MasterConfig(heartbeat_timeout_s=3.0, put_timeout_s=2.0, lease_ttl_s=2.0)
+CONFIG = MasterConfig(heartbeat_timeout_s=3.0, lease_ttl_s=2.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +154,7 @@ def test_concurrent_puts_of_one_key_both_succeed_with_one_value() -> None:
 
 def test_interrupted_put_is_reclaimed() -> None:
     master_name = "kv-reclaim"
-    master = start_master(master_name, config=CONFIG)
+    master = start_master(master_name, config=dataclasses.replace(CONFIG, put_timeout_s=2.0))
     worker = StoreWorker.remote(master_name)
     ray.get(worker.pid.remote())
     started = ray.get(master.put_start.remote([b"orphan"], [PAGE], "default"))
@@ -353,7 +354,7 @@ def test_the_stores_sockets_refuse_strangers_and_answer_each_tenant_only_about_i
         assert _lookup(conn, 2, "exists", keys, "alice")["result"] == [True] * 4
         assert _lookup(conn, 3, "exists", keys, "bob")["result"] == [False] * 4
         assert _lookup(conn, 4, "longest_prefix", keys, "bob")["result"] == 0
-        segment_ids, best, _, grants = _lookup(conn, 5, "get_locations", keys, "bob")["result"]
+        segment_ids, best, _, grants, _ = _lookup(conn, 5, "get_locations", keys, "bob")["result"]
         assert (segment_ids, grants) == ([], []) and set(np.frombuffer(best, dtype=np.int64)) == {-1}
     # The owner's segment over UCX: no secret, no bytes; the secret but no grant from the master, no bytes.
     directory = ray.get(master.segment_directory.remote())

@@ -276,3 +276,42 @@ def test_a_tenant_neither_reads_nor_learns_of_nor_overwrites_another_tenants_obj
     (plan,) = state.put_start([b"a0"], [PAGE], "bob")
     assert plan.status == "conflict" and state.objects[b"a0"].tenant == "alice"
     assert state.tenant_counters["bob"].put_failures == 1
+
+
+def test_readvertising_owner_overrides_a_stale_snapshot_at_a_reused_offset() -> None:
+    state, _ = make()
+    state.put_start([b"old"], [PAGE], "t", digests=[111])
+    state.put_end([b"old"])
+    snapshot = state.snapshot()  # taken before "old" was removed and its offset reused by "new"
+    state.remove([b"old"])
+    (plan,) = state.put_start([b"new"], [PAGE], "t", digests=[222])
+    assert plan.locations == (Location("seg0", 0, PAGE),)  # the same offset
+    restarted, _ = make(segments=0)
+    restarted.restore(snapshot)
+    assert restarted.objects[b"old"].digest == 111  # digests survive a snapshot
+    restarted.register_segment("seg0", "node0", "shm0", 10 * PAGE, ("127.0.0.1", 9000), PAGE)
+    # The owner saw "new" land at offset 0: "old" is not there any more, whatever the snapshot says.
+    assert restarted.advertise("seg0", [(b"new", "t", 0, PAGE, 222)]) == 1
+    assert restarted.exists([b"old", b"new"], "t") == [False, True]
+    assert restarted.objects[b"new"].digest == 222
+    assert restarted.segments["seg0"].allocator.used_bytes == PAGE
+
+
+def test_a_replica_elsewhere_outlives_its_stale_copy() -> None:
+    state, _ = make(segments=2)
+    put(state, [b"a"], replicas=2)
+    assert {loc.segment_id for loc in state.objects[b"a"].replicas} == {"seg0", "seg1"}
+    offset = next(loc.offset for loc in state.objects[b"a"].replicas if loc.segment_id == "seg1")
+    # seg1's owner says the bytes at that offset are now "b"'s: "a" keeps its other replica only.
+    assert state.advertise("seg1", [(b"b", "t", offset, PAGE)]) == 1
+    assert [loc.segment_id for loc in state.objects[b"a"].replicas] == ["seg0"]
+    assert state.get_locations([b"a", b"b"], reader_tenant="t") == [
+        [Location("seg0", 0, PAGE)],
+        [Location("seg1", offset, PAGE)],
+    ]
+
+
+def test_put_start_refuses_a_digest_count_that_does_not_match() -> None:
+    state, _ = make()
+    with pytest.raises(ValueError, match="2 keys but 1 digests"):
+        state.put_start([b"x", b"y"], [PAGE, PAGE], "t", digests=[1])

@@ -73,14 +73,14 @@ def choose(instance: KVAwareRequestRouter, replicas: list[FakeReplica], *args: A
 # --- routing hints --------------------------------------------------------------------------
 
 
-def test_hints_come_from_the_first_positional_mapping() -> None:
+def test_hints_come_from_the_first_positional_mapping_with_page_hashes_cut_to_keys() -> None:
     request = {"session_id": "s", "page_hashes": PAGES, "prompt_tokens": 70, "messages": []}
-    assert hints_of(request) == RoutingHints("s", tuple(PAGES), 70)
+    assert hints_of(request) == RoutingHints("s", tuple(h[:16] for h in PAGES), 70)
 
 
 def test_hints_come_from_the_request_keyword() -> None:
     request = {"page_hashes": PAGES[:1], "prompt_tokens": 20, "store_prefix_pages": 1}
-    assert hints_of(request=request) == RoutingHints(None, (PAGES[0],), 20, 1)
+    assert hints_of(request=request) == RoutingHints(None, (PAGES[0][:16],), 20, 1)
 
 
 def test_handle_session_id_fills_in_a_missing_one() -> None:
@@ -183,6 +183,35 @@ def test_new_stats_replace_cached_ones() -> None:
     assert choose(instance, [a, b], {"prompt_tokens": 8}) == [["a"], ["b"]]
     a.routing_stats = replica("a", running_seqs=4).routing_stats
     assert choose(instance, [a, b], {"prompt_tokens": 8}) == [["b"], ["a"]]
+
+
+def test_a_report_is_parsed_once_when_serve_delivers_it_and_a_replica_that_left_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    instance = router()
+    a, b = replica("a", held=PAGES), replica("b")
+    parsed: list[str] = []
+    original = ReplicaStats.from_dict
+
+    def counting(data: dict[str, Any], replica_id: str | None = None) -> ReplicaStats:
+        parsed.append(str(replica_id))
+        return original(data, replica_id=replica_id)
+
+    monkeypatch.setattr(ReplicaStats, "from_dict", counting)
+    instance.refresh_stats([a, b])  # type: ignore[list-item]
+    assert parsed == ["a", "b"]
+    request = {"page_hashes": PAGES, "prompt_tokens": 64}
+    assert choose(instance, [a, b], request) == [["a"], ["b"]]
+    assert choose(instance, [a, b], request) == [["a"], ["b"]]
+    assert parsed == ["a", "b"]  # deciding parses nothing
+    a.routing_stats = replica("a").routing_stats
+    b.routing_stats = replica("b", held=PAGES).routing_stats
+    instance.refresh_stats([a, b])  # type: ignore[list-item]
+    assert parsed == ["a", "b", "a", "b"]
+    assert choose(instance, [a, b], request) == [["b"], ["a"]]
+    instance.refresh_stats([a])  # type: ignore[list-item]
+    assert "b" not in instance._pages
+    assert choose(instance, [a], request) == [["a"]]
 
 
 def test_no_candidates_and_no_request() -> None:

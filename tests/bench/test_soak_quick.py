@@ -1,0 +1,44 @@
+"""``bench/soak.py --quick``: agent sessions then an overload burst against an embedded cluster; its last line is
+one JSON object in which no request was lost and every process of the cluster has its memory sampled.
+
+Whether memory stays flat is the benchmark's to report over minutes (BENCHMARKS.md), not this test's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_soak_quick_loses_nothing_and_samples_every_process(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "soak" and result["quick"] is True
+    requests = result["requests"]
+    assert requests["lost"] == 0 and requests["completed"] == requests["sent"] > 0
+    overload = result["overload"]
+    assert overload["lost"] == 0 and overload["completed"] == overload["sent"] == overload["calls_per_round"]
+    processes = {label.split("[")[0] for label in result["rss_by_process"]}
+    assert {
+        "ingress",
+        "decode",
+        "prefill",
+        "KVMaster",
+        "ServeController",
+        "ProxyActor",
+        "raylet",
+        "driver",
+    } <= processes
+    assert all(entry["start_mb"] > 0 and entry["end_mb"] > 0 for entry in result["rss_by_process"].values())
+    assert Path(result["plot_file"]).stat().st_size > 0 and Path(result["results_file"]).exists()
