@@ -68,7 +68,7 @@ class Call:
     session_id: str | None = None
     # Chained hashes of the prompt's full pages before its last token, in order (salted by the tenant).
     page_hashes: tuple[PageHash, ...] = ()
-    # The same pages in the short form routers match against replica stats (``router.scoring.page_hash_key``),
+    # The same pages in the short form routers match against replica stats (``router.replica_stats.page_hash_key``),
     # made once with the hashes rather than on every routing attempt.
     page_keys: tuple[str, ...] = ()
     call: CallKind | None = None

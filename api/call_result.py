@@ -8,6 +8,7 @@ from typing import Any
 
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
+from rayturn.messages import Step
 
 from .bodies import usage
 
@@ -52,3 +53,24 @@ class CallResult:
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
+
+    def fold(self, step: Step) -> None:
+        """One step of the decode pool: its prompt's counts, where it ran, and its completions' deltas."""
+        self.prompt_tokens = step.prompt_tokens
+        self.cached_tokens = step.cached_tokens
+        self.loaded_tokens = step.loaded_tokens
+        self.path = step.path
+        self.replica_id = step.replica_id
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
+        if step.session is not None:
+            self.session = step.session
+        for delta in step.deltas:
+            state = self.completions.setdefault(delta.index, CompletionState())
+            state.token_ids.extend(delta.token_ids)
+            state.text += delta.text
+            if delta.logprobs:
+                state.logprobs.extend(delta.logprobs)
+            state.finish_reason = delta.finish_reason
+            state.stop_reason = delta.stop_reason
+            state.tool_parse.extend(delta.tool_parse)

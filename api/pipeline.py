@@ -29,9 +29,9 @@ from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
 from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
-from rayturn.router.scoring import page_hash_key
+from rayturn.router.replica_stats import page_hash_key
 
-from .call_result import CallResult, CompletionState
+from .call_result import CallResult
 from .errors import client_error, invalid_request, replica_unavailable, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
@@ -332,29 +332,12 @@ class CallPipeline:
             self._count_tokens(result)
 
     def _fold(self, call: Call, step: Step, result: CallResult) -> None:
-        """One step's counts and deltas into ``result``."""
-        result.prompt_tokens = step.prompt_tokens
-        result.cached_tokens = step.cached_tokens
-        result.loaded_tokens = step.loaded_tokens
-        result.path = step.path
-        result.replica_id = step.replica_id
-        if step.prompt_logprobs is not None:
-            result.prompt_logprobs = step.prompt_logprobs
+        if any(delta.finish_reason == GUIDE_BROKEN for delta in step.deltas):
+            # The engine met a token its guide refused: the answer is not what was asked, so no answer.
+            raise server_error(f"The answer broke its required format (request id {call.request_id}).")
+        result.fold(step)
         if step.session is not None:
-            result.session = step.session
             self.telemetry.count_session(step.session)
-        for delta in step.deltas:
-            if delta.finish_reason == GUIDE_BROKEN:
-                # The engine met a token its guide refused: the answer is not what was asked, so no answer.
-                raise server_error(f"The answer broke its required format (request id {call.request_id}).")
-            state = result.completions.setdefault(delta.index, CompletionState())
-            state.token_ids.extend(delta.token_ids)
-            state.text += delta.text
-            if delta.logprobs:
-                state.logprobs.extend(delta.logprobs)
-            state.finish_reason = delta.finish_reason
-            state.stop_reason = delta.stop_reason
-            state.tool_parse.extend(delta.tool_parse)
 
     def _count_tokens(self, result: CallResult) -> None:
         local = result.cached_tokens - result.loaded_tokens

@@ -34,8 +34,9 @@ from .anthropic_bodies import (
 )
 from .anthropic_request import MessagesRequest, parse_count_tokens_request, parse_messages_request
 from .bodies import assistant_output
+from .call_result import CompletionState
 from .errors import RETRY_AFTER_S, client_error, outcome
-from .pipeline import CallResult, CompletionState, Steps, chain_steps
+from .pipeline import CallResult, Steps, chain_steps
 from .protocol import JSON
 from .serving import HTTPServing, replica_headers, sse_response
 from .session import classify_call

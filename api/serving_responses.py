@@ -19,8 +19,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .bodies import assistant_output
+from .call_result import CompletionState
 from .errors import APIError, client_error, invalid_request
-from .pipeline import CallPipeline, CallResult, CompletionState, Steps, chain_steps
+from .pipeline import CallPipeline, CallResult, Steps, chain_steps
 from .protocol import JSON, ChatRequest
 from .response_store import ResponseStore, StoredResponse
 from .responses_bodies import (

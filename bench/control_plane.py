@@ -1,7 +1,7 @@
 """The control plane at scale: one routing decision, and the KV master's operations, against plain baselines.
 
 Router. 16 decode replicas report what ``DecodeServer.record_routing_stats``
-reports (``router.scoring.routing_report``): their load, the 2,048 page keys
+reports (``router.replica_stats.routing_report``): their load, the 2,048 page keys
 their engine reports as cached, and the sessions they follow, 10,000 live
 sessions spread over them by rendezvous hashing. Every session's prompt
 (1k-30k tokens) starts with its agent's shared system prompt and tools; a
@@ -60,8 +60,9 @@ from rayturn.kvstore.master import KVMaster
 from rayturn.kvstore.master_types import MasterConfig
 from rayturn.messages import Call
 from rayturn.replay.harness import Progress, add_out_argument, emit, machine, percentile
+from rayturn.router.replica_stats import PAGE_HASH_PREFIX_CHARS, routing_report
 from rayturn.router.request_router import KVAwareRequestRouter
-from rayturn.router.scoring import PAGE_HASH_PREFIX_CHARS, preferred_replica, routing_report, session_key
+from rayturn.router.scoring import preferred_replica, session_key
 
 ROUTER_P99_TARGET_MS = 1.0
 MASTER_OPS_TARGET_PER_S = 20_000

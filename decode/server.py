@@ -53,8 +53,8 @@ from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, SessionAnnouncement, Step
+from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
-from rayturn.router.scoring import routing_report
 
 from .admission import Admission, AdmissionLimits, continues_turn
 from .answers import AnswerTracker

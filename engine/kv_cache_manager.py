@@ -80,6 +80,17 @@ class KVCacheManager:
             hashes.extend(hash_pages(rest, self.page_size, self.model_id, cache_salt, parent))
         return hashes
 
+    def prefix_residency(
+        self, token_ids: Seq[int], cache_salt: str = "", known: Seq[PageHash] = ()
+    ) -> tuple[list[PageHash], int]:
+        """A prompt's page hashes (as ``prompt_hashes``) and how many lead pages are cached here.
+
+        Only reads the prefix cache, so a server may call it beside the thread
+        that steps the engine; the count is then an estimate.
+        """
+        hashes = self.prompt_hashes(token_ids, cache_salt, known)
+        return hashes, len(self.pool.cached_prefix(hashes))
+
     def _hash_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.page_hashes`` to cover the full pages among its first ``num_tokens`` tokens."""
         have = len(seq.page_hashes)

@@ -19,6 +19,7 @@ while the saver thread still reads it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from collections import OrderedDict
@@ -31,7 +32,9 @@ from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector
 from .page_hash import PageHash
 from .page_pool import Page
+from .scheduler import ScheduledChunk
 from .sequence import Sequence
+from .session_holds import SessionHolds, SessionMove
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,12 @@ class KVTransfer:
         hashes = self.kv_cache.hash_prefix(seq, num_full * self.page_size)[:num_full]
         self._publish(f"the prompt of request {seq.request_id}", hashes, seq.pages[:num_full], seq.cache_salt, False)
 
+    def save_prompts(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """``save_prompt`` for the sequences whose prompt these sampled chunks completed."""
+        for chunk in chunks:
+            if chunk.seq.num_computed_tokens - chunk.num_tokens < chunk.seq.num_prompt_tokens:
+                self.save_prompt(chunk.seq)
+
     def store_now(self, hashes: list[PageHash], pages: list[Page], tenant: str) -> tuple[int, int]:
         """Make sure the store holds these pages: (how many leading ones it holds afterwards, how many were written).
 
@@ -263,3 +272,38 @@ class KVTransfer:
             if not ok:
                 # dict.pop is atomic under the GIL, so the saver thread may do this beside the engine thread.
                 self.stored.pop(key, None)
+
+
+# -- a session's pages through the store (the moves themselves live in session_holds.py)
+
+
+def offload_session(holds: SessionHolds, transfer: KVTransfer | None, session_id: str) -> SessionMove:
+    """Make sure the store has a session's cached pages, then evict those nobody else references."""
+    return holds.offload(session_id, _require(transfer, "offload_session").store_now)
+
+
+def prewarm_session(
+    holds: SessionHolds, transfer: KVTransfer | None, session_id: str, ttl_s: float, announced: bool
+) -> SessionMove:
+    """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``.
+
+    ``announced``: the client said the session's call is coming, so the
+    pages load as for an arrived call (idle sessions' holds give way) and
+    are held as for a tool wait.
+    """
+    load = functools.partial(_require(transfer, "prewarm_session").load_for_prewarm, announced=announced)
+    return holds.prewarm(session_id, ttl_s, load, kind="tool" if announced else "prewarm")
+
+
+def hand_off_sessions(holds: SessionHolds, transfer: KVTransfer | None, timeout_s: float) -> int:
+    """Make sure the store holds every recorded session's cached pages, the most recently used first, for up
+    to ``timeout_s``; returns the pages written (none without a store)."""
+    if transfer is None:
+        return 0
+    return holds.hand_off(transfer.store_now, holds.clock() + timeout_s)
+
+
+def _require(transfer: KVTransfer | None, method: str) -> KVTransfer:
+    if transfer is None:
+        raise ValueError(f"{method} needs a kv_connector (and prefix caching on)")
+    return transfer

@@ -25,6 +25,7 @@ import torch
 
 from rayturn.kernels import KernelBackend, select_backend
 
+from . import kv_transfer
 from .config import ModelConfig
 from .kv_budget import default_num_pages
 from .kv_cache_manager import KVCacheManager
@@ -232,21 +233,14 @@ class LLMEngine:
     def prefix_residency(
         self, token_ids: Seq[int], cache_salt: str = "", page_hashes: Seq[PageHash] | None = None
     ) -> tuple[list[PageHash], int]:
-        """A prompt's page hashes (all but the always-computed last token) and how many lead pages are here.
-
-        ``page_hashes``: the prompt's leading page hashes, trusted as in
-        ``add_request``; only the pages beyond them are hashed. Only reads the
-        prefix cache, so a server may call it beside the thread that steps the
-        engine; the count is then an estimate.
-        """
-        hashes = self.kv_cache.prompt_hashes(token_ids, cache_salt, page_hashes or ())
-        return hashes, len(self.kv_cache.pool.cached_prefix(hashes))
+        """A prompt's page hashes and how many lead pages are here (``KVCacheManager.prefix_residency``)."""
+        return self.kv_cache.prefix_residency(token_ids, cache_salt, page_hashes or ())
 
     def cached_page_hashes(self, limit: int) -> list[PageHash]:
         """Up to ``limit`` page hashes this engine holds, most recently cached last."""
         return self.kv_cache.pool.recent_hashes(limit)
 
-    # -- session holds (the logic lives in session_holds.py) ---------------
+    # -- session holds (session_holds.py; their moves through the store: kv_transfer.py) --
 
     def hold_session(self, session_id: str, ttl_s: float, kind: str = "tool") -> int:
         """Hold the leading recorded pages of a session cached here for ``ttl_s``; returns how many."""
@@ -258,26 +252,15 @@ class LLMEngine:
 
     def offload_session(self, session_id: str) -> SessionMove:
         """Make sure the store has a session's cached pages, then evict those nobody else references."""
-        transfer = self._require_transfer("offload_session")
-        return self.session_holds.offload(session_id, transfer.store_now)
+        return kv_transfer.offload_session(self.session_holds, self.kv_transfer, session_id)
 
     def prewarm_session(self, session_id: str, ttl_s: float, announced: bool = False) -> SessionMove:
-        """Load a session's pages missing here from the store, then hold its cached prefix for ``ttl_s``.
-
-        ``announced``: the client said the session's call is coming, so the
-        pages load as for an arrived call (idle sessions' holds give way) and
-        are held as for a tool wait.
-        """
-        transfer = self._require_transfer("prewarm_session")
-        load = functools.partial(transfer.load_for_prewarm, announced=announced)
-        return self.session_holds.prewarm(session_id, ttl_s, load, kind="tool" if announced else "prewarm")
+        """Load a session's pages missing here from the store, then hold them (``kv_transfer.prewarm_session``)."""
+        return kv_transfer.prewarm_session(self.session_holds, self.kv_transfer, session_id, ttl_s, announced)
 
     def hand_off_sessions(self, timeout_s: float) -> int:
-        """Make sure the store holds every recorded session's cached pages, the most recently used first, for up
-        to ``timeout_s``; returns the pages written. For an engine that is about to stop (a retiring replica)."""
-        if self.kv_transfer is None:
-            return 0
-        return self.session_holds.hand_off(self.kv_transfer.store_now, self.session_holds.clock() + timeout_s)
+        """Put every recorded session's cached pages in the store, for an engine about to stop; returns how many."""
+        return kv_transfer.hand_off_sessions(self.session_holds, self.kv_transfer, timeout_s)
 
     def session_residency(self, session_id: str) -> tuple[int, int]:
         """(leading recorded pages of a session cached here now, recorded pages)."""
@@ -289,11 +272,6 @@ class LLMEngine:
     def expire_holds(self) -> int:
         """Release the session holds and prefix pins whose TTL has passed; returns how many."""
         return self.session_holds.expire() + self.prefix_pins.expire()
-
-    def _require_transfer(self, method: str) -> KVTransfer:
-        if self.kv_transfer is None:
-            raise ValueError(f"{method} needs a kv_connector (and prefix caching on)")
-        return self.kv_transfer
 
     # -- the loop ---------------------------------------------------------
 
@@ -310,9 +288,7 @@ class LLMEngine:
         if not sampled:  # only mid-prompt chunks ran
             return arrived
         if self.kv_transfer is not None:
-            for chunk in sampled:
-                if chunk.seq.num_computed_tokens - chunk.num_tokens < chunk.seq.num_prompt_tokens:  # prompt done
-                    self.kv_transfer.save_prompt(chunk.seq)
+            self.kv_transfer.save_prompts(sampled)
         seqs, rows = self.requests.fork_fresh([chunk.seq for chunk in sampled], self._start_fork)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]

@@ -20,7 +20,7 @@ computed from the segment's bytes).
 
 The store is a cache: while the master does not answer (it restarts in a few
 seconds), a lookup or get gives up after ``master_timeout_s`` (a put after
-``_PUT_TIMEOUT_S``) and its keys count as misses (gets, lookups) or as not
+``PUT_TIMEOUT_S``) and its keys count as misses (gets, lookups) or as not
 stored (puts), instead of failing or waiting.
 
 Every call acts for one tenant (the client's own unless ``tenant=`` names
@@ -36,16 +36,16 @@ import logging
 import threading
 import uuid
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
-from .access import SegmentGate, WriteGrant
-from .bytes_view import as_bytes_view
+from .access import SegmentGate
 from .connection import (
     MASTER_TIMEOUT_S,
+    MEMBERSHIP_TIMEOUT_S,
+    TRANSFER_TIMEOUT_S,
     MasterConnection,
     MasterUnavailable,
     RayMaster,
@@ -54,25 +54,18 @@ from .connection import (
     WriteCallback,
 )
 from .held_index import HeldIndex
-from .master_types import Location, PutStart
+from .master_types import check_keys
 from .metrics import KVMetrics
 from .peers import PeerDirectory
 from .reader import Reader
 from .segment import Segment, cleanup_stale_segments
 from .transports import TRANSPORTS
-from .ucx_transport import TransportError, UcxClient, UcxServer, init_ucx
+from .ucx_transport import UcxClient, UcxServer, init_ucx
+from .writer import Writer
 
 ServerFactory = Callable[[memoryview, WriteCallback, SegmentGate], RemoteServer]
 
 logger = logging.getLogger(__name__)
-
-# Joining the store and re-advertising a segment's objects may wait for a master that is just starting.
-_MEMBERSHIP_TIMEOUT_S = 30.0
-# A put runs off the request's critical path: it may wait longer for the master than a lookup does.
-_PUT_TIMEOUT_S = 5.0
-TRANSFER_TIMEOUT_S = 10.0
-"""Longest a read or write of another owner's segment over UCX may take (connecting included): a batch
-of pages moves in milliseconds, and an owner that stops answering must cost a miss, not a stuck worker."""
 
 
 class KVStoreClient:
@@ -111,6 +104,7 @@ class KVStoreClient:
         self._reader = Reader(
             master, segment, self.segment_id, node_id, self._peers, chosen, self._remote, self.metrics
         )
+        self._writer = Writer(master, segment, self.segment_id, self.held, self._peers, self._remote, self.metrics)
         self._page_bytes = page_bytes
         self._epoch = self._register()
         self._stop = threading.Event()
@@ -178,7 +172,7 @@ class KVStoreClient:
             self.ucx_address,
             self._page_bytes,
             held,
-            timeout_s=_MEMBERSHIP_TIMEOUT_S,
+            timeout_s=MEMBERSHIP_TIMEOUT_S,
         )
         self.gate.epoch = epoch
         return epoch
@@ -226,83 +220,10 @@ class KVStoreClient:
     ) -> list[bool]:
         """Store values (bytes-like, numpy or CPU tensors) as ``tenant``'s (default: the client's); True per
         key stored (or already there)."""
-        _check_keys(keys)
+        check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        owner = self._tenant(tenant)
-        views = [as_bytes_view(v) for v in values]
-        digests = [zlib.crc32(view) for view in views]
-        try:
-            started: PutStart = self.master.call(
-                "put_start",
-                list(keys),
-                [v.nbytes for v in views],
-                owner,
-                replicas,
-                self.segment_id,
-                pin_ttl_s,
-                digests,
-                timeout_s=_PUT_TIMEOUT_S,
-            )
-        except MasterUnavailable as err:
-            logger.warning("kv put of %d keys not stored: %s", len(keys), err)
-            for _ in keys:
-                self.metrics.put_failure()
-            return [False] * len(keys)
-        plans = started.plans
-        to_write = [i for i, plan in enumerate(plans) if plan.status == "write"]
-        written: list[bytes] = []
-        failed: list[bytes] = []
-        by_segment: dict[str, list[tuple[int, Location]]] = defaultdict(list)
-        for i in to_write:
-            for location in plans[i].locations:
-                by_segment[location.segment_id].append((i, location))
-        failed_indices: set[int] = set()
-        for segment_id, items in by_segment.items():
-            try:
-                grant = started.grants[segment_id]
-                self._write_segment(segment_id, [keys[i] for i, _ in items], items, views, owner, grant)
-            except (TransportError, OSError, ValueError) as err:
-                logger.warning("kv put to segment %s failed: %s", segment_id, err)
-                failed_indices.update(i for i, _ in items)
-        for i in to_write:
-            (failed if i in failed_indices else written).append(keys[i])
-        committed: dict[bytes, bool] = {}
-        try:
-            if failed:
-                self.master.call("put_revoke", failed, timeout_s=_PUT_TIMEOUT_S)
-            if written:
-                committed = dict(zip(written, self.master.call("put_end", written, timeout_s=_PUT_TIMEOUT_S)))
-        except MasterUnavailable as err:  # uncommitted puts are reclaimed after the master's put timeout
-            logger.warning("kv put of %d keys not committed: %s", len(written), err)
-        result = []
-        for key, plan in zip(keys, plans):
-            ok = plan.status == "exists" or committed.get(key, False)
-            result.append(ok)
-            if not ok:
-                self.metrics.put_failure()
-        return result
-
-    def _write_segment(
-        self,
-        segment_id: str,
-        keys: list[bytes],
-        items: list[tuple[int, Location]],
-        views: list[memoryview],
-        tenant: str,
-        grant: WriteGrant,
-    ) -> None:
-        if segment_id == self.segment_id:
-            for key, (i, location) in zip(keys, items):
-                self.segment.write(location.offset, views[i])
-                self.held.record(key, tenant, location.offset, location.num_bytes)
-            return
-        peer = self._peers.get(segment_id)
-        if peer is None or peer.ucx_address is None:
-            raise TransportError(f"segment {segment_id} is unknown or has no UCX address")
-        ranges = [(location.offset, location.num_bytes) for _, location in items]
-        self._remote.write(peer.ucx_address, keys, ranges, [views[i] for i, _ in items], tenant, grant)
-        self.metrics.bytes_out(sum(n for _, n in ranges))
+        return self._writer.put(keys, values, replicas, pin_ttl_s, self._tenant(tenant))
 
     # -- gets -------------------------------------------------------------
 
@@ -311,7 +232,7 @@ class KVStoreClient:
 
     def get_batch(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bytes | None]:
         """The values of ``tenant``'s objects (default: the client's); None for a miss."""
-        _check_keys(keys)
+        check_keys(keys)
         return self._reader.get_batch(keys, self._tenant(tenant))
 
     def get_into(self, keys: Sequence[bytes], buffers: Any, tenant: str | None = None) -> list[bool]:
@@ -322,14 +243,14 @@ class KVStoreClient:
         dimension indexes the keys (row i receives key i; the cheapest form
         for large batches).
         """
-        _check_keys(keys)
+        check_keys(keys)
         return self._reader.get_into(keys, buffers, self._tenant(tenant))
 
     # -- the rest ---------------------------------------------------------
 
     def exists(self, keys: Sequence[bytes], tenant: str | None = None) -> list[bool]:
         """Whether each key is a stored object of ``tenant`` (default: the client's)."""
-        _check_keys(keys)
+        check_keys(keys)
         try:
             result: list[bool] = self.master.call("exists", list(keys), self._tenant(tenant))
         except MasterUnavailable as err:
@@ -339,7 +260,7 @@ class KVStoreClient:
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
         """How many leading keys are stored objects of ``tenant`` (default: the client's)."""
-        _check_keys(keys)
+        check_keys(keys)
         try:
             count: int = self.master.call("longest_prefix", list(keys), self._tenant(tenant))
         except MasterUnavailable as err:
@@ -348,20 +269,20 @@ class KVStoreClient:
         return count
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        _check_keys(keys)
+        check_keys(keys)
         removed: int = self.master.call("remove", list(keys))
         return removed
 
     def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None:
         """Keep ``tenant``'s objects (default: the client's) from eviction for ``ttl_s`` seconds (an earlier,
         longer pin stands; None: until ``unpin``); another tenant's keys are left as they are."""
-        _check_keys(keys)
+        check_keys(keys)
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.master.call("pin", list(keys), ttl_s, self._tenant(tenant))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        _check_keys(keys)
+        check_keys(keys)
         self.master.call("unpin", list(keys))
 
     def stats(self) -> dict[str, Any]:
@@ -403,9 +324,3 @@ class KVStoreClient:
                 segment.close()
             except BufferError as err:  # a caller still holds a view: unmapped when it is dropped
                 logger.debug("kv segment close deferred: %s", err)
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes) or not key:
-            raise ValueError(f"key {i} must be non-empty bytes, got {type(key).__name__}")

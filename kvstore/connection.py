@@ -31,6 +31,13 @@ WriteCallback = Callable[[list[bytes], list[tuple[int, int]], str], None]
 MASTER_TIMEOUT_S = 2.0
 """How long a call waits for the master unless it says otherwise: the master restarts in a few seconds, and
 a lookup that waits for it costs a request more than recomputing the pages does."""
+# Joining the store and re-advertising a segment's objects may wait for a master that is just starting.
+MEMBERSHIP_TIMEOUT_S = 30.0
+# A put runs off the request's critical path: it may wait longer for the master than a lookup does.
+PUT_TIMEOUT_S = 5.0
+TRANSFER_TIMEOUT_S = 10.0
+"""Longest a read or write of another owner's segment over UCX may take (connecting included): a batch
+of pages moves in milliseconds, and an owner that stops answering must cost a miss, not a stuck worker."""
 
 
 class MasterUnavailable(TransportError):

@@ -17,7 +17,8 @@ The books themselves, and space that waits out a grant, are ``master_ledger``'s.
 Segment owners heartbeat; a segment that falls silent loses its replicas,
 so a lost page reads as a miss, never as someone else's bytes. After a
 master restart the state comes back from the last snapshot, and owners, who
-notice the new ``epoch`` in heartbeat replies, re-advertise what they hold.
+notice the new ``epoch`` in heartbeat replies, re-advertise what they hold
+(``master_adopt``).
 
 Time comes from an injected clock so the whole life cycle is unit-testable.
 """
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from . import master_snapshot
+from . import master_adopt, master_snapshot
 from .allocator import SegmentAllocator
 from .master_ledger import Ledger
 from .master_space import SpaceManager
@@ -102,58 +103,13 @@ class MasterState:
     def advertise(self, segment_id: str, held: Iterable[Sequence[Any]]) -> int:
         """Adopt objects an owner holds (key, tenant, offset, num_bytes[, digest]); returns how many were new.
 
-        The owner sees every write to its segment, so what it advertises at an offset is what the bytes
-        there are: a complete object that the master (restored from an older snapshot) still places at the
-        same offset of this segment is stale, and loses that replica.
+        What it advertises at an offset is what the bytes there are: a stale replica there is dropped.
         """
-        if segment_id not in self.segments:
-            raise ValueError(f"unknown segment {segment_id!r}: register it first")
-        held = [tuple(entry) for entry in held]
-        key_at_offset: dict[int, bytes] = {}
-        for key, _tenant, offset, *_ in held:
-            key_at_offset.setdefault(offset, key)  # two keys at one offset: the first named wins, as in ``adopt``
-        self._drop_overwritten(segment_id, key_at_offset)
-        return self.adopt(segment_id, held)
+        return master_adopt.advertise(self._ledger, segment_id, held)
 
     def adopt(self, segment_id: str, held: Iterable[Sequence[Any]]) -> int:
         """Take in objects at the places given (a snapshot's, or an owner's) where nothing else is; how many."""
-        segment = self.segments[segment_id]
-        adopted = 0
-        now = self.clock()
-        for key, tenant, offset, num_bytes, *rest in held:
-            digest = rest[0] if rest else None
-            location = Location(segment_id, offset, num_bytes)
-            meta = self.objects.get(key)
-            if meta is not None and (meta.num_bytes != num_bytes or location in meta.replicas or meta.tenant != tenant):
-                continue
-            try:
-                segment.allocator.reserve(offset, num_bytes)
-            except ValueError:
-                continue  # overlaps space the snapshot already gave away: stale, skip it
-            if meta is None:
-                self._ledger.add(
-                    key, ObjectMeta(tenant, num_bytes, ObjectState.COMPLETE, [location], now, digest=digest)
-                )
-            else:
-                self._ledger.add_replica(key, meta, location)
-            adopted += 1
-        return adopted
-
-    def _drop_overwritten(self, segment_id: str, key_at_offset: Mapping[int, bytes]) -> None:
-        """Forget replicas on ``segment_id`` whose offset its owner says now holds another key's bytes."""
-        for key in self._ledger.least_recent(segment_id):  # the keys with a replica there (some stale)
-            meta = self.objects.get(key)
-            if meta is None or meta.state is not ObjectState.COMPLETE:
-                continue
-            stale = [
-                loc
-                for loc in meta.replicas
-                if loc.segment_id == segment_id and key_at_offset.get(loc.offset, key) != key
-            ]
-            for location in stale:  # freed: the key whose bytes are there now reserves them next
-                self._ledger.remove_replica(key, meta, location)
-            if stale and not meta.replicas:
-                self._ledger.forget(key, meta)
+        return master_adopt.adopt(self._ledger, segment_id, held)
 
     def drop_segment(self, segment_id: str) -> None:
         """Forget a segment and every replica on it (its owner is gone)."""

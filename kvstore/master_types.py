@@ -121,3 +121,10 @@ class Counters:
 def parse_address(raw: Sequence[Any] | None) -> tuple[str, int] | None:
     """A (host, port) pair from its plain-data form (a list after msgpack or JSON)."""
     return (str(raw[0]), int(raw[1])) if raw else None
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Store keys are non-empty bytes (the chained page hashes); ``ValueError`` naming the first that is not."""
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"key {i} must be non-empty bytes, got {type(key).__name__}")

@@ -26,8 +26,8 @@ from rayturn.engine.kv_connector import StoreConnector
 from rayturn.kvstore import join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer
+from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
-from rayturn.router.scoring import routing_report
 
 logger = logging.getLogger(__name__)
 

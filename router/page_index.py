@@ -20,7 +20,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
 
-from rayturn.router.scoring import ReplicaStats
+from rayturn.router.replica_stats import ReplicaStats
 
 _NOTHING: frozenset[str] = frozenset()
 

@@ -74,13 +74,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from rayturn.messages import Call, SessionAnnouncement
 from rayturn.router.page_index import PageIndex
-from rayturn.router.scoring import (
-    ReplicaStats,
-    ScoringWeights,
-    following_replicas,
-    page_hash_key,
-    scored_by_residency,
-)
+from rayturn.router.replica_stats import ReplicaStats, page_hash_key
+from rayturn.router.scoring import ScoringWeights, following_replicas, scored_by_residency
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from rayturn.router.page_index import PageIndex
-from rayturn.router.scoring import ReplicaStats, resident_prefix_pages
+from rayturn.router.replica_stats import ReplicaStats
+from rayturn.router.scoring import resident_prefix_pages
 
 PAGES = [f"{i:016x}" for i in range(8)]
 

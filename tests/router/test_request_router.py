@@ -12,8 +12,9 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from rayturn.router.replica_stats import ReplicaStats, page_hash_key
 from rayturn.router.request_router import KVAwareRequestRouter, RoutingHints
-from rayturn.router.scoring import ReplicaStats, ScoringWeights, page_hash_key, preferred_replica, session_key
+from rayturn.router.scoring import ScoringWeights, preferred_replica, session_key
 
 DEPLOYMENT = DeploymentID(name="decode", app_name="test")
 PAGES = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(4)]

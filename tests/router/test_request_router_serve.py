@@ -15,7 +15,8 @@ from ray import serve  # noqa: E402
 from ray.serve.config import ProxyLocation, RequestRouterConfig  # noqa: E402
 from ray.serve.handle import DeploymentHandle  # noqa: E402
 
-from rayturn.router.scoring import ReplicaStats, preferred_replica  # noqa: E402
+from rayturn.router.replica_stats import ReplicaStats  # noqa: E402
+from rayturn.router.scoring import preferred_replica  # noqa: E402
 
 APP = "kv-router-test"
 ROUTER_CLASS = "rayturn.router.request_router.KVAwareRequestRouter"

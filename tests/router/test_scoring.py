@@ -11,19 +11,17 @@ from typing import Any
 
 import pytest
 
+from rayturn.router.replica_stats import PAGE_HASH_PREFIX_CHARS, ReplicaStats, page_hash_key
 from rayturn.router.scoring import (
     HOST_PAGE_CREDIT,
     NEUTRAL_LOAD,
-    PAGE_HASH_PREFIX_CHARS,
     QUEUED_TOKEN_BUDGET,
     STORE_PAGE_CREDIT,
-    ReplicaStats,
     ScoringWeights,
     affinity,
     following_replicas,
     kv_overlap,
     load_penalty,
-    page_hash_key,
     preferred_replica,
     rank_replicas,
     score,

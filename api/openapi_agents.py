@@ -1,0 +1,242 @@
+"""Request schemas of the agents' HTTP APIs: Anthropic Messages (Claude Code) and OpenAI Responses (Codex).
+
+Written from ``anthropic_request`` and ``responses_request`` with the same
+bounds; part of the document ``rayturn.api.openapi`` serves.
+"""
+
+from __future__ import annotations
+
+from .anthropic_request import CACHE_TTLS_S
+from .anthropic_request import MAX_STOP_SEQUENCES as MAX_ANTHROPIC_STOP_SEQUENCES
+from .chat_request import MAX_TOOLS
+from .json_schema import (
+    ANY_OBJECT,
+    BOOLEAN,
+    JSON,
+    NON_EMPTY,
+    SESSION_ID,
+    SHARED_RULES,
+    TOOL_NAME_64,
+    array_of,
+    enum_of,
+    integer,
+    number,
+    object_of,
+    string,
+)
+from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
+from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
+
+# -- the Anthropic Messages API -------------------------------------------------------------------
+
+_CACHE_CONTROL = object_of({"type": {"const": "ephemeral"}, "ttl": enum_of(*CACHE_TTLS_S)}, ("type",))
+_TEXT_BLOCK = object_of(
+    {"type": {"const": "text"}, "text": string(), "cache_control": _CACHE_CONTROL}, ("type", "text")
+)
+_TEXT_OR_BLOCKS: JSON = {"anyOf": [string(), array_of(_TEXT_BLOCK)]}
+_THINKING_BLOCKS = [
+    object_of({"type": {"const": "thinking"}, "thinking": string(), "signature": string()}, ("type",)),
+    object_of({"type": {"const": "redacted_thinking"}, "data": string()}, ("type",)),
+]
+_TOOL_USE_BLOCK = object_of(
+    {
+        "type": {"const": "tool_use"},
+        "id": string(),
+        "name": string(),
+        "input": {"type": "object"},
+        "cache_control": _CACHE_CONTROL,
+    },
+    ("type", "id", "name", "input"),
+)
+_TOOL_RESULT_BLOCK = object_of(
+    {
+        "type": {"const": "tool_result"},
+        "tool_use_id": string(),
+        "content": _TEXT_OR_BLOCKS,
+        "is_error": BOOLEAN,
+        "cache_control": _CACHE_CONTROL,
+    },
+    ("type", "tool_use_id"),
+)
+_ANTHROPIC_MESSAGE: JSON = {
+    "anyOf": [
+        object_of(
+            {
+                "role": {"const": "user"},
+                "content": {"anyOf": [string(), array_of({"anyOf": [_TEXT_BLOCK, _TOOL_RESULT_BLOCK]})]},
+            },
+            ("role", "content"),
+        ),
+        object_of(
+            {
+                "role": {"const": "assistant"},
+                "content": {
+                    "anyOf": [string(), array_of({"anyOf": [_TEXT_BLOCK, _TOOL_USE_BLOCK, *_THINKING_BLOCKS]})]
+                },
+            },
+            ("role", "content"),
+        ),
+        object_of({"role": {"const": "system"}, "content": _TEXT_OR_BLOCKS}, ("role", "content")),
+    ]
+}
+_ANTHROPIC_TOOL = object_of(
+    {
+        "type": {"const": "custom"},
+        "name": string(pattern="^[a-zA-Z0-9_-]{1,128}$"),
+        "description": string(),
+        "input_schema": ANY_OBJECT,
+        "cache_control": _CACHE_CONTROL,
+    },
+    ("name", "input_schema"),
+)
+
+
+def messages_request_schema(served_model: str, *, count_tokens: bool = False) -> JSON:
+    properties: JSON = {
+        "model": enum_of(served_model, ""),
+        "messages": array_of(_ANTHROPIC_MESSAGE, min_items=1),
+        "system": _TEXT_OR_BLOCKS,
+        "tools": array_of(_ANTHROPIC_TOOL, max_items=MAX_TOOLS),
+        "tool_choice": {
+            "anyOf": [
+                object_of({"type": enum_of("auto", "any", "none"), "disable_parallel_tool_use": BOOLEAN}, ("type",)),
+                object_of(
+                    {"type": {"const": "tool"}, "name": string(), "disable_parallel_tool_use": BOOLEAN},
+                    ("type", "name"),
+                ),
+            ]
+        },
+        "cache_control": _CACHE_CONTROL,
+        "thinking": {"type": "object", "description": "Accepted and ignored."},
+        "metadata": object_of({"user_id": SESSION_ID}),
+    }
+    if not count_tokens:
+        properties |= {
+            "max_tokens": integer(minimum=1),
+            "temperature": number(0.0, 1.0),
+            "top_p": number(0.0, 1.0, exclusive_minimum=True),
+            "top_k": integer(minimum=0),
+            "stop_sequences": array_of(NON_EMPTY, max_items=MAX_ANTHROPIC_STOP_SEQUENCES),
+            "stream": BOOLEAN,
+        }
+    rules = [
+        "tool names are unique within 'tools'",
+        "a 'tool_choice' of type 'tool' names a tool declared in 'tools'",
+    ]
+    return object_of(
+        properties,
+        ("messages",) if count_tokens else ("max_tokens", "messages"),
+        dependentSchemas={"tool_choice": {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}},
+        **{"x-rayturn-rules": rules},
+    )
+
+
+# -- the OpenAI Responses API ---------------------------------------------------------------------
+
+_INPUT_PART: JSON = {
+    "anyOf": [
+        object_of({"type": enum_of("input_text", "output_text"), "text": string()}, ("type", "text")),
+        object_of({"type": {"const": "refusal"}, "refusal": string()}, ("type", "refusal")),
+    ]
+}
+_INPUT_CONTENT: JSON = {"anyOf": [string(), array_of(_INPUT_PART)]}
+_INPUT_ITEM: JSON = {
+    "anyOf": [
+        object_of(
+            {
+                "type": {"const": "message"},
+                "role": enum_of("user", "assistant", "system", "developer"),
+                "content": _INPUT_CONTENT,
+            },
+            ("role", "content"),
+        ),
+        object_of(
+            {"type": {"const": "function_call"}, "call_id": string(), "name": string(), "arguments": string()},
+            ("type", "call_id", "name", "arguments"),
+        ),
+        object_of(
+            {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT},
+            ("type", "call_id", "output"),
+        ),
+    ]
+}
+_RESPONSES_TOOL: JSON = {
+    "anyOf": [
+        object_of(
+            {
+                "type": {"const": "function"},
+                "name": TOOL_NAME_64,
+                "description": string(),
+                "parameters": ANY_OBJECT,
+                "strict": BOOLEAN,
+            },
+            ("type", "name"),
+        ),
+        {
+            "type": "object",
+            "properties": {"type": enum_of(*IGNORED_TOOL_TYPES)},
+            "required": ["type"],
+            "description": "Built-in tools a client may list; they are dropped, the model sees only function tools.",
+        },
+    ]
+}
+_TEXT_FORMAT: JSON = {
+    "anyOf": [
+        object_of({"type": enum_of("text", "json_object")}, ("type",)),
+        object_of(
+            {
+                "type": {"const": "json_schema"},
+                "name": string(),
+                "schema": ANY_OBJECT,
+                "description": string(),
+                "strict": BOOLEAN,
+            },
+            ("type", "name", "schema"),
+        ),
+    ]
+}
+
+
+def responses_request_schema(served_model: str) -> JSON:
+    properties = {
+        "model": enum_of(served_model, ""),
+        "input": {"anyOf": [string(), array_of(_INPUT_ITEM, min_items=1)]},
+        "instructions": string(),
+        "tools": array_of(_RESPONSES_TOOL, max_items=MAX_TOOLS),
+        "tool_choice": {
+            "anyOf": [
+                enum_of("none", "auto", "required"),
+                object_of({"type": {"const": "function"}, "name": string()}, ("type", "name")),
+            ]
+        },
+        "parallel_tool_calls": BOOLEAN,
+        "max_output_tokens": integer(minimum=1),
+        "temperature": number(0.0, MAX_TEMPERATURE),
+        "top_p": number(0.0, 1.0, exclusive_minimum=True),
+        "text": object_of({"format": _TEXT_FORMAT, "verbosity": enum_of(*VERBOSITIES)}),
+        "store": BOOLEAN,
+        "previous_response_id": string(description="The id of a stored response this call continues."),
+        "stream": BOOLEAN,
+        "prompt_cache_key": SESSION_ID,
+        "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
+        "reasoning": object_of({"effort": string(), "summary": string()}),
+        "include": array_of(string()),
+        "metadata": {"type": "object", "additionalProperties": string()},
+        "truncation": enum_of(*TRUNCATION_MODES),
+        "service_tier": string(),
+        "user": SESSION_ID,
+        "safety_identifier": string(),
+        "background": {"const": False},
+        "top_logprobs": {"const": 0},
+    }
+    rules = [
+        *SHARED_RULES,
+        "'previous_response_id' names a response stored for the same tenant",
+        "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
+    ]
+    return object_of(
+        properties,
+        ("input",),
+        dependentSchemas={"tool_choice": {"required": ["tools"]}},
+        **{"x-rayturn-rules": rules},
+    )
