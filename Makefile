@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export MYPYPATH := .typing
 
-.PHONY: install test lint typecheck pytest protos serve bench clean agents
+.PHONY: install test lint typecheck pytest protos deploy serve bench clean agents
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test: lint typecheck pytest
 # Regenerate the gRPC modules from protos/rayturn.proto; tests/protos fails while they are stale.
 protos: install
 	$(PY) -m rayturn.protos.generate
+
+# Render deploy/kuberay/*.yaml from deploy/kuberay/configs/*.yaml; tests/deploy fails while they are stale.
+deploy: install
+	for config in deploy/kuberay/configs/*.yaml; do $(VENV)/bin/rayturn deploy render --config $$config --out deploy/kuberay || exit 1; done
 
 serve: install
 	$(VENV)/bin/rayturn serve

@@ -1,4 +1,4 @@
-"""The ``rayturn`` command line: ``serve``, ``generate``, ``bench`` and ``replay``.
+"""The ``rayturn`` command line: ``serve``, ``generate``, ``bench``, ``replay`` and ``deploy render``.
 
 ``rayturn serve [MODEL]`` takes the flags ``vllm serve`` users know under
 the same names (``--host``, ``--port``, ``--api-key``, ``--served-model-name``,
@@ -227,6 +227,12 @@ def _serve(args: argparse.Namespace, model: str | None) -> int:
     return serve_forever(config, args.address, LOG_LEVELS[args.log_level])
 
 
+def _deploy_render(args: argparse.Namespace) -> int:
+    from rayturn.cluster.render import render_command
+
+    return render_command(args.config, args.image, args.out)
+
+
 def _bench(argv: Sequence[str]) -> int:
     from rayturn.replay.agent_sessions import main as bench_main
 
@@ -239,11 +245,36 @@ def _replay(argv: Sequence[str]) -> int:
     return replay_main(list(argv), prog="rayturn replay")
 
 
+def _add_deploy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    deploy = sub.add_parser("deploy", help="Render the Kubernetes (KubeRay) manifests for a cluster config.")
+    actions = deploy.add_subparsers(dest="deploy_command", required=True, metavar="{render}")
+    render = actions.add_parser(
+        "render",
+        help="Write the RayService, its ConfigMap and its gRPC Service for a config.",
+        description="Turn the config `rayturn serve` reads into KubeRay manifests: a ConfigMap with the config, "
+        "a RayService (head, prefill and decode worker groups sized from the pools, serveConfigV2) and a gRPC "
+        "Service. API keys come from the Secret rayturn-api-keys, never from the config.",
+    )
+    render.add_argument("--config", default=None, metavar="FILE", help="Cluster YAML. (default: all defaults)")
+    render.add_argument(
+        "--image",
+        default=None,
+        metavar="IMG",
+        help="Container image the pods run. (default: rayturn:VERSION, rayturn:VERSION-gpu when a pool uses GPUs)",
+    )
+    render.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="Write DIR/<config name>.yaml (rayservice.yaml without --config). (default: standard output)",
+    )
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``rayturn`` parser and its ``serve`` subparser (whose errors name ``rayturn serve``)."""
     parser = argparse.ArgumentParser(prog="rayturn", description=DESCRIPTION)
     _add_log_level(parser, "info")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,replay}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,replay,deploy}")
     serve = sub.add_parser(
         "serve",
         help="Start the API server (OpenAI, Anthropic Messages, Responses, gRPC) on Ray Serve.",
@@ -264,6 +295,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub.add_parser("bench", help="Run the agent-sessions benchmark: rayturn against a baseline.", add_help=False)
     # Likewise after `replay` (`rayturn replay --help`).
     sub.add_parser("replay", help="Replay recorded agent traces against a cluster.", add_help=False)
+    _add_deploy(sub)
     return parser, serve
 
 
@@ -291,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(passed_on)
         if args.command == "replay":
             return _replay(passed_on)
+        if args.command == "deploy":
+            return _deploy_render(args)
         return _serve(args, model)
     except ValueError as err:
         print(f"rayturn: error: {err}", file=sys.stderr)

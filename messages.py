@@ -35,7 +35,16 @@ PrefillPath = Literal["local", "disaggregated"]
 
 class ReplicaAtCapacity(Exception):
     """A decode replica refused a call that starts a turn: its share of the replica's slots is taken
-    (``rayturn.decode.admission``). The ingress answers 429 / RESOURCE_EXHAUSTED, to be retried."""
+    (``rayturn.decode.admission``). The ingress sends the call to another replica (``Call.refused_by``), and
+    answers 429 / RESOURCE_EXHAUSTED, to be retried, when every replica it tried refused it."""
+
+    def __init__(self, message: str, replica_id: str | None = None) -> None:
+        super().__init__(message)
+        # The Serve replica id of the replica that refused (None outside a Serve replica).
+        self.replica_id = replica_id
+
+    def __reduce__(self) -> tuple[type[ReplicaAtCapacity], tuple[str, str | None]]:
+        return type(self), (str(self), self.replica_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,9 @@ class Call:
     # A call whose decode replica died mid-stream, sent again: what its one completion had streamed
     # (``rayturn.api.resume``); None for a call's first send.
     resume: ResumePoint | None = None
+    # The decode replicas (Serve replica ids) that refused this call for capacity (``ReplicaAtCapacity``):
+    # routers rank them last, so the call goes to a replica with room when one has it.
+    refused_by: tuple[str, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:

@@ -6,6 +6,7 @@
     serve request --> decode pool            (KV-aware routing on those hashes)
     per-step deltas --> folded into a CallResult as they pass to the API's own stream
     a dead replica ---> the call sent again, resumed on another, or a retryable error (resume)
+    a full replica ---> the call sent to one that has not refused it, or 429 (resume)
 
 The API modules own their wire formats; this module owns everything in
 between, so a call costs the same through every door.
@@ -38,7 +39,7 @@ from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
 from .protocol import CachePoint, ChatRequest, SamplingSpec, to_sampling_params
 from .request_limits import PromptBudget, off_loop
-from .resume import CallResumer, replica_died
+from .resume import CallResumer, capacity_refusal, replica_died
 from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
 from .tenants import presented_key
@@ -315,6 +316,13 @@ class CallPipeline:
                     return
                 except Exception as err:
                     generator.cancel()
+                    refusal = capacity_refusal(err)
+                    if refusal is not None and not result.completions:
+                        sent_elsewhere = resumer.after_refusal(refusal, sent)
+                        if sent_elsewhere is None:
+                            raise
+                        sent = sent_elsewhere
+                        continue
                     if not replica_died(err):
                         raise
                     loss = resumer.after_death(err, result)

@@ -17,6 +17,13 @@ client has seen decides what happens next::
 
     a call lost more than MAX_RESUMES replicas --> ended as "failed"
 
+A replica that refuses a new turn for capacity (``ReplicaAtCapacity``, before
+any step) has done nothing for it either: the call is sent again with that
+replica in ``Call.refused_by``, which routers rank last, so it lands on a
+replica with room when the pool has one; refused MAX_REFUSALS times, or
+twice by one replica (none other had room), it is answered 429 /
+RESOURCE_EXHAUSTED.
+
 The rule: a resumed stream must be one the call could have produced without
 the fault. Greedy decoding continues exactly (the next replica recomputes the
 prompt and the streamed tokens, or loads their pages from the KV store, and
@@ -38,7 +45,7 @@ from typing import Literal
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayturn.messages import Call, ResumePoint
+from rayturn.messages import Call, ReplicaAtCapacity, ResumePoint
 
 from .call_result import CallResult
 
@@ -46,12 +53,20 @@ logger = logging.getLogger(__name__)
 
 # How many replicas one call may lose before it ends with the retryable error.
 MAX_RESUMES = 2
+# How many replicas may refuse one call for capacity before it is answered 429.
+MAX_REFUSALS = 3
 
 
 def replica_died(err: BaseException) -> bool:
     """Whether ``err`` says the replica serving the call is gone (dead, or unreachable), not that the call failed."""
     cause = err.cause if isinstance(err, RayTaskError) else err
     return isinstance(cause, RayActorError)
+
+
+def capacity_refusal(err: BaseException) -> ReplicaAtCapacity | None:
+    """The replica's refusal of the call for capacity, when ``err`` is one."""
+    cause = err.cause if isinstance(err, RayTaskError) else err
+    return cause if isinstance(cause, ReplicaAtCapacity) else None
 
 
 # What followed a replica's death: the call sent again as it was, resumed, already finished, or ended.
@@ -78,6 +93,16 @@ class CallResumer:
         """A delta of completion ``index`` reached the client with this text."""
         if index == 0:
             self._text_pieces.append(text)
+
+    def after_refusal(self, refusal: ReplicaAtCapacity, sent: Call) -> Call | None:
+        """The call sent again away from the replica that refused ``sent`` for capacity; None, to answer 429,
+        when MAX_REFUSALS replicas have refused it, when a replica refused it twice (routers send a call back
+        to a replica that refused it only when none other is left), or when the refusing replica is unknown."""
+        refused_by = refusal.replica_id
+        if refused_by is None or refused_by in sent.refused_by or len(sent.refused_by) + 1 >= MAX_REFUSALS:
+            return None
+        logger.info("request %s: replica %s is at capacity; trying another", sent.request_id, refusal.replica_id)
+        return dataclasses.replace(sent, refused_by=(*sent.refused_by, refused_by))
 
     def after_death(self, err: BaseException, result: CallResult) -> ReplicaLoss:
         """The call's next send after its replica died (``err``) with the call's steps so far folded in ``result``."""

@@ -15,7 +15,10 @@ baseline, in the same run, is the same cluster left idle for
 ``--idle-s`` before the load: how much its memory drifts with nothing to do.
 The load's first ``--warmup-s`` warm caches, pools and allocators; memory is
 flat when the fitted growth over the rest stays within 2% of the starting
-total. ``--overload-rounds`` then sends rounds of ``--overload-calls``
+total (``rss_flat``). ``private_rss`` applies the same rule to the RSS less its
+shared-memory pages: the KV store's segments fill up to
+``kvstore.segment_bytes`` as pages are stored, and count in every process that
+maps them. ``--overload-rounds`` then sends rounds of ``--overload-calls``
 simultaneous calls (far past the queues' bounds: most get 429) and samples
 memory after each, so growth that does or does not level off shows up.
 
@@ -24,7 +27,7 @@ memory after each, so growth that does or does not level off shows up.
 Writes ``soak.json`` and ``soak_rss.png`` (RSS over time per process) to
 ``--out``. The last line of stdout is one JSON object: requests sent,
 completed, lost (must be 0), retries and errors by kind, start/end RSS per
-process after warm-up, the slopes, ``memory_flat``, the overload rounds, and
+process after warm-up, the slopes, ``rss_flat`` with its rule, ``private_rss``, the overload rounds, and
 what a decode replica still holds afterwards (no sequence or reservation
 outlives its call).
 """
@@ -75,6 +78,7 @@ class RSSSampler:
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
         self.samples: list[tuple[float, dict[str, float]]] = []
+        self.shared_samples: list[tuple[float, dict[str, float]]] = []  # the shared-memory part of each RSS
         self.started_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -90,19 +94,38 @@ class RSSSampler:
         """RSS in MB by process label, now (also recorded)."""
         me = psutil.Process(os.getpid())
         by_label: dict[str, float] = {}
+        shared_by_label: dict[str, float] = {}
         for process in [me, *me.children(recursive=True)]:
             try:
-                label = process_label(process, me.pid)
-                rss_mb = process.memory_info().rss / 1e6
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                label = f"{process_label(process, me.pid)}[{process.pid}]"
+                rss_mb, shared_mb = process.memory_info().rss / 1e6, shared_rss_mb(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError, ProcessLookupError):
                 continue
-            by_label[f"{label}[{process.pid}]"] = rss_mb
-        self.samples.append((time.monotonic() - self.started_at, by_label))
+            by_label[label], shared_by_label[label] = rss_mb, shared_mb
+        now_s = time.monotonic() - self.started_at
+        self.samples.append((now_s, by_label))
+        self.shared_samples.append((now_s, shared_by_label))
         return by_label
+
+    def private_samples(self) -> list[tuple[float, dict[str, float]]]:
+        """The samples less their shared-memory pages: what each process holds on its own."""
+        return [
+            (t, {label: rss_mb - shared.get(label, 0.0) for label, rss_mb in by_label.items()})
+            for (t, by_label), (_, shared) in zip(self.samples, self.shared_samples)
+        ]
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.sample()
+
+
+def shared_rss_mb(pid: int) -> float:
+    """The shared-memory pages (``RssShmem``: the KV store's segments, UCX's) in a process's RSS, in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    return 0.0
 
 
 def process_label(process: psutil.Process, driver_pid: int) -> str:
@@ -255,6 +278,20 @@ def totals(samples: list[tuple[float, dict[str, float]]], since_s: float, until_
     return [(t, sum(by_label.values())) for t, by_label in samples if since_s <= t <= until_s]
 
 
+def growth(points: list[tuple[float, float]]) -> dict[str, Any]:
+    """Total MB at the first and last point, the least-squares slope, the growth it fits, and ``flat``:
+    whether that growth stays within ``FLAT_GROWTH_FRACTION`` of the start."""
+    slope = slope_per_min(points)
+    fitted_mb = slope * (points[-1][0] - points[0][0]) / 60
+    return {
+        "start_mb": round(points[0][1], 1),
+        "end_mb": round(points[-1][1], 1),
+        "slope_mb_per_min": round(slope, 2),
+        "fitted_growth_mb": round(fitted_mb, 1),
+        "flat": abs(fitted_mb) <= FLAT_GROWTH_FRACTION * points[0][1],
+    }
+
+
 def write_plot(samples: list[tuple[float, dict[str, float]]], marks: dict[str, float], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -377,9 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_process = summarize_rss(samples, measured_from)
     soak_totals = totals(samples, measured_from, marks["overload"])
     idle_totals = totals(samples, marks["idle"], marks["load"])
-    start_total, end_total = soak_totals[0][1], soak_totals[-1][1]
-    slope = slope_per_min(soak_totals)
-    fitted_growth_mb = slope * (soak_totals[-1][0] - soak_totals[0][0]) / 60
+    total = growth(soak_totals)
+    private = sampler.private_samples()
     result: dict[str, Any] = {
         "bench": "soak",
         "quick": args.quick,
@@ -394,10 +430,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "errors_by_kind": dict(tally.errors),
         "lost_errors": tally.lost_errors[:5],
-        "rss_total_mb": {"start": round(start_total, 1), "end": round(end_total, 1)},
-        "rss_slope_mb_per_min": round(slope, 2),
+        "rss_total_mb": {"start": total["start_mb"], "end": total["end_mb"]},
+        "rss_slope_mb_per_min": total["slope_mb_per_min"],
         "baseline_idle_rss_slope_mb_per_min": round(slope_per_min(idle_totals), 2),
-        "memory_flat": abs(fitted_growth_mb) <= FLAT_GROWTH_FRACTION * start_total,
+        "rss_fitted_growth_mb": total["fitted_growth_mb"],
+        "rss_flat": total["flat"],
+        "rss_flat_rule": (
+            "the least-squares growth of the total RSS from the end of warm-up to the end of the load is within "
+            f"{FLAT_GROWTH_FRACTION:.0%} of the total at the end of warm-up"
+        ),
+        # Shared pages (the KV store's segments fill up to kvstore.segment_bytes, and count in every process
+        # that maps them) apart: the same rule on what each process holds on its own.
+        "private_rss": growth(totals(private, measured_from, marks["overload"])),
+        "private_rss_by_process": summarize_rss(private, measured_from),
         "overload": {
             "calls_per_round": burst_calls,
             "sent": burst_tally.sent,

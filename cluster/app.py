@@ -31,7 +31,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -57,6 +59,11 @@ _deployment: Any = serve.deployment
 
 APP_NAME = "rayturn"
 KV_NAMESPACE = "rayturn"
+# The ingress only parses and streams; its replicas' calls wait on the pools, which bound them.
+INGRESS_MAX_ONGOING_REQUESTS = 1000
+# ``app_builder``'s argument with the config file's digest, and how long a build waits for the file to match.
+CONFIG_DIGEST_ARG = "config_sha256"
+CONFIG_SYNC_TIMEOUT_S = 180.0
 
 
 def model_path(config: ClusterConfig) -> str:
@@ -71,7 +78,7 @@ def store_membership(config: ClusterConfig) -> StoreMembership:
     return StoreMembership(config.kvstore, tenant=config.tenant, namespace=KV_NAMESPACE)
 
 
-def _router_config(config: ClusterConfig) -> dict[str, Any]:
+def router_config(config: ClusterConfig) -> dict[str, Any]:
     router = config.router
     return {
         "request_router_class": ROUTERS.create(router.policy),
@@ -83,6 +90,31 @@ def _router_config(config: ClusterConfig) -> dict[str, Any]:
         "request_routing_stats_period_s": router.stats_period_s,
         "request_routing_stats_timeout_s": max(router.stats_period_s, 1.0),
     }
+
+
+def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
+    """Each deployment's Serve options (name, replicas or autoscaling, Ray resources, request router), keyed by
+    name; a deployment the config leaves out (no prefill pool, no store nodes) is absent. ``build_app`` binds
+    these, and a KubeRay ``serveConfigV2`` lists them (``rayturn.cluster.kuberay``)."""
+    router = router_config(config)
+    options: dict[str, dict[str, Any]] = {}
+    if config.prefill.max_replicas > 0:
+        options["prefill"] = {"name": "prefill", "request_router_config": router, **config.prefill.serve_options()}
+    options["decode"] = {"name": "decode", "request_router_config": router, **config.decode.serve_options()}
+    kv = config.kvstore
+    if kv.enabled and kv.store_nodes > 0:
+        options["kv-store"] = {
+            "name": "kv-store",
+            "num_replicas": kv.store_nodes,
+            "ray_actor_options": {"num_cpus": kv.store_node_num_cpus, "resources": dict(kv.store_node_resources)},
+        }
+    options["ingress"] = {
+        "name": "ingress",
+        "num_replicas": config.server.ingress_replicas,
+        "ray_actor_options": {"num_cpus": config.server.ingress_num_cpus},
+        "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+    }
+    return options
 
 
 def _bind(deployment: Any, *args: object) -> Application:
@@ -138,24 +170,18 @@ def build_app(config: ClusterConfig) -> Application:
     model = model_path(config)
     check_context(config, model)
     kvstore = store_membership(config) if config.kvstore.enabled else None
-    router = _router_config(config)
+    options = deployment_options(config)
 
     prefill = None
-    if config.prefill.max_replicas > 0:
+    if "prefill" in options:
         prefill = _bind(
-            _deployment(PrefillServer).options(
-                name="prefill", request_router_config=router, **config.prefill.serve_options()
-            ),
+            _deployment(PrefillServer).options(**options["prefill"]),
             model,
             pool_engine_kwargs(config, config.prefill),
             kvstore,
         )
     decode = _bind(
-        _deployment(DecodeServer).options(
-            name="decode",
-            request_router_config=router,
-            **config.decode.serve_options(),
-        ),
+        _deployment(DecodeServer).options(**options["decode"]),
         model,
         pool_engine_kwargs(config, config.decode),
         kvstore,
@@ -166,16 +192,9 @@ def build_app(config: ClusterConfig) -> Application:
         config.decode.admission_limits(),
     )
     store_nodes = None
-    kv = config.kvstore
-    if kvstore is not None and kv.store_nodes > 0:
+    if kvstore is not None and "kv-store" in options:
         store_nodes = _bind(
-            _deployment(StoreNodeReplica).options(
-                name="kv-store",
-                num_replicas=kv.store_nodes,
-                ray_actor_options={"num_cpus": kv.store_node_num_cpus, "resources": dict(kv.store_node_resources)},
-            ),
-            kvstore,
-            kv.store_node_bytes,
+            _deployment(StoreNodeReplica).options(**options["kv-store"]), kvstore, config.kvstore.store_node_bytes
         )
     pools = ["ingress", "decode"] + (["prefill"] if prefill is not None else [])
     ingress_settings = IngressSettings(
@@ -189,18 +208,7 @@ def build_app(config: ClusterConfig) -> Application:
         pools=tuple(pools + (["kv-store"] if store_nodes is not None else [])),
         tool_call_parser=config.model.tool_call_parser,
     )
-    return _bind(
-        _deployment(Ingress).options(
-            name="ingress",
-            num_replicas=config.server.ingress_replicas,
-            ray_actor_options={"num_cpus": config.server.ingress_num_cpus},
-            max_ongoing_requests=1000,
-        ),
-        decode,
-        prefill,
-        store_nodes,
-        ingress_settings,
-    )
+    return _bind(_deployment(Ingress).options(**options["ingress"]), decode, prefill, store_nodes, ingress_settings)
 
 
 def serve_logging_config(log_level: int = logging.INFO) -> dict[str, Any]:
@@ -225,7 +233,39 @@ def serve_start_options(config: ClusterConfig, log_level: int = logging.INFO) ->
 
 
 def app_builder(args: Mapping[str, Any]) -> Application:
-    """Serve's application-builder entry: ``args`` may name a ``config`` file and dotted overrides."""
+    """Serve's application-builder entry: ``args`` may name a ``config`` file and dotted overrides.
+
+    ``config_sha256`` (what ``rayturn deploy render`` adds) is the digest of the file's text: a changed file
+    changes Serve's config, so Serve builds the application again, and the build waits for the mounted file
+    to show that text (Kubernetes updates a mounted ConfigMap up to a minute or so after it changed).
+    """
     options = dict(args)
     path = options.pop("config", None)
+    digest = options.pop(CONFIG_DIGEST_ARG, None)
+    if digest is not None:
+        if path is None:
+            raise ValueError(f"args.{CONFIG_DIGEST_ARG} needs args.config, the file it is the digest of")
+        wait_for_config(Path(path), str(digest))
     return build_app(load_config(path, **options))
+
+
+def config_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def wait_for_config(path: Path, digest: str, timeout_s: float = CONFIG_SYNC_TIMEOUT_S, poll_s: float = 1.0) -> None:
+    """Return once the file at ``path`` has the text of ``digest``; ValueError naming both after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = config_digest(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            found = f"unreadable ({err.strerror})"
+        if found == digest:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"config file {str(path)!r} has sha256 {found}, the application expects {digest}: the mounted "
+                "ConfigMap did not catch up; apply the rendered ConfigMap together with the RayService"
+            )
+        time.sleep(poll_s)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -66,6 +67,8 @@ _SIZE_UNITS = {
 _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 
 _Spec = TypeVar("_Spec")
+
+API_KEYS_ENV = "RAYTURN_API_KEYS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,15 +198,22 @@ class ClusterConfig:
         return plain
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConfig:
-    """Read a YAML config (None: all defaults), then apply dotted-key overrides.
+def load_config(path: str | Path | None = None, *, keys_from_env: bool = True, **overrides: Any) -> ClusterConfig:
+    """Read a YAML config (None: all defaults), take ``server.api_keys`` from ``$RAYTURN_API_KEYS`` when it is
+    set, then apply dotted-key overrides.
 
     ``load_config("rayturn.yaml", **{"model.name": "small", "decode.min_replicas": 2})``.
     An override replaces one value, or a whole section when given a mapping; the
     key splits on every dot, so a resource whose name has dots is set through
     its whole mapping (``{"decode.resources": {"node:10.0.0.1": 0.01}}``).
+    ``$RAYTURN_API_KEYS`` holds comma-separated keys (a Kubernetes Secret's value, so that keys stay out of
+    config files and manifests); set, even empty, it replaces the file's ``server.api_keys``, unless
+    ``keys_from_env`` is false (``rayturn deploy render`` reads the file as written).
     """
     data = {} if path is None else _read_yaml(Path(path))
+    env_keys = os.environ.get(API_KEYS_ENV)
+    if env_keys is not None and keys_from_env:
+        _set_dotted(data, "server.api_keys", [key.strip() for key in env_keys.split(",") if key.strip()])
     for dotted_key, value in overrides.items():
         _set_dotted(data, dotted_key, value)
     return ClusterConfig.from_dict(data)

@@ -11,7 +11,9 @@ calls run::
 
     call --continuation, running < max_ongoing_requests---> admitted --ends--> released
          --other call, running < new_turn_limit ----------> admitted --ends--> released
-         --other call, running >= new_turn_limit ---------> refused (ReplicaAtCapacity: 429 / RESOURCE_EXHAUSTED)
+         --other call, running >= new_turn_limit ---------> refused (ReplicaAtCapacity): the ingress tries the
+                                                              replicas that have not refused it, then answers
+                                                              429 / RESOURCE_EXHAUSTED
 
 Under overload new turns are refused first, and the agents already working
 keep going. A continuation is never refused here: Serve sends no more than
@@ -61,8 +63,9 @@ def continues_turn(kind: CallKind | None) -> bool:
 class Admission:
     """Counts a replica's running calls and refuses new turns past their share (on the replica's event loop)."""
 
-    def __init__(self, limits: AdmissionLimits) -> None:
+    def __init__(self, limits: AdmissionLimits, replica_id: str | None = None) -> None:
         self.limits = limits
+        self.replica_id = replica_id
         self.num_running = 0
         self.num_refused = 0
 
@@ -74,7 +77,8 @@ class Admission:
             raise ReplicaAtCapacity(
                 f"the decode replica runs {self.num_running} calls, its limit for new turns "
                 f"({self.limits.new_turn_limit} of {self.limits.max_ongoing_requests}; the rest wait for "
-                "tool continuations)"
+                "tool continuations)",
+                self.replica_id,
             )
         self.num_running += 1
         try:

@@ -53,6 +53,7 @@ from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, SessionAnnouncement, Step
+from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
 
@@ -118,6 +119,13 @@ def output_prefix_of(
     return (), None
 
 
+def _prompt_sources(output: RequestOutput | None) -> PromptSources | None:
+    """Where this replica's engine found a call's prompt KV (a disaggregated call's: all loaded from the store)."""
+    if output is None:
+        return None
+    return PromptSources(len(output.prompt_token_ids), output.num_cached_prompt_tokens, output.num_loaded_prompt_tokens)
+
+
 def shut_down_replica(engine: AsyncEngine | None, kv_client: KVStoreClient | None) -> None:
     """Stop the engine thread, hand the sessions' pages to the rest of the KV store, then leave it.
 
@@ -160,7 +168,9 @@ class DecodeServer:
         admission: AdmissionLimits | None = None,
     ) -> None:
         settings = lifecycle or LifecycleSettings()
-        self.admission = Admission(admission or AdmissionLimits())
+        self.replica_id = serve_replica_id()
+        self.metrics = ReplicaMetrics("decode", self.replica_id)
+        self.admission = Admission(admission or AdmissionLimits(), self.replica_id)
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
         # None: the format the model's chat template teaches, read once here.
         template = self.engine.tokenizer.chat_template
@@ -187,7 +197,6 @@ class DecodeServer:
         self.prefill = prefill  # a Serve handle to the prefill pool, or None
         self.threshold = disaggregation_threshold_tokens
         self._prefill_again_at = 0.0  # time.monotonic() from which the prefill pool is asked again
-        self.replica_id = serve_replica_id()
         self.started_at = time.time()
         self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0, "resumed": 0}
         logger.info("decode replica ready: backend %s, tool calls %s", self.engine.backend_name, self.tool_call_parser)
@@ -248,6 +257,7 @@ class DecodeServer:
             answers.resume(call.resume)
         last: RequestOutput | None = None
         prompt_logprobs_sent = False
+        clock = CallClock()
         try:
             first = await self._prefill(call)
             path: PrefillPath = "local" if first is None else "disaggregated"
@@ -267,6 +277,7 @@ class DecodeServer:
                 last = output
                 deltas = answers.deltas(output)
                 if deltas:
+                    clock.step()
                     # A prefill replica computed what it did not find cached; this replica then
                     # loaded all of it from the store: the cache served only what the prefill found.
                     if first is not None:
@@ -287,6 +298,7 @@ class DecodeServer:
                     report = None
                     prompt_logprobs_sent = prompt_logprobs_sent or output.prompt_logprobs is not None
         finally:
+            self.metrics.finish_call(clock, _prompt_sources(last))
             if self.planner is not None and session_id:
                 self._finish_session(session_id, call, last, answers)
 
@@ -338,7 +350,9 @@ class DecodeServer:
     async def record_routing_stats(self) -> dict[str, Any]:
         # On the replica's event loop, beside the planner that owns the session table.
         sessions = self.planner.followed_sessions() if self.planner is not None else {}
-        return routing_report(self.engine.stats(), self.replica_id, sessions)
+        engine_stats = self.engine.stats()
+        self.metrics.publish(engine_stats, self.planner.stats() if self.planner is not None else None)
+        return routing_report(engine_stats, self.replica_id, sessions)
 
     def check_health(self) -> None:
         """Serve's periodic probe (and the ingress's ``/health``): a replica whose engine thread died fails it,

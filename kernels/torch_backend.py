@@ -38,7 +38,11 @@ class TorchBackend(KernelBackend):
         the packed copy runs decode-sized matmuls (tens of rows) ~1.4-2x faster
         and prefill-sized ones no slower. The dense weight is kept (checkpoints
         and ``load_weights`` use it), so packed layers hold their weights
-        twice. ``RAYTURN_PACKED_LINEAR=0`` turns this off.
+        twice. ``RAYTURN_PACKED_LINEAR=0`` turns this off. oneDNN compiles and
+        caches a kernel for every row count a packed matmul meets (about half
+        a MB each, up to a thousand of them), so rows are padded to a bounded
+        set of counts (``_padded_rows``): the cache, and the process's memory,
+        stops growing once each has been met, and no step waits on a compile.
         """
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _packed_linear_available():
             return None
@@ -49,7 +53,7 @@ class TorchBackend(KernelBackend):
     ) -> torch.Tensor:
         if prepared is None or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepared, bias, "none", [], "")
+        return _packed_linear(x, prepared, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         input_dtype = x.dtype
@@ -206,6 +210,27 @@ def _best_split(sorted_lens: list[int], min_saving: int = 128) -> int:
         if cost < best_cost:
             best_cost, best_split = cost, split
     return best_split if best_cost <= min(0.75 * padded, padded - min_saving) else 0
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` on the packed weight, its rows padded with zeros up to ``_padded_rows`` (rows
+    never mix: the padding's outputs are dropped)."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    padding = _padded_rows(num_rows) - num_rows
+    if padding:
+        rows = F.pad(rows, (0, 0, 0, padding))
+    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+    return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def _padded_rows(num_rows: int) -> int:
+    """The row count a packed matmul of ``num_rows`` runs at: exact up to 4, then a multiple of 4 up to 32,
+    then of 8 up to 64, then eight counts per doubling (at most 7 rows or 1/8 more): 55 counts up to 2048 rows."""
+    if num_rows <= 4:
+        return num_rows
+    step = 4 if num_rows <= 32 else max(8, 1 << (num_rows.bit_length() - 4))
+    return -(-num_rows // step) * step
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

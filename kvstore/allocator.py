@@ -106,8 +106,13 @@ class SegmentAllocator:
         """Return the offset of a new allocation of ``num_bytes`` (rounded up), or ``None`` if it does not fit."""
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be positive, got {num_bytes}")
-        size_bytes = _round_up(num_bytes, self._alignment)
+        size_bytes = (num_bytes + self._alignment - 1) & -self._alignment
         if size_bytes == self._page_block_bytes:
+            if self._free_pages:  # the hot path, inline
+                block, _ = self._free_pages.popitem()
+                self._allocated[block] = size_bytes
+                self._used_bytes += size_bytes
+                return block
             offset = self._pop_page_block()
         else:
             offset = self._take_first_fit(size_bytes)
@@ -122,7 +127,7 @@ class SegmentAllocator:
         """Release an allocation; ``num_bytes`` must be the size it was allocated (or reserved) with."""
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be positive, got {num_bytes}")
-        size_bytes = _round_up(num_bytes, self._alignment)
+        size_bytes = (num_bytes + self._alignment - 1) & -self._alignment
         allocated_bytes = self._allocated.get(offset)
         if allocated_bytes is None:
             raise ValueError(f"free of offset {offset}: no allocation starts there (double free or bad offset)")

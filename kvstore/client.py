@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from .connection import (
     RemoteServer,
     WriteCallback,
 )
+from .digest import page_digest
 from .held_index import HeldIndex
 from .master_types import check_keys
 from .metrics import KVMetrics
@@ -192,7 +192,7 @@ class KVStoreClient:
     def _held_with_digests(self) -> list[tuple[bytes, str, int, int, int]]:
         """What the segment holds, each with the CRC-32 of its bytes there (``HeldIndex`` keeps them its own)."""
         return [
-            (key, tenant, offset, num_bytes, zlib.crc32(self.segment.view(offset, num_bytes)))
+            (key, tenant, offset, num_bytes, page_digest(self.segment.view(offset, num_bytes)))
             for key, tenant, offset, num_bytes in self.held.items()
         ]
 

@@ -4,6 +4,7 @@ A thin shell over ``MasterState``: it serialises calls (an async actor runs
 one method at a time on its event loop), ticks housekeeping, and snapshots to
 ``snapshot_dir`` so that a restart (Ray restarts it in place: the handle stays
 valid) comes back with its keys. Owners then re-advertise what they hold.
+It runs on the head node (``start_master``), which scaling never takes away.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .access import StoreAuth, new_secret
 from .master_lookup import LookupServer
@@ -29,6 +32,7 @@ from .metrics import MasterMetrics
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "kv-master.snapshot"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node, and no other
 TICK_INTERVAL_S = 0.25
 
 
@@ -174,9 +178,9 @@ class KVMaster:
         best: list[int] = []
         more: list[list[int]] = []
         granted: list[list[int]] = []  # per segment index: offset, num_bytes, ...
-        digests = np.full(len(keys), -1, dtype=np.int64)
+        digests = array("q", (-1,)) * len(keys)  # int64 (as ``best``): for a call's few keys, cheaper than numpy
         objects = self.state.objects
-        for i, replicas in enumerate(self.state.get_locations(keys, reader_node_id, reader_tenant)):
+        for i, replicas in enumerate(self.state.leased_replicas(keys, reader_node_id, reader_tenant)):
             if replicas is None:
                 best += (-1, -1, -1)
                 continue
@@ -200,7 +204,7 @@ class KVMaster:
             self.auth.read_grant(segment_id, epoch, np.array(granted[index], dtype=np.int64), ttl_s).to_wire()
             for segment_id, index in table.items()
         ]
-        return [list(table), np.array(best, dtype=np.int64).tobytes(), more, grants, digests.tobytes()]
+        return [list(table), array("q", best).tobytes(), more, grants, digests.tobytes()]
 
     async def lookup_address(self) -> tuple[str, int] | None:
         """Where the lookup socket listens (started on first ask); None if it cannot listen."""
@@ -274,8 +278,19 @@ def start_master(
         max_task_retries=-1,
         num_cpus=0,
         max_concurrency=1000,
+        scheduling_strategy=_on_head_node(),
     )
     # The secret only counts when this call creates the master; Ray keeps it for the master's restarts.
     handle = options.remote(config, snapshot_dir, snapshot_interval_s, new_secret())
     ray.get(handle.ready.remote())
     return handle
+
+
+def _on_head_node() -> NodeAffinitySchedulingStrategy | str:
+    """Where the master runs: on the head node, which an autoscaler never removes. Elsewhere it would keep
+    the worker node it landed on (that of the first replica to start) from ever going idle; soft, so a
+    cluster without a head node Ray can see still gets a master."""
+    for node in ray.nodes():
+        if node["Alive"] and HEAD_NODE_RESOURCE in node["Resources"]:
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+    return "DEFAULT"

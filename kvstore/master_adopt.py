@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .master_ledger import Ledger
-from .master_types import Location, ObjectMeta, ObjectState
+from .master_types import ObjectMeta, ObjectState
 
 
 def advertise(ledger: Ledger, segment_id: str, held: Iterable[Sequence[Any]]) -> int:
@@ -35,18 +35,18 @@ def adopt(ledger: Ledger, segment_id: str, held: Iterable[Sequence[Any]]) -> int
     now = ledger.clock()
     for key, tenant, offset, num_bytes, *rest in held:
         digest = rest[0] if rest else None
-        location = Location(segment_id, offset, num_bytes)
+        replica = (segment_id, offset, num_bytes)
         meta = ledger.objects.get(key)
-        if meta is not None and (meta.num_bytes != num_bytes or location in meta.replicas or meta.tenant != tenant):
+        if meta is not None and (meta.num_bytes != num_bytes or replica in meta.replicas or meta.tenant != tenant):
             continue
         try:
             segment.allocator.reserve(offset, num_bytes)
         except ValueError:
             continue  # overlaps space the snapshot already gave away: stale, skip it
         if meta is None:
-            ledger.add(key, ObjectMeta(tenant, num_bytes, ObjectState.COMPLETE, [location], now, digest=digest))
+            ledger.add(key, ObjectMeta(tenant, num_bytes, ObjectState.COMPLETE, (replica,), now, digest=digest))
         else:
-            ledger.add_replica(key, meta, location)
+            ledger.add_replica(key, meta, replica)
         adopted += 1
     return adopted
 
@@ -58,9 +58,11 @@ def _drop_overwritten(ledger: Ledger, segment_id: str, key_at_offset: Mapping[in
         if meta is None or meta.state is not ObjectState.COMPLETE:
             continue
         stale = [
-            loc for loc in meta.replicas if loc.segment_id == segment_id and key_at_offset.get(loc.offset, key) != key
+            replica
+            for replica in meta.replicas
+            if replica[0] == segment_id and key_at_offset.get(replica[1], key) != key
         ]
-        for location in stale:  # freed: the key whose bytes are there now reserves them next
-            ledger.remove_replica(key, meta, location)
+        for replica in stale:  # freed: the key whose bytes are there now reserves them next
+            ledger.remove_replica(key, meta, replica)
         if stale and not meta.replicas:
             ledger.forget(key, meta)

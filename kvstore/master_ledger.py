@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .master_types import Counters, Location, ObjectMeta, ObjectState, SegmentInfo
+from .master_types import Counters, ObjectMeta, ObjectState, Replica, SegmentInfo
 
 
 class Ledger:
@@ -38,18 +38,21 @@ class Ledger:
         self.tenant_counters: dict[str, Counters] = {}
         # Space of removed replicas that a grant may still name: (until, replica, tenant, leased), freed at
         # ``until`` (a read lease's end, or a revoked put's deadline: its write grant expires before that).
-        self._deferred: list[tuple[float, Location, str, bool]] = []
+        self._deferred: list[tuple[float, Replica, str, bool]] = []
         # Keys of pending puts in the order they started: their deadlines' order, the put timeout being one.
         self.pending: dict[bytes, None] = {}
         # Per segment id, the keys with a replica there, least recently used first.
         self._recency: dict[str, dict[bytes, None]] = {}
-        # How many times space was freed: a placement remembered since is stale (``master_space``).
-        self.frees = 0
+        # How many times a segment gained room (space freed, a segment registered or confirmed) or one was
+        # dropped: a placement remembered before is stale (``master_space``).
+        self.room_gains = 0
 
     def count(self, name: str, tenant: str, amount: int = 1) -> None:
         """Bump a counter store-wide and for one tenant."""
         setattr(self.counters, name, getattr(self.counters, name) + amount)
-        per_tenant = self.tenant_counters.setdefault(tenant, Counters())
+        per_tenant = self.tenant_counters.get(tenant)
+        if per_tenant is None:
+            per_tenant = self.tenant_counters[tenant] = Counters()
         setattr(per_tenant, name, getattr(per_tenant, name) + amount)
 
     def add(self, key: bytes, meta: ObjectMeta) -> None:
@@ -58,20 +61,20 @@ class Ledger:
         self.tenant_bytes[meta.tenant] = self.tenant_bytes.get(meta.tenant, 0) + meta.num_bytes
         if meta.state is ObjectState.PENDING:
             self.pending[key] = None
-        for location in meta.replicas:
-            self._recency.setdefault(location.segment_id, {})[key] = None
+        for segment_id, _, _ in meta.replicas:
+            self._recency.setdefault(segment_id, {})[key] = None
 
-    def add_replica(self, key: bytes, meta: ObjectMeta, location: Location) -> None:
+    def add_replica(self, key: bytes, meta: ObjectMeta, replica: Replica) -> None:
         """One more replica of a known object."""
-        meta.replicas.append(location)
-        self._recency.setdefault(location.segment_id, {})[key] = None
+        meta.replicas = (*meta.replicas, replica)
+        self._recency.setdefault(replica[0], {})[key] = None
 
     def touch(self, key: bytes, meta: ObjectMeta, now_s: float) -> None:
         """The object was just used: last in line for eviction on every segment it is on."""
         meta.last_access_s = now_s
         recency = self._recency
-        for location in meta.replicas:
-            order = recency.setdefault(location.segment_id, {})
+        for segment_id, _, _ in meta.replicas:
+            order = recency.setdefault(segment_id, {})
             order.pop(key, None)
             order[key] = None
 
@@ -81,11 +84,12 @@ class Ledger:
         self.pending.pop(key, None)
         self.touch(key, meta, now_s)
 
-    def remove_replica(self, key: bytes, meta: ObjectMeta, location: Location) -> None:
+    def remove_replica(self, key: bytes, meta: ObjectMeta, replica: Replica) -> None:
         """Drop one replica of an object that keeps others, and free its space."""
-        meta.replicas.remove(location)
-        self._recency.get(location.segment_id, {}).pop(key, None)
-        self.free(location)
+        index = meta.replicas.index(replica)
+        meta.replicas = meta.replicas[:index] + meta.replicas[index + 1 :]
+        self._recency.get(replica[0], {}).pop(key, None)
+        self.free(replica)
 
     def unlist(self, segment_id: str, key: bytes) -> None:
         """Take a stale key (see ``least_recent``) out of the segment's order."""
@@ -102,32 +106,33 @@ class Ledger:
         del self.objects[key]
         self.tenant_bytes[meta.tenant] = self.tenant_bytes.get(meta.tenant, 0) - meta.num_bytes
         self.pending.pop(key, None)
-        for location in meta.replicas:
-            self._recency.get(location.segment_id, {}).pop(key, None)
+        for segment_id, _, _ in meta.replicas:
+            self._recency.get(segment_id, {}).pop(key, None)
         pending_until_s = meta.put_deadline_s if meta.state is ObjectState.PENDING else 0.0
         until_s = max(meta.lease_until_s, pending_until_s)
         now = self.clock() if until_s > 0.0 else 0.0  # never read, never leased: no grant names it
-        for location in meta.replicas:
+        for replica in meta.replicas:
             if until_s > now:
-                self._deferred.append((until_s, location, meta.tenant, meta.lease_until_s > now))
+                self._deferred.append((until_s, replica, meta.tenant, meta.lease_until_s > now))
             else:
-                self.free(location)
+                self.free(replica)
 
-    def free(self, location: Location) -> None:
-        self.frees += 1
-        segment = self.segments.get(location.segment_id)
+    def free(self, replica: Replica) -> None:
+        self.room_gains += 1
+        segment_id, offset, num_bytes = replica
+        segment = self.segments.get(segment_id)
         if segment is not None:
-            segment.allocator.free(location.offset, location.num_bytes)
+            segment.allocator.free(offset, num_bytes)
 
     def release_due(self, now_s: float) -> None:
         """Free the deferred space whose grants are over by ``now_s``."""
         still_leased = []
         for entry in self._deferred:
-            until_s, location, tenant, leased = entry
+            until_s, replica, tenant, leased = entry
             if until_s <= now_s:
                 if leased:
                     self.count("lease_expiries", tenant)
-                self.free(location)
+                self.free(replica)
             else:
                 still_leased.append(entry)
         self._deferred = still_leased
@@ -136,14 +141,15 @@ class Ledger:
         """Forget a segment and every replica on it (its owner is gone)."""
         if self.segments.pop(segment_id, None) is None:
             return
+        self.room_gains += 1
         self._recency.pop(segment_id, None)
         for key, meta in list(self.objects.items()):
-            kept = [loc for loc in meta.replicas if loc.segment_id != segment_id]
+            kept = tuple(replica for replica in meta.replicas if replica[0] != segment_id)
             if len(kept) != len(meta.replicas):
                 meta.replicas = kept
                 if not kept:
                     self.forget(key, meta)
-        self._deferred = [entry for entry in self._deferred if entry[1].segment_id != segment_id]
+        self._deferred = [entry for entry in self._deferred if entry[1][0] != segment_id]
 
     def stats(self) -> dict[str, Any]:
         counters = _as_dict(self.counters)

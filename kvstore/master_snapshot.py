@@ -30,7 +30,7 @@ def snapshot(state: MasterState) -> dict[str, Any]:
                 key,
                 meta.tenant,
                 meta.num_bytes,
-                [[loc.segment_id, loc.offset, loc.num_bytes] for loc in meta.replicas],
+                [list(replica) for replica in meta.replicas],
                 meta.hard_pinned,
                 meta.digest,
             ]

@@ -7,9 +7,11 @@ any segment past the high watermark is brought back to the low one
 is full. A tenant over its quota has its own least recently used objects
 evicted before it is refused.
 
-A put names up to 64 pages; between two of them nothing but the put itself
-moves space, so where its previous single copy went is tried first
-(``begin_put`` starts a put afresh).
+Most puts place one copy of one page size, and between two of them other
+segments only fill up, unless space is freed or the segments change (the
+ledger counts both: ``room_gains``). So where the previous single copy of
+that size for that writer went is tried first, and the segments are only
+scanned again when that is no longer first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from .master_ledger import Ledger
-from .master_types import Location, MasterConfig, SegmentInfo
+from .master_types import MasterConfig, Replica, SegmentInfo
 
 
 class SpaceManager:
@@ -27,11 +29,7 @@ class SpaceManager:
         self._config = config
         self._last_single: _LastPlacement | None = None
 
-    def begin_put(self) -> None:
-        """A put's keys are placed next (``place``, one by one): nothing from an earlier put is carried over."""
-        self._last_single = None
-
-    def place(self, num_bytes: int, replicas: int, preferred: str | None) -> list[Location]:
+    def place(self, num_bytes: int, replicas: int, preferred: str | None) -> tuple[Replica, ...]:
         """Allocate up to ``replicas`` copies on different segments, preferring different nodes.
 
         A copy goes to the first segment (the writer's own first) that stays under the high
@@ -44,11 +42,11 @@ class SpaceManager:
                 segment, offset = placed
                 if segment.allocator.usage > self._config.high_watermark:
                     self.evict(segment)
-                return [Location(segment.segment_id, offset, num_bytes)]
-        chosen: list[Location] = []
+                return ((segment.segment_id, offset, num_bytes),)
+        chosen: list[Replica] = []
         used_nodes: set[str] = set()
         for _ in range(replicas):
-            chosen_ids = {loc.segment_id for loc in chosen}
+            chosen_ids = {segment_id for segment_id, _, _ in chosen}
             placed = self._allocate_first_roomy(num_bytes, preferred, chosen_ids, used_nodes, remember=replicas == 1)
             if placed is None:
                 candidates = [
@@ -59,25 +57,26 @@ class SpaceManager:
             if placed is None:
                 break  # best effort: fewer replicas than asked
             segment, offset = placed
-            chosen.append(Location(segment.segment_id, offset, num_bytes))
+            chosen.append((segment.segment_id, offset, num_bytes))
             used_nodes.add(segment.node_id)
             if segment.allocator.usage > self._config.high_watermark:
                 self.evict(segment)
-        return chosen
+        return tuple(chosen)
 
     def _allocate_as_last(self, num_bytes: int, preferred: str | None) -> tuple[SegmentInfo, int] | None:
-        """A single copy where the put's previous one went, when that is still the first roomy segment.
+        """A single copy where the previous one went, when that is still the first roomy segment.
 
-        Between two keys of one put only its own allocations and evictions move space. The other segments
-        are then as they were when the previous key chose, so the segment it chose is still first while it
-        has room and its order stays below the runner-up's; any space freed meanwhile makes it look again.
+        Unless the ledger's ``room_gains`` moved, no other segment has gained room since the previous
+        choice, so the segment it chose is still first while it has room and its order stays below the
+        runner-up's (the runner-up's then, which can only have filled up since).
         """
         last = self._last_single
         if last is None or last.num_bytes != num_bytes or last.preferred != preferred:
             return None
-        if last.frees != self._ledger.frees or last.num_segments != len(self._ledger.segments):
+        segment = last.segment
+        if last.room_gains != self._ledger.room_gains or not segment.confirmed:
             return None
-        segment, allocator = last.segment, last.segment.allocator
+        allocator = segment.allocator
         used_bytes, capacity_bytes = allocator.used_bytes, allocator.capacity_bytes
         if used_bytes + num_bytes > self._config.high_watermark * capacity_bytes:
             return None
@@ -100,9 +99,16 @@ class SpaceManager:
         With ``remember``, the choice and the runner-up's order are kept for ``_allocate_as_last``."""
         first: SegmentInfo | None = None
         first_order = runner_up = _LAST_IN_ORDER
+        high_watermark = self._config.high_watermark
         for segment in self._ledger.segments.values():
-            if segment.confirmed and segment.segment_id not in chosen_ids and self._roomy(segment, num_bytes):
-                order = _order(segment, preferred, used_nodes)
+            allocator = segment.allocator
+            used_bytes, capacity_bytes = allocator.used_bytes, allocator.capacity_bytes
+            if (
+                used_bytes + num_bytes <= high_watermark * capacity_bytes
+                and segment.confirmed
+                and segment.segment_id not in chosen_ids
+            ):
+                order = (segment.segment_id != preferred, segment.node_id in used_nodes, used_bytes / capacity_bytes)
                 if order < first_order:
                     first, first_order, runner_up = segment, order, first_order
                 elif order < runner_up:
@@ -113,10 +119,7 @@ class SpaceManager:
         if offset is None:
             return None
         if remember:
-            ledger = self._ledger
-            self._last_single = _LastPlacement(
-                first, num_bytes, preferred, runner_up, ledger.frees, len(ledger.segments)
-            )
+            self._last_single = _LastPlacement(first, num_bytes, preferred, runner_up, self._ledger.room_gains)
         return first, offset
 
     def _roomy(self, segment: SegmentInfo, num_bytes: int) -> bool:
@@ -161,7 +164,12 @@ class SpaceManager:
             if allocator.used_bytes <= target_used:
                 break
             meta = objects.get(key)
-            location = next((loc for loc in meta.replicas if loc.segment_id == segment_id), None) if meta else None
+            location = None
+            if meta is not None:
+                for replica in meta.replicas:
+                    if replica[0] == segment_id:
+                        location = replica
+                        break
             if meta is None or location is None:
                 self._ledger.unlist(segment_id, key)
             elif meta.evictable(now):
@@ -214,9 +222,8 @@ class _LastPlacement:
     num_bytes: int
     preferred: str | None
     runner_up: tuple[bool, bool, float]
-    # The ledger's frees and segment count then.
-    frees: int
-    num_segments: int
+    # The ledger's ``room_gains`` then.
+    room_gains: int
 
 
 def _order(segment: SegmentInfo, preferred: str | None, used_nodes: AbstractSet[str]) -> tuple[bool, bool, float]:

@@ -34,7 +34,7 @@ from . import master_adopt, master_snapshot
 from .allocator import SegmentAllocator
 from .master_ledger import Ledger
 from .master_space import SpaceManager
-from .master_types import Counters, Location, MasterConfig, ObjectMeta, ObjectState, PutPlan, SegmentInfo
+from .master_types import Counters, Location, MasterConfig, ObjectMeta, ObjectState, PutPlan, Replica, SegmentInfo
 
 
 class MasterState:
@@ -76,6 +76,7 @@ class MasterState:
         ucx_address: tuple[str, int] | None,
         page_bytes: int | None = None,
     ) -> str:
+        self._ledger.room_gains += 1
         known = self.segments.get(segment_id)
         if known is not None:  # a re-registration after a master restart keeps the allocator
             known.last_heartbeat_s = self.clock()
@@ -140,7 +141,6 @@ class MasterState:
         plans = []
         objects, space = self.objects, self._space
         has_quota = tenant in self.config.tenant_quota_bytes
-        space.begin_put()
         for index, (key, num_bytes) in enumerate(zip(keys, sizes)):
             if num_bytes <= 0:
                 raise ValueError(f"object size must be > 0, got {num_bytes}")
@@ -157,8 +157,8 @@ class MasterState:
                 self._ledger.count("put_failures", tenant)
                 plans.append(PutPlan("quota"))
                 continue
-            locations = space.place(num_bytes, replicas, preferred_segment_id)
-            if not locations:
+            placed = space.place(num_bytes, replicas, preferred_segment_id)
+            if not placed:
                 self._ledger.count("put_failures", tenant)
                 plans.append(PutPlan("no_space"))
                 continue
@@ -166,14 +166,14 @@ class MasterState:
                 tenant,
                 num_bytes,
                 ObjectState.PENDING,
-                list(locations),
+                placed,
                 now,
                 put_deadline_s=deadline_s,
                 pin_ttl_on_complete_s=pin_ttl_s,
                 digest=None if digests is None else digests[index],
             )
             self._ledger.add(key, meta)
-            plans.append(PutPlan("write", tuple(locations)))
+            plans.append(PutPlan("write", tuple(map(Location._make, placed))))
         return plans
 
     def put_end(self, keys: Sequence[bytes]) -> list[bool]:
@@ -181,12 +181,13 @@ class MasterState:
         now = self.clock()
         done = []
         puts: dict[str, int] = {}  # per tenant, counted once per call
+        objects, pending, complete = self.objects, ObjectState.PENDING, self._ledger.complete
         for key in keys:
-            meta = self.objects.get(key)
-            if meta is None or meta.state is not ObjectState.PENDING:
+            meta = objects.get(key)
+            if meta is None or meta.state is not pending:
                 done.append(meta is not None)
                 continue
-            self._ledger.complete(key, meta, now)
+            complete(key, meta, now)
             if meta.pin_ttl_on_complete_s is not None:
                 meta.pin_until_s = now + meta.pin_ttl_on_complete_s
             puts[meta.tenant] = puts.get(meta.tenant, 0) + 1
@@ -211,10 +212,17 @@ class MasterState:
 
         Another tenant's object is a miss, as if absent: a tenant never reads, nor learns of, another's pages.
         """
+        found = self.leased_replicas(keys, reader_node_id, reader_tenant)
+        return [None if replicas is None else list(map(Location._make, replicas)) for replicas in found]
+
+    def leased_replicas(
+        self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str
+    ) -> list[Sequence[Replica] | None]:
+        """``get_locations``, as the plain tuples the master keeps."""
         now = self.clock()
         lease_until_s = now + self.config.lease_ttl_s
         objects, complete, touch = self.objects, ObjectState.COMPLETE, self._ledger.touch
-        out: list[list[Location] | None] = []
+        out: list[Sequence[Replica] | None] = []
         hits = misses = 0
         for key in keys:  # a thousand keys a call: kept lean
             meta = objects.get(key)
@@ -226,10 +234,10 @@ class MasterState:
             touch(key, meta, now)
             if meta.lease_until_s < lease_until_s:
                 meta.lease_until_s = lease_until_s
-            replicas = meta.replicas
+            replicas: Sequence[Replica] = meta.replicas
             if len(replicas) > 1:
-                replicas = sorted(replicas, key=lambda loc: self.segments[loc.segment_id].node_id != reader_node_id)
-            out.append(list(replicas))
+                replicas = sorted(replicas, key=lambda replica: self.segments[replica[0]].node_id != reader_node_id)
+            out.append(replicas)
         if hits:
             self._ledger.count("hits", reader_tenant, hits)
         if misses:

@@ -1,9 +1,11 @@
 """KV store metrics, exported through Ray's metrics agent (``rayturn_kv_*``).
 
-Clients count the bytes they move per segment and tenant; the master
-publishes what only it knows on every housekeeping tick: hits, misses,
-evictions, lease expiries and put failures per tenant, bytes used per segment,
-objects stored.
+Clients count the bytes they move per segment and tenant, and the pages they
+read by where each was: ``host`` (the client's own segment, in its process's
+host memory), ``node`` (another segment on the node, shared memory) or
+``remote`` (over UCX). The master publishes what only it knows on every
+housekeeping tick: hits, misses, evictions, lease expiries and put failures
+per tenant, bytes used and capacity per segment, objects stored.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class KVMetrics:
         self._put_failures = metrics.Counter(
             "rayturn_kv_client_put_failures_total", description="KV puts that stored nothing", tag_keys=_TAGS
         )
+        self._pages_read = metrics.Counter(
+            "rayturn_kv_pages_read_total",
+            description="Objects (pages) read from the KV store, by where they were: host, node or remote",
+            tag_keys=(*_TAGS, "source"),
+        )
         self._wrong_pages = metrics.Counter(
             "rayturn_kv_wrong_pages_total",
             description="KV reads whose bytes failed the object's digest, taken as misses",
@@ -47,6 +54,10 @@ class KVMetrics:
         with self._lock:
             self._totals["bytes_out"] += num_bytes
         self._bytes_out.inc(num_bytes, tags=self.tags)
+
+    def pages_read(self, source: str, num_pages: int) -> None:
+        """``num_pages`` objects landed from ``source``: ``host``, ``node`` or ``remote``."""
+        self._pages_read.inc(num_pages, tags={**self.tags, "source": source})
 
     def put_failure(self) -> None:
         with self._lock:
@@ -81,6 +92,9 @@ class MasterMetrics:
             "rayturn_kv_segment_used_bytes", description="Bytes allocated in a KV segment", tag_keys=("segment",)
         )
         self._objects = metrics.Gauge("rayturn_kv_objects_stored", description="Objects (pages) in the KV store")
+        self._capacity_bytes = metrics.Gauge(
+            "rayturn_kv_segment_capacity_bytes", description="Bytes a KV segment can hold", tag_keys=("segment",)
+        )
         self._tenant_bytes = metrics.Gauge(
             "rayturn_kv_tenant_bytes", description="Bytes stored per tenant", tag_keys=("tenant",)
         )
@@ -95,5 +109,6 @@ class MasterMetrics:
         self._objects.set(stats["complete_objects"])
         for segment_id, segment in stats["segments"].items():
             self._used_bytes.set(segment["used_bytes"], tags={"segment": segment_id})
+            self._capacity_bytes.set(segment["capacity_bytes"], tags={"segment": segment_id})
         for tenant, num_bytes in stats["tenant_bytes"].items():
             self._tenant_bytes.set(num_bytes, tags={"tenant": tenant})

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 
 from .access import ReadGrant
 from .connection import MasterConnection, MasterUnavailable, RemoteClient
+from .digest import page_digest
 from .landing import Targets, copy_out
 from .metrics import KVMetrics
 from .peers import PeerDirectory
@@ -114,7 +114,7 @@ class Reader:
     def _check_digests(self, keys: Sequence[bytes], located: _Located, targets: Targets, done: np.ndarray) -> None:
         """Turn every landed object whose bytes do not match its digest into a miss."""
         for i in np.flatnonzero(done & (located.digests >= 0)).tolist():
-            if zlib.crc32(targets.array(i).data) != located.digests[i]:
+            if page_digest(targets.array(i).data) != located.digests[i]:
                 done[i] = False
                 self._metrics.wrong_page()
                 logger.warning("kv read of %s landed bytes that are not its own: read as a miss", keys[i].hex()[:16])
@@ -164,6 +164,7 @@ class Reader:
                 raise ValueError("a replica's size differs from its buffer's")
             if segment_id == self._segment_id:
                 copy_out(self._segment, ranges, targets.addresses[indices])
+                self._metrics.pages_read("host", len(indices))
                 return True
             peer = self._peers.get(segment_id)
             if peer is None:
@@ -172,6 +173,7 @@ class Reader:
             if shared is not None:
                 copy_out(shared, ranges, targets.addresses[indices])
                 self._metrics.bytes_in(num_bytes)
+                self._metrics.pages_read("node", len(indices))
                 return True
             if peer.ucx_address is None:
                 return False
@@ -179,6 +181,7 @@ class Reader:
             grant = located.grants[segment_index]
             self._remote.read(peer.ucx_address, pairs, [targets.array(i) for i in indices.tolist()], grant)
             self._metrics.bytes_in(num_bytes)
+            self._metrics.pages_read("remote", len(indices))
             return True
         except (PeerUnreachable, PeerTimedOut) as err:
             logger.warning(

@@ -117,6 +117,21 @@ def _attach_untracked(name: str) -> _Mapping:
     return _UntrackedAttachment(name)
 
 
+def _reserve(shm: SharedMemory, name: str, capacity_bytes: int) -> None:
+    """All of a new segment's memory now: a full /dev/shm fails here, naming the segment, not with SIGBUS on
+    a later write; and resident memory holds the segment from the start rather than growing into it."""
+    fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, capacity_bytes)
+    except OSError as err:
+        message = f"no room for a {capacity_bytes}-byte KV segment in {_SHM_DIR}: lower kvstore.segment_bytes"
+        raise OSError(err.errno, f"{message} or give the node more shared memory ({err.strerror})") from None
+    finally:
+        os.close(fd)
+    assert shm.buf is not None
+    np.frombuffer(shm.buf, dtype=np.uint8)[:: mmap.PAGESIZE] = 0  # touch every page: mapped and resident
+
+
 def _unlink(shm: SharedMemory) -> None:
     """Remove the block's name and its resource-tracker registration, even if the name is already gone."""
     try:
@@ -200,6 +215,13 @@ class Segment:
             except FileExistsError:
                 continue
             _OWNED.add(shm)
+            try:
+                _reserve(shm, name, capacity_bytes)
+            except BaseException:
+                shm.close()
+                if _OWNED.pop_own(name) is not None:
+                    _unlink(shm)
+                raise
             return cls(shm, name, owner=True)
         raise FileExistsError(f"no free segment name with prefix {prefix!r} after {_CREATE_ATTEMPTS} attempts")
 

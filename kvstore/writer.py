@@ -12,7 +12,6 @@ count as not stored; uncommitted puts are reclaimed after the master's put timeo
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from .access import WriteGrant
 from .bytes_view import as_bytes_view
 from .connection import PUT_TIMEOUT_S, MasterConnection, MasterUnavailable, RemoteClient
+from .digest import page_digest
 from .held_index import HeldIndex
 from .master_types import Location, PutStart
 from .metrics import KVMetrics
@@ -56,7 +56,7 @@ class Writer:
     ) -> list[bool]:
         """True per key stored (or already there)."""
         views = [as_bytes_view(v) for v in values]
-        digests = [zlib.crc32(view) for view in views]
+        digests = [page_digest(view) for view in views]
         try:
             started: PutStart = self.master.call(
                 "put_start",

@@ -26,6 +26,7 @@ from rayturn.engine.kv_connector import StoreConnector
 from rayturn.kvstore import join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer
+from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
 
@@ -42,6 +43,7 @@ class PrefillServer:
         connector = StoreConnector(self.kv_client, replicas=kvstore.store.replicas)
         self.engine = AsyncEngine(LLMEngine.from_pretrained(model, kv_connector=connector, **dict(engine_kwargs)))
         self.replica_id = serve_replica_id()
+        self.metrics = ReplicaMetrics("prefill", self.replica_id)
         self.started_at = time.time()
         self.counters = {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0}
         logger.info("prefill replica ready: backend %s", self.engine.backend_name)
@@ -51,6 +53,7 @@ class PrefillServer:
         page of the prompt is in the store (keyed by the call's page hashes)."""
         params = dataclasses.replace(call.params, max_tokens=1, n=1)
         final: RequestOutput | None = None
+        clock = CallClock()
         async for output in self.engine.generate(
             call.prompt_token_ids,
             params,
@@ -61,6 +64,11 @@ class PrefillServer:
         ):
             final = output
         assert final is not None and final.finished
+        clock.step()
+        self.metrics.finish_call(
+            clock,
+            PromptSources(len(final.prompt_token_ids), final.num_cached_prompt_tokens, final.num_loaded_prompt_tokens),
+        )
         completion = final.completions[0]
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(final.prompt_token_ids)
@@ -73,7 +81,9 @@ class PrefillServer:
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return routing_report(self.engine.stats(), self.replica_id)
+        engine_stats = self.engine.stats()
+        self.metrics.publish(engine_stats)
+        return routing_report(engine_stats, self.replica_id)
 
     def check_health(self) -> None:
         """Serve's periodic probe (and the ingress's ``/health``): a replica whose engine thread died fails it,

@@ -35,6 +35,8 @@ prewarm). Other deployments may pass one mapping instead, e.g.
     prewarm: bool             optional: an announcement of the session's next
                               call; it goes first to the replicas whose stats
                               list the session, the one that saw it last first
+    refused_by: list[str]     optional: replica ids that refused the call for
+                              capacity; they are ranked last, after every other
 
 Any other keys are the callee's business. Missing or malformed hints make the
 call route on load alone; they never fail it.
@@ -92,6 +94,8 @@ class RoutingHints:
     prompt_tokens: int = 0
     store_prefix_pages: int = 0
     prewarm: bool = False
+    # Replicas that refused the call for capacity (``Call.refused_by``): tried last.
+    refused_by: frozenset[str] = frozenset()
 
     @classmethod
     def from_pending_request(cls, pending_request: PendingRequest) -> RoutingHints:
@@ -111,7 +115,7 @@ class RoutingHints:
 
     @classmethod
     def from_call(cls, call: Call) -> RoutingHints:
-        return cls(call.session_id, call.page_keys, call.prompt_tokens)
+        return cls(call.session_id, call.page_keys, call.prompt_tokens, refused_by=frozenset(call.refused_by))
 
     @classmethod
     def from_request(cls, request: Mapping[str, Any]) -> RoutingHints:
@@ -120,11 +124,14 @@ class RoutingHints:
         prompt_tokens = request.get("prompt_tokens", 0)
         store_prefix_pages = request.get("store_prefix_pages", 0)
         prewarm = request.get("prewarm", False)
+        refused_by = request.get("refused_by") or ()
         if (
             (session_id is not None and not isinstance(session_id, str))
             or not isinstance(prewarm, bool)
             or not isinstance(page_hashes, list | tuple)
             or not all(isinstance(page_hash, str) for page_hash in page_hashes)
+            or not isinstance(refused_by, list | tuple)
+            or not all(isinstance(replica_id, str) for replica_id in refused_by)
             or not _is_count(prompt_tokens)
             or not _is_count(store_prefix_pages)
         ):
@@ -132,7 +139,7 @@ class RoutingHints:
             logger.debug("Ignoring malformed routing hints (keys: %s).", sorted(map(str, request)))
             return cls()
         page_keys = tuple(page_hash_key(page_hash) for page_hash in page_hashes)
-        return cls(session_id or None, page_keys, prompt_tokens, store_prefix_pages, prewarm)
+        return cls(session_id or None, page_keys, prompt_tokens, store_prefix_pages, prewarm, frozenset(refused_by))
 
 
 def serve_replica_id() -> str | None:
@@ -145,6 +152,16 @@ def serve_replica_id() -> str | None:
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def last_if_refused(ranks: list[list[RunningReplica]], refused_by: frozenset[str]) -> list[list[RunningReplica]]:
+    """The ranks with the replicas that refused the call for capacity taken out and put last, in one rank:
+    a replica with room comes first, and a call every replica refused still has somewhere to go."""
+    if not refused_by:
+        return ranks
+    kept = [[replica for replica in rank if replica.replica_id.unique_id not in refused_by] for rank in ranks]
+    refused = [replica for rank in ranks for replica in rank if replica.replica_id.unique_id in refused_by]
+    return [rank for rank in kept if rank] + ([refused] if refused else [])
 
 
 class KVAwareRequestRouter(RequestRouter):
@@ -215,7 +232,7 @@ class KVAwareRequestRouter(RequestRouter):
                 ranks.append([])
                 last_score = replica_score
             ranks[-1].append(by_id[replica_id])
-        return ranks
+        return last_if_refused(ranks, hints.refused_by)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from rayturn.api.call_result import CallResult, CompletionState
-from rayturn.api.resume import MAX_RESUMES, CallResumer, replica_died
+from rayturn.api.resume import MAX_REFUSALS, MAX_RESUMES, CallResumer, capacity_refusal, replica_died
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
-from rayturn.messages import Call, ResumePoint
+from rayturn.messages import Call, ReplicaAtCapacity, ResumePoint
 
 DIED = ActorDiedError()
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=1)
@@ -80,3 +80,33 @@ def test_only_a_replica_s_death_or_absence_counts() -> None:
     assert not replica_died(ValueError("bad request")) and not replica_died(
         RayTaskError("generate", "trace", ValueError())
     )
+
+
+def test_a_call_refused_for_capacity_goes_to_replicas_that_have_not_refused_it() -> None:
+    call = Call("r1", (1, 2, 3), GREEDY)
+    resumer = CallResumer(call)
+    sent, refusers = call, []
+    for replica_id in ["a", "b", "c", "d"]:
+        refusal = capacity_refusal(RayTaskError("generate", "trace", ReplicaAtCapacity("full", replica_id)))
+        assert refusal is not None and refusal.replica_id == replica_id
+        sent_again = resumer.after_refusal(refusal, sent)
+        if sent_again is None:
+            break
+        refusers.append(replica_id)
+        assert sent_again.refused_by == tuple(refusers) and sent_again.prompt_token_ids == call.prompt_token_ids
+        sent = sent_again
+    # MAX_REFUSALS replicas tried, then the refusal stands (429).
+    assert len(refusers) == MAX_REFUSALS - 1
+    # A replica that refuses again was the only one left with room for nobody.
+    again = ReplicaAtCapacity("full", "a")
+    assert resumer.after_refusal(again, CallResumer(call).after_refusal(again, call) or call) is None
+    # A refusal from outside a Serve replica names none: nowhere else to send it.
+    assert resumer.after_refusal(ReplicaAtCapacity("full"), call) is None
+    assert capacity_refusal(DIED) is None and capacity_refusal(ValueError("bad request")) is None
+
+
+def test_a_refusal_keeps_its_replica_across_processes() -> None:
+    import pickle
+
+    refusal = pickle.loads(pickle.dumps(ReplicaAtCapacity("the replica is full", "replica-7")))
+    assert str(refusal) == "the replica is full" and refusal.replica_id == "replica-7"

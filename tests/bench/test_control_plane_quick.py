@@ -13,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "control_plane.py"
 def test_quick_run_reports_router_and_master_figures_against_their_baselines(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)]
     command += ["--sessions", "2000", "--decisions", "400", "--keys", "20000", "--ops", "2000", "--rounds", "1"]
+    command += ["--single-key-ops", "4000"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -34,5 +35,13 @@ def test_quick_run_reports_router_and_master_figures_against_their_baselines(tmp
     assert master["bytes_per_key"] > 0 and master["keys_per_s"] > 0
     assert report["master_ops_per_s"] == max(master["ops_per_s_each"]) > 0
     assert report["baseline_dict_ops_per_s"] > 0
+    assert report["master_keys_per_s"] == master["keys_per_s"]
+    # The same mix, a key a call: master operations on one key each, beside the baseline's on the same calls.
+    assert report["single_key_ops_per_s"] == max(master["single_key_ops_per_s_each"]) > 0
+    assert report["single_key_ops_per_cpu_s"] == max(master["single_key_ops_per_cpu_s_each"]) > 0
+    baseline_cpu = max(master["single_key_baseline_ops_per_cpu_s_each"])
+    assert report["single_key_baseline_ops_per_cpu_s"] == baseline_cpu > 0
+    assert report["single_key_over_baseline"] == round(report["single_key_ops_per_cpu_s"] / baseline_cpu, 3)
     assert report["router_target_met"] == (report["router_p99_ms"] < report["router_p99_target_ms"] == 1.0)
-    assert report["master_target_met"] == (report["master_ops_per_s"] >= report["master_ops_target_per_s"] == 20000)
+    target_met = report["single_key_ops_per_cpu_s"] >= report["master_ops_target_per_s"] == 20000
+    assert report["master_target_met"] == target_met

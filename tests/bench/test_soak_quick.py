@@ -41,4 +41,7 @@ def test_soak_quick_loses_nothing_and_samples_every_process(tmp_path: Path) -> N
         "driver",
     } <= processes
     assert all(entry["start_mb"] > 0 and entry["end_mb"] > 0 for entry in result["rss_by_process"].values())
+    assert isinstance(result["rss_flat"], bool) and "2%" in result["rss_flat_rule"]
+    private = result["private_rss"]  # RSS less the shared-memory pages (the KV store's segments)
+    assert isinstance(private["flat"], bool) and 0 < private["start_mb"] < result["rss_total_mb"]["start"]
     assert Path(result["plot_file"]).stat().st_size > 0 and Path(result["results_file"]).exists()

@@ -31,13 +31,17 @@ def small_cluster(http_port: int, grpc_port: int, threshold: int, **extra: Any) 
 
 
 @contextmanager
-def serving(config: ClusterConfig) -> Iterator[str]:
-    """A Ray session of its own with ``config`` deployed, for one test module; yields the HTTP base URL."""
+def serving(config: ClusterConfig, **init_options: Any) -> Iterator[str]:
+    """A Ray session of its own with ``config`` deployed, for one test module; yields the HTTP base URL.
+
+    ``init_options`` go to ``ray.init`` (e.g. ``_metrics_export_port``)."""
     import ray
 
     from rayturn.cluster.runner import running_cluster
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn")
+    # address="local": a Ray of its own even where another (a ``ray start`` cluster) runs on this host.
+    options: dict[str, Any] = {"address": "local", **init_options}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayturn", **options)
     try:
         with running_cluster(config) as endpoints:
             yield endpoints.http

@@ -6,7 +6,9 @@ turns take the new turns' share: every API then refuses a new turn (429 with
 ``Retry-After`` in its own error shape; gRPC RESOURCE_EXHAUSTED) while tool
 continuations still get in. With every slot taken, continuations queue up to
 the bound and the rest get 429 too: nothing queues without end. Closed
-streams give their slots back, and the cluster serves as before.
+streams give their slots back, and the cluster serves as before. Last,
+the pool grows to two replicas: a new turn that the full one refuses is
+served by the other, not refused.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ grpc = pytest.importorskip("grpc")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
+from ray import serve  # noqa: E402
 from small_cluster import serving, small_cluster  # noqa: E402
 
+from rayturn.cluster.app import APP_NAME, build_app  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
+from rayturn.router.scoring import preferred_replica  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18621, 19621
 THRESHOLD = 4096  # every prompt is prefilled on the decode replica
@@ -113,6 +118,26 @@ def chat(client: openai.OpenAI, messages: list[dict[str, Any]], session_id: str)
         temperature=0,
         extra_headers={"x-session-id": session_id},
     )
+
+
+def decode_replicas(count: int) -> set[str]:
+    """Serve's ids of the decode pool's replicas once ``count`` of them run (else none)."""
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or app.status != "RUNNING" or dict(app.deployments["decode"].replica_states) != {"RUNNING": count}:
+        return set()
+    prefix = f"SERVE_REPLICA::{APP_NAME}#decode#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {actor["name"].removeprefix(prefix) for actor in actors if actor["name"].startswith(prefix)}
+
+
+def refused_new_turns(cluster: str, replica: str) -> int:
+    """The replica's count of refused new turns, from the detailed health report (of one decode replica a time)."""
+    for _ in range(200):  # the report comes from the least loaded replica: ask until this one answers
+        details = requests.get(f"{cluster}/health", timeout=60).json()["details"]
+        if details["decode.replica_id"] == replica:
+            return int(details["decode.refused_new_turns"])
+        time.sleep(0.1)
+    raise AssertionError(f"no health report from replica {replica}; the last from {details['decode.replica_id']}")
 
 
 def grpc_chat(stub: Any, text: str, call: str) -> list[Any]:
@@ -218,3 +243,41 @@ def test_healthy_after_overload_and_closed_streams_give_their_slots_back(cluster
     finally:
         for holder in holders:
             holder.close()
+
+
+def test_a_new_turn_a_full_replica_refuses_is_served_by_one_with_room(cluster: str, client: openai.OpenAI) -> None:
+    (first,) = decode_replicas(1)
+    config = load_config(**OVERRIDES, **{"decode.min_replicas": 2, "decode.max_replicas": 2})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    deadline = time.monotonic() + 240
+    while len(replicas := decode_replicas(2)) != 2:
+        assert time.monotonic() < deadline, "the decode pool did not grow to two replicas"
+        time.sleep(0.5)
+    # The new replica fills up: it has refused nothing before this test.
+    (full,) = replicas - {first}
+    session = next(f"full-{i}" for i in range(1000) if preferred_replica(f"full-{i}", replicas) == full)
+    # A shared prefix cached on the full replica: the new turn's pages and its session both point there.
+    prefix = "You are a careful coding agent working in a large repository. " * 4
+    warm = client.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=new_turn(prefix),
+        max_tokens=1,
+        extra_headers={"x-session-id": session},  # type: ignore[arg-type]
+    )
+    assert warm.headers["x-rayturn-replica"] == full
+    holders = [Holder(client, new_turn(f"{prefix} long story {i}"), session) for i in range(2)]
+    try:
+        assert all(holder.stream.response.headers["x-rayturn-replica"] == full for holder in holders)
+        answer = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=new_turn(f"{prefix} one more question"),  # type: ignore[arg-type]
+            max_tokens=3,
+            extra_headers={"x-session-id": session},
+        )
+        assert answer.status_code == 200
+        assert answer.headers["x-rayturn-replica"] == first
+        assert answer.parse().usage.completion_tokens >= 1
+    finally:
+        for holder in holders:
+            holder.close()
+    assert refused_new_turns(cluster, full) >= 1  # the full replica refused it first

@@ -7,7 +7,7 @@ import math
 import torch
 
 from rayturn.kernels import DecodeBatch, PrefillBatch
-from rayturn.kernels.torch_backend import TorchBackend, _length_groups
+from rayturn.kernels.torch_backend import TorchBackend, _length_groups, _padded_rows
 
 BACKEND = TorchBackend()
 PAGE, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
@@ -169,6 +169,35 @@ def test_linear_with_packed_weight_matches_plain_matmul() -> None:
     torch.testing.assert_close(
         BACKEND.linear(wide[:, :32], weight, None, prepared), wide[:, :32] @ weight.T, rtol=1e-5, atol=1e-5
     )
+    # Leading dims other than rows keep their shape.
+    batched = torch.randn(3, 13, 32, generator=generator)
+    out = BACKEND.linear(batched, weight, bias, prepared)
+    assert out.shape == (3, 13, 48)
+    torch.testing.assert_close(out, batched @ weight.T + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch) -> None:
+    # oneDNN keeps a compiled kernel per row count: prompts of ever-new lengths must not mean ever-new kernels.
+    counts = [_padded_rows(rows) for rows in range(1, 2049)]
+    assert len(set(counts)) <= 55
+    assert all(rows <= count <= rows + max(7, rows // 8) for rows, count in zip(range(1, 2049), counts))
+    assert counts == sorted(counts) and [_padded_rows(rows) for rows in range(1, 5)] == [1, 2, 3, 4]
+    if not torch.backends.mkldnn.is_available():
+        return
+    seen: list[int] = []
+    packed_matmul = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return packed_matmul(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    weight = torch.randn(16, 8)
+    prepared = BACKEND.prepare_linear(weight)
+    for rows in range(1, 300):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(BACKEND.linear(x, weight, None, prepared), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert seen == [_padded_rows(rows) for rows in range(1, 300)] and len(set(seen)) == 33
 
 
 def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> None:

@@ -22,9 +22,13 @@ def make(segments: int, **config: object) -> tuple[MasterState, Clock]:
     clock = Clock()
     config.setdefault("heartbeat_timeout_s", 1e9)
     state = MasterState(MasterConfig(**config), clock=clock)  # type: ignore[arg-type]
-    for i in range(segments):
-        state.register_segment(f"seg{i}", f"node{i}", f"shm{i}", 10 * PAGE, None, PAGE)
+    add_segments(state, range(segments), 10)
     return state, clock
+
+
+def add_segments(state: MasterState, indexes: range, pages: int) -> None:
+    for i in indexes:
+        state.register_segment(f"seg{i}", f"node{i}", f"shm{i}", pages * PAGE, None, PAGE)
 
 
 def put(state: MasterState, keys: list[bytes], preferred: str | None = None) -> list[str]:
@@ -121,3 +125,56 @@ def test_a_put_of_many_pages_places_them_as_that_many_puts_of_one_would() -> Non
             assert batched.remove(gone) == single.remove(gone)
     assert batched.counters == single.counters
     assert batched.counters.evictions > 0
+
+
+def first_roomy(state: MasterState, preferred: str | None) -> str | None:
+    """The segment a single copy of a page goes to by a full scan: the preferred one, then the least used (ties in
+    registration order), of those that stay under the high watermark with it."""
+    roomy = [
+        (segment_id != preferred, segment.allocator.usage, index, segment_id)
+        for index, (segment_id, segment) in enumerate(state.segments.items())
+        if segment.confirmed
+        and segment.allocator.used_bytes + PAGE <= state.config.high_watermark * segment.allocator.capacity_bytes
+    ]
+    return min(roomy)[3] if roomy else None
+
+
+def test_a_remembered_placement_is_the_one_a_full_scan_makes_across_puts() -> None:
+    """Puts of one page each, from two writers, with removes, reads, leases ending, evictions and a segment that
+    leaves and registers again between them: every page goes where a full scan would put it."""
+    rng = random.Random(11)
+    state, clock = make(0, high_watermark=0.9, low_watermark=0.6, lease_ttl_s=2.0)
+    add_segments(state, range(4), 40)
+    written: list[bytes] = []
+    checked = 0
+    for step in range(600):
+        clock.now_s = 1000.0 + step / 4
+        preferred = rng.choice(["seg0", None])
+        expected = first_roomy(state, preferred)
+        key = f"{step}".encode()
+        plan = state.put_start([key], [PAGE], "t", preferred_segment_id=preferred)[0]
+        if expected is not None:
+            assert plan.locations[0].segment_id == expected
+            checked += 1
+        state.put_end([key])
+        written.append(key)
+        if rng.random() < 0.2:
+            state.get_locations(rng.sample(written, min(3, len(written))), None, "t")
+        if rng.random() < 0.3:
+            state.remove(rng.sample(written, 1))
+        if rng.random() < 0.1:
+            state.tick()
+        if step == 300:
+            state.drop_segment("seg2")
+        if step == 400:
+            add_segments(state, range(2, 3), 40)
+    assert checked > 200 and state.counters.evictions > 0
+
+
+def test_a_segment_that_registers_takes_the_next_page_it_is_first_for() -> None:
+    state, _ = make(0, high_watermark=0.9, low_watermark=0.5)
+    add_segments(state, range(2), 40)
+    assert put(state, keys("own", 36), "seg0") == ["seg0"] * 36  # at the high watermark
+    assert put(state, [b"spill"], "seg0") == ["seg1"]
+    add_segments(state, range(2, 3), 40)
+    assert put(state, [b"next"], "seg0") == ["seg2"]

@@ -229,7 +229,7 @@ def test_an_owner_cannot_advertise_another_tenants_object_as_its_own() -> None:
     state.put_start([b"a"], [PAGE], "alice", preferred_segment_id="seg0")
     state.put_end([b"a"])
     assert state.advertise("seg1", [(b"a", "mallory", 0, PAGE)]) == 0
-    assert [loc.segment_id for loc in state.objects[b"a"].replicas] == ["seg0"]
+    assert [segment_id for segment_id, _, _ in state.objects[b"a"].replicas] == ["seg0"]
 
 
 def test_counters_are_kept_per_tenant() -> None:
@@ -257,7 +257,7 @@ def test_a_full_writer_spills_to_a_segment_with_room_before_evicting() -> None:
     keys = [bytes([i]) for i in range(12)]
     for key in keys:
         put(state, [key], preferred_segment_id="seg0")
-    where = {key: state.objects[key].replicas[0].segment_id for key in keys}
+    where = {key: state.objects[key].replicas[0][0] for key in keys}
     assert [where[k] for k in keys[:9]] == ["seg0"] * 9  # up to the high watermark at home
     assert [where[k] for k in keys[9:]] == ["seg1"] * 3  # then on the segment with room
     assert state.counters.evictions == 0 and all(state.exists(keys, "t"))
@@ -300,11 +300,11 @@ def test_readvertising_owner_overrides_a_stale_snapshot_at_a_reused_offset() -> 
 def test_a_replica_elsewhere_outlives_its_stale_copy() -> None:
     state, _ = make(segments=2)
     put(state, [b"a"], replicas=2)
-    assert {loc.segment_id for loc in state.objects[b"a"].replicas} == {"seg0", "seg1"}
-    offset = next(loc.offset for loc in state.objects[b"a"].replicas if loc.segment_id == "seg1")
+    assert {segment_id for segment_id, _, _ in state.objects[b"a"].replicas} == {"seg0", "seg1"}
+    offset = next(offset for segment_id, offset, _ in state.objects[b"a"].replicas if segment_id == "seg1")
     # seg1's owner says the bytes at that offset are now "b"'s: "a" keeps its other replica only.
     assert state.advertise("seg1", [(b"b", "t", offset, PAGE)]) == 1
-    assert [loc.segment_id for loc in state.objects[b"a"].replicas] == ["seg0"]
+    assert [segment_id for segment_id, _, _ in state.objects[b"a"].replicas] == ["seg0"]
     assert state.get_locations([b"a", b"b"], reader_tenant="t") == [
         [Location("seg0", 0, PAGE)],
         [Location("seg1", offset, PAGE)],

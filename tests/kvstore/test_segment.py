@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,20 @@ def test_create_names_and_sizes_the_segment() -> None:
         assert created.buffer.nbytes == 1000 and not created.buffer.readonly
         assert (SHM_DIR / created.name).exists()
     assert not (SHM_DIR / created.name).exists()
+
+
+def test_a_new_segment_holds_its_memory_from_the_start_and_one_that_cannot_fit_fails_at_once() -> None:
+    def resident_shared_kb() -> int:
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("RssShmem:")).split()[1])
+
+    before_kb = resident_shared_kb()
+    with Segment.create(16 << 20, prefix=PREFIX):
+        assert resident_shared_kb() - before_kb >= 16 << 10  # every page mapped, none written yet
+    too_big = shutil.disk_usage(SHM_DIR).free + (1 << 30)
+    with pytest.raises(OSError, match=r"no room for a \d+-byte KV segment in /dev/shm: lower kvstore.segment_bytes"):
+        Segment.create(too_big, prefix=PREFIX)
+    assert not [name for name in os.listdir(SHM_DIR) if name.startswith(f"{PREFIX}-{os.getpid()}-")]
 
 
 @pytest.mark.parametrize("capacity_bytes", [0, -1])

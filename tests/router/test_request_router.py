@@ -12,6 +12,8 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.messages import Call
 from rayturn.router.replica_stats import ReplicaStats, page_hash_key
 from rayturn.router.request_router import KVAwareRequestRouter, RoutingHints
 from rayturn.router.scoring import ScoringWeights, preferred_replica, session_key
@@ -161,6 +163,20 @@ def test_an_announcement_goes_where_its_session_was_seen_last() -> None:
     assert choose(router(), replicas, {"session_id": "s-1", "page_hashes": PAGES, "prompt_tokens": 64})[0] == [holder]
     # A malformed flag drops the hints, as any malformed hint does.
     assert hints_of({"session_id": "s-1", "prewarm": "yes"}) == RoutingHints()
+
+
+def test_replicas_that_refused_the_call_for_capacity_rank_last_together() -> None:
+    replicas = [replica("a"), replica("holder", held=PAGES), replica("b")]
+    request = {"page_hashes": PAGES, "prompt_tokens": 64, "refused_by": ["holder"]}
+    ranks = choose(router(), replicas, request)
+    assert sorted(ranks[0]) == ["a", "b"] and ranks[1:] == [["holder"]]
+    # Every replica refused: the call still has them all, in one rank.
+    everyone = {"page_hashes": PAGES, "prompt_tokens": 64, "refused_by": ["a", "b", "holder"]}
+    assert [sorted(rank) for rank in choose(router(), replicas, everyone)] == [["a", "b", "holder"]]
+    # rayturn's own calls carry it typed.
+    call = Call("r", (1, 2, 3), SamplingParams(), session_id="s-1", refused_by=("a",))
+    assert hints_of(call).refused_by == frozenset({"a"})
+    assert hints_of({"session_id": "s-1", "refused_by": [7]}) == RoutingHints()
 
 
 def test_busier_replicas_rank_later() -> None:
