@@ -15,7 +15,7 @@ segment, a same-node segment straight out of shared memory, or over UCX.
 
 A heartbeat thread keeps the segment registered; when the master's epoch
 changes (it restarted), the client fetches the store secret again, registers
-again and re-advertises what its segment holds (with each object's CRC-32,
+again and re-advertises what its segment holds (with each object's identity digest,
 computed from the segment's bytes).
 
 The store is a cache: while the master does not answer (it restarts in a few
@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from .access import SegmentGate
@@ -52,7 +53,7 @@ from .connection import (
     RemoteServer,
     WriteCallback,
 )
-from .digest import page_digest
+from .digest import page_digests
 from .held_index import HeldIndex
 from .master_types import check_keys
 from .metrics import KVMetrics
@@ -190,11 +191,12 @@ class KVStoreClient:
                 logger.debug("kv heartbeat failed: %s", err)
 
     def _held_with_digests(self) -> list[tuple[bytes, str, int, int, int]]:
-        """What the segment holds, each with the CRC-32 of its bytes there (``HeldIndex`` keeps them its own)."""
-        return [
-            (key, tenant, offset, num_bytes, page_digest(self.segment.view(offset, num_bytes)))
-            for key, tenant, offset, num_bytes in self.held.items()
-        ]
+        """What the segment holds, each with the identity digest of its bytes there (``HeldIndex`` keeps them its
+        own)."""
+        held = self.held.items()
+        ranges = np.array([(offset, num_bytes) for _, _, offset, num_bytes in held], dtype=np.int64).reshape(-1, 2)
+        digests = page_digests(self.segment.array.ctypes.data + ranges[:, 0], ranges[:, 1]).tolist()
+        return [(*entry, digest) for entry, digest in zip(held, digests)]
 
     def _on_remote_write(self, keys: list[bytes], ranges: list[tuple[int, int]], tenant: str) -> None:
         for key, (offset, num_bytes) in zip(keys, ranges):

@@ -169,7 +169,7 @@ class KVMaster:
         for keys with further replicas, ``[key index, segment index, offset,
         num_bytes, ...]``; ``grants`` holds, per segment id, the read grant
         (``access.ReadGrant`` on the wire) for every range listed on it;
-        ``digests`` packs every key's CRC-32 as int64 in bytes (-1 for a
+        ``digests`` packs every key's identity digest as int64 in bytes (-1 for a
         miss, or an object whose digest is not known).
         Bytes and few objects cross Ray, or a socket, several times faster
         than a list per key.

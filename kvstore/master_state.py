@@ -128,7 +128,7 @@ class MasterState:
         pin_ttl_s: float | None = None,
         digests: Sequence[int] | None = None,
     ) -> list[PutPlan]:
-        """Plans for each key; ``digests`` (CRC-32 of each value, as the writer computed it) go to the objects
+        """Plans for each key; ``digests`` (each value's identity digest, as the writer computed it) go to the objects
         so that readers can check what lands."""
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")

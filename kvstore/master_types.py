@@ -61,7 +61,7 @@ class ObjectMeta:
     pin_until_s: float = 0.0
     hard_pinned: bool = False
     pin_ttl_on_complete_s: float | None = None
-    # CRC-32 of the object's bytes (None: not known): readers check what landed against it (``reader``).
+    # The identity digest of the object's bytes (None: not known): readers check what landed against it (``reader``).
     digest: int | None = None
 
     def evictable(self, now_s: float) -> bool:

@@ -6,10 +6,11 @@ tried at its replicas in order: the client's own segment, a same-node
 segment the transport maps from shared memory, or over UCX. A segment whose
 owner cannot be reached is left alone for ``UNREACHABLE_REST_S``.
 
-What lands is checked against the object's CRC-32, which its writer
-computed and the master keeps: bytes that are not the object's (an offset
-reused while the master's metadata was stale, a read that outlived its
-lease) read as a miss, never as the page. A master that does not answer
+What lands is checked against the object's identity digest
+(``digest.page_digests``, one batch per get), which its writer computed and
+the master keeps: bytes that are not the object's (an offset reused while
+the master's metadata was stale, a read that outlived its lease) read as a
+miss, never as the page. A master that does not answer
 within its timeout makes the whole batch a miss (``MasterUnavailable``).
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from .access import ReadGrant
 from .connection import MasterConnection, MasterUnavailable, RemoteClient
-from .digest import page_digest
+from .digest import page_digests
 from .landing import Targets, copy_out
 from .metrics import KVMetrics
 from .peers import PeerDirectory
@@ -113,11 +114,14 @@ class Reader:
 
     def _check_digests(self, keys: Sequence[bytes], located: _Located, targets: Targets, done: np.ndarray) -> None:
         """Turn every landed object whose bytes do not match its digest into a miss."""
-        for i in np.flatnonzero(done & (located.digests >= 0)).tolist():
-            if page_digest(targets.array(i).data) != located.digests[i]:
-                done[i] = False
-                self._metrics.wrong_page()
-                logger.warning("kv read of %s landed bytes that are not its own: read as a miss", keys[i].hex()[:16])
+        checked = np.flatnonzero(done & (located.digests >= 0))
+        if not checked.size:
+            return
+        landed = page_digests(targets.addresses[checked], targets.sizes[checked])
+        for i in checked[landed != located.digests[checked]].tolist():
+            done[i] = False
+            self._metrics.wrong_page()
+            logger.warning("kv read of %s landed bytes that are not its own: read as a miss", keys[i].hex()[:16])
 
     def _read_replicas(self, located: _Located, targets: Targets, done: np.ndarray) -> None:
         """Try each object not ``done`` at its replicas in order until one read lands; one batch per segment and
@@ -204,7 +208,7 @@ class _Located:
     best: np.ndarray  # [n, 3] int64: segment index (-1: miss), offset, num_bytes
     more: dict[int, list[int]]  # key index -> further replicas, flat triples
     grants: list[ReadGrant]  # per segment index: the read grant for its ranges
-    digests: np.ndarray  # [n] int64: each object's CRC-32 (-1: not known)
+    digests: np.ndarray  # [n] int64: each object's identity digest (-1: not known)
 
     def expired(self) -> bool:
         """Whether a grant of this answer has run out (its leases are then about to)."""

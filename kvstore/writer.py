@@ -4,9 +4,9 @@
         per segment --> bytes written: into the client's own segment directly, into another owner's over
         UCX (the owner checks the grant) --> put_end for what was written, put_revoke for what failed
 
-Every page carries the CRC-32 of its bytes from ``put_start`` on, so a reader can tell its bytes from
-another page's. While the master does not answer, a put gives up after ``PUT_TIMEOUT_S`` and its keys
-count as not stored; uncommitted puts are reclaimed after the master's put timeout.
+Every page carries the identity digest of its bytes (``digest``) from ``put_start`` on, so a reader can
+tell its bytes from another page's. While the master does not answer, a put gives up after
+``PUT_TIMEOUT_S`` and its keys count as not stored; uncommitted puts are reclaimed after the master's put timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from .access import WriteGrant
 from .bytes_view import as_bytes_view
 from .connection import PUT_TIMEOUT_S, MasterConnection, MasterUnavailable, RemoteClient
-from .digest import page_digest
+from .digest import buffer_digests
 from .held_index import HeldIndex
 from .master_types import Location, PutStart
 from .metrics import KVMetrics
@@ -56,7 +56,7 @@ class Writer:
     ) -> list[bool]:
         """True per key stored (or already there)."""
         views = [as_bytes_view(v) for v in values]
-        digests = [page_digest(view) for view in views]
+        digests = buffer_digests(views)
         try:
             started: PutStart = self.master.call(
                 "put_start",
