@@ -10,7 +10,9 @@ prompt's KV (conditional disaggregation):
   computes the rest itself, after loading the store's pages;
 - otherwise a prefill replica computes the prompt, publishes its pages to
   the store and returns the first token; this replica loads the pages
-  straight into its cache and decodes on from that token.
+  straight into its cache and decodes on from that token (``n`` > 1 and
+  seeded calls take only the pages and sample every first token here,
+  after forking: ``continues_first``).
 
 Failures around a call::
 
@@ -119,6 +121,13 @@ def output_prefix_of(
     return (), None
 
 
+def continues_first(call: Call) -> bool:
+    """Whether a disaggregated call goes on from the prefill replica's first token. n > 1 forks after the first
+    token, and seeded sampling draws every token from one generator per completion: both take only the prefill
+    replica's pages and sample every first token here (the prompt's last partial page computed here too)."""
+    return call.params.n == 1 and (call.params.greedy or call.params.seed is None)
+
+
 def _prompt_sources(output: RequestOutput | None) -> PromptSources | None:
     """Where this replica's engine found a call's prompt KV (a disaggregated call's: all loaded from the store)."""
     if output is None:
@@ -223,15 +232,8 @@ class DecodeServer:
         return uncached - in_store * engine.page_size
 
     def _can_disaggregate(self, params: SamplingParams) -> bool:
-        # n > 1 forks after the first token on one replica; seeded sampling
-        # must draw every token from one generator to stay reproducible; prompt
-        # logprobs come from computing every prompt position here.
-        return (
-            self.prefill is not None
-            and params.n == 1
-            and (params.greedy or params.seed is None)
-            and params.prompt_logprobs is None
-        )
+        # Prompt logprobs come from computing every prompt position here.
+        return self.prefill is not None and params.prompt_logprobs is None
 
     async def _snapshot_store(self) -> None:
         assert self.kv_client is not None
@@ -261,7 +263,7 @@ class DecodeServer:
         try:
             first = await self._prefill(call)
             path: PrefillPath = "local" if first is None else "disaggregated"
-            output_prefix, output_prefix_logprobs = output_prefix_of(call, first)
+            output_prefix, output_prefix_logprobs = output_prefix_of(call, first if continues_first(call) else None)
             async for output in self.engine.generate(
                 call.prompt_token_ids,
                 call.params,

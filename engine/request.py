@@ -9,13 +9,13 @@ A request's life in the engine's ``RequestTable``::
       (abort, at any point: forgotten, unfinished sequences finished as "abort")
 
 The fork happens in the step that finishes the prompt, before its sample:
-the children share every page of the parent and draw from generators seeded
-by the request's seed and their completion index, so each completion is
-reproducible on its own. The prompt's logprobs, when asked for, are scored by
-the first sequence before it forks (``prompt_logprobs.py``); the children
-share them. A guided request's sequence gets its grammar state
-when the request opens (before any output prefix, which advances it), and
-each child a copy of its parent's.
+the children share every page of the parent and completion ``i`` draws from a
+generator seeded with the request's seed plus ``i``, so each completion is
+reproducible on its own and equals a separate request with that seed. The
+prompt's logprobs, when asked for, are scored by the first sequence before it
+forks (``prompt_logprobs.py``); the children share them. A guided request's
+sequence gets its grammar state when the request opens (before any output
+prefix, which advances it), and each child a copy of its parent's.
 """
 
 from __future__ import annotations
@@ -269,11 +269,12 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
 
 
 def _generator(params: SamplingParams, completion_index: int) -> torch.Generator | None:
+    """Completion ``i`` of a seeded request draws what a separate request with seed ``seed + i`` would."""
     if params.seed is None or params.greedy:
         return None
-    return torch.Generator().manual_seed(_derive_seed(params.seed, completion_index))
+    return torch.Generator().manual_seed(_derive_seed(params.seed + completion_index))
 
 
-def _derive_seed(seed: int, completion_index: int) -> int:
-    raw = hashlib.sha256(f"{seed}/{completion_index}".encode()).digest()
+def _derive_seed(seed: int) -> int:
+    raw = hashlib.sha256(str(seed).encode()).digest()
     return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)

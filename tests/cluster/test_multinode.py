@@ -137,3 +137,42 @@ def test_pools_run_on_their_node_groups(
     segments = store["segments"].values()
     assert sorted(segment["node_id"] for segment in segments) == sorted([nodes.prefill, nodes.decode])
     assert sum(segment["used_bytes"] for segment in segments) > 0 and store["hits"] > 0
+
+
+def test_parallel_and_seeded_sampling_take_the_prefill_pools_pages(
+    endpoint: str, client: openai.OpenAI, reference: LLMEngine
+) -> None:
+    """n > 1 and seeded calls are prefilled by the prefill pool too: the decode replica takes the pages, samples
+    every completion's first token itself and forks; completion i equals a separate call seeded seed + i."""
+    messages = [{"role": "user", "content": "Refactor:\n" + "for i in range(10):\n    total += values[i]\n" * 3}]
+    prompt = reference.tokenizer.encode_chat(messages)
+    expected = reference.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5))[0]
+
+    def counters() -> tuple[int, int]:
+        details = requests.get(f"{endpoint}/health", timeout=30).json()["details"]
+        return details["decode.disaggregated"], details["prefill.requests"]
+
+    before = counters()
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=1.0,
+        n=3,
+        seed=5,
+    )
+    assert [choice.message.content for choice in sorted(response.choices, key=lambda c: c.index)] == [
+        completion.text for completion in expected.completions
+    ]
+    assert len({completion.text for completion in expected.completions}) > 1
+    after = counters()
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1  # one prefill for all three completions
+    for i, completion in enumerate(expected.completions):
+        alone = client.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=1.0,
+            seed=5 + i,
+        )
+        assert alone.choices[0].message.content == completion.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -100,6 +101,16 @@ def test_parallel_sampling_forks_share_the_prompt(engine: LLMEngine) -> None:
     (forked,) = engine.generate([prompt], SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True))
     assert all(c.token_ids == single.token_ids for c in forked.completions)
     assert engine.kv_cache.pool.num_free_pages == engine.num_pages  # every page released
+
+
+def test_a_seeded_completion_equals_a_separate_request_with_its_seed(engine: LLMEngine) -> None:
+    """Completion i of a request seeded s draws what a request seeded s + i draws alone, as with vLLM."""
+    prompt = list(range(200, 200 + 21))
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=41, ignore_eos=True)
+    (forked,) = engine.generate([prompt], params)
+    alone = engine.generate([prompt] * 3, [dataclasses.replace(params, n=1, seed=41 + i) for i in range(3)])
+    assert [c.token_ids for c in forked.completions] == [out.completions[0].token_ids for out in alone]
+    assert len({tuple(c.token_ids) for c in forked.completions}) > 1
 
 
 def test_logprobs_are_normalised_and_rank_the_greedy_token_first(engine: LLMEngine) -> None:
