@@ -96,10 +96,18 @@ class Call:
     # The decode replicas (Serve replica ids) that refused this call for capacity (``ReplicaAtCapacity``):
     # routers rank them last, so the call goes to a replica with room when one has it.
     refused_by: tuple[str, ...] = ()
+    # The call's class (a ``rayturn.engine.priority.Priority`` value: what the request or its key's default
+    # asked for, validated at the ingress); None: by its kind (``continues_turn``).
+    priority: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def continues_turn(self) -> bool:
+        """A tool's result coming back: the agent loop waits on this call (a continuation, unless it names a class)."""
+        return self.call == "tool_continuation"
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,9 @@ door. What changes on the way:
   ``user_..._session_<id>``); any other value is the session id itself.
 
 ``output_config.format`` (structured outputs, a JSON schema) is enforced by
-constrained decoding, as the chat API's ``response_format``.
+constrained decoding, as the chat API's ``response_format``. rayturn's
+``priority`` (the call's class, sent through the SDK's ``extra_body``) is read
+as every API reads it (``rayturn.api.priority``).
 
 Accepted and ignored: ``thinking``, ``context_management``, ``output_config.effort``,
 ``service_tier``, ``container``, ``mcp_servers`` and unknown top-level fields,
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
+from .priority import body_priority
 from .protocol import JSON, CachePoint, ChatRequest, SamplingSpec, ToolChoice, model_field
 
 MAX_TOOLS = 128
@@ -108,6 +111,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         parallel_tool_calls=parallel,
         cache_points=tuple(builder.cache_points),
         response_format=_output_format(fields),
+        priority=body_priority(fields),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 

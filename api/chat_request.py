@@ -8,6 +8,7 @@ from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
+from .priority import body_priority
 from .protocol import (
     JSON,
     ChatRequest,
@@ -59,6 +60,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         prompt_cache_key=fields.string("prompt_cache_key"),
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
         response_format=_response_format(fields),
+        priority=body_priority(fields),
     )
 
 

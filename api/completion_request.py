@@ -16,6 +16,7 @@ from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, is_integer, range_error, type_error
+from .priority import body_priority
 from .protocol import SamplingSpec, include_usage, model_field, sampling_spec
 
 # A batch this long is already a job for many requests; each prompt is a call of its own.
@@ -38,6 +39,8 @@ class CompletionRequest:
     return_tokens_as_token_ids: bool = False
     # vLLM's ``prompt_logprobs`` asked for: each choice carries the prompt's scores in vLLM's form.
     return_prompt_logprobs: bool = False
+    # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
+    priority: str | None = None
 
     @property
     def generates(self) -> bool:
@@ -84,6 +87,7 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
         echo=echo,
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
         return_prompt_logprobs=return_prompt_logprobs,
+        priority=body_priority(fields),
     )
 
 

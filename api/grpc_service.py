@@ -14,6 +14,7 @@ engine ``SamplingParams``; the call's deltas become response messages
 (``grpc_stream``)::
 
     GenerateRequest --> ChatRequest | RawPrompt       (grpc_request: 400s name the proto field)
+                    --> its class: ``priority``, else the ``x-rayturn-priority`` metadata key (``priority``)
       ChatRequest   --> chat template with the tools, guide for a forced tool call, tool-call split
                         on the decode replica (shared with HTTP's chat start)
       RawPrompt     --> the text tokenized, or the ids checked against the vocabulary
@@ -36,6 +37,7 @@ from .grpc_decoding import SERVICER_FUNCTION, UndecodableRequest, decoded
 from .grpc_request import RawPrompt, parse_generate_request
 from .grpc_stream import GrpcStream
 from .pipeline import CallPipeline, chain_steps, new_request_id
+from .priority import grpc_priority
 from .protocol import ChatRequest
 from .session import (
     LifecycleHints,
@@ -105,6 +107,7 @@ class GrpcService:
                 )
             except ValueError as err:
                 raise invalid_request(str(err), param=None) from err
+            priority = grpc_priority(request.priority, metadata)
             parsed = parse_generate_request(request, pipeline.served_model)
             if isinstance(parsed, ChatRequest):
                 call = await pipeline.chat_call(
@@ -115,9 +118,10 @@ class GrpcService:
                     session_id,
                     hints,
                     max_tokens_param="sampling.max_tokens",
+                    priority=priority,
                 )
             else:
-                call = await self._raw_call(request_id, parsed, tenant, session_id, hints)
+                call = await self._raw_call(request_id, parsed, tenant, session_id, hints, priority)
             stream = self._stream(call, parsed)
             result, steps, first = await pipeline.start(call)
         except Exception as err:  # anything else too: never Serve's INTERNAL with a traceback in it
@@ -131,7 +135,13 @@ class GrpcService:
         pipeline.telemetry.requests.labels("grpc", "ok").inc()
 
     async def _raw_call(
-        self, request_id: str, raw: RawPrompt, tenant: str, session_id: str | None, hints: LifecycleHints
+        self,
+        request_id: str,
+        raw: RawPrompt,
+        tenant: str,
+        session_id: str | None,
+        hints: LifecycleHints,
+        priority: str | None,
     ) -> Call:
         """Unset ``max_tokens`` may fill the rest of the context."""
         pipeline = self.pipeline
@@ -142,7 +152,9 @@ class GrpcService:
             default_max_tokens=pipeline.max_model_len,
             max_tokens_param="sampling.max_tokens",
         )
-        return await pipeline.serve_request(request_id, prompt_ids, params, tenant, session_id, hints)
+        return await pipeline.serve_request(
+            request_id, prompt_ids, params, tenant, session_id, hints, priority=priority
+        )
 
     def _stream(self, call: Call, parsed: ChatRequest | RawPrompt) -> GrpcStream:
         params = call.params

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayturn.engine.priority import PRIORITY_NAMES
+
 from .json_fields import INT64_MAX, INT64_MIN
 from .session import MAX_SESSION_ID_CHARS
 
@@ -58,3 +60,8 @@ TOOL_NAME_64 = string(pattern="^[a-zA-Z0-9_-]{1,64}$")
 NON_EMPTY = string(minLength=1)
 # Fields that name the call's session when no header does (``session.MAX_SESSION_ID_CHARS``).
 SESSION_ID = string(maxLength=MAX_SESSION_ID_CHARS)
+# The call's class on every HTTP API (``priority.body_priority``): a name, or vLLM's integer.
+PRIORITY: JSON = {
+    "anyOf": [enum_of(*PRIORITY_NAMES), integer()],
+    "description": "The call's class; an integer as vLLM's: < 0 continuation, 0 unset, > 0 background.",
+}

@@ -31,6 +31,7 @@ from .json_schema import (
     BOOLEAN,
     JSON,
     NON_EMPTY,
+    PRIORITY,
     SESSION_ID,
     SHARED_RULES,
     TOOL_NAME_64,
@@ -160,6 +161,7 @@ def chat_request_schema(served_model: str) -> JSON:
         "response_format": _RESPONSE_FORMAT,
         "prompt_cache_key": SESSION_ID,
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
+        "priority": PRIORITY,
     }
     return object_of(
         properties,
@@ -185,6 +187,7 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
         "logprobs": integer(0, MAX_LOGPROBS),
         "prompt_logprobs": integer(0, MAX_LOGPROBS),
         "suffix": {"const": "", "description": "Only an empty suffix is supported."},
+        "priority": PRIORITY,
     }
     rules = [*SHARED_RULES[:1], "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated"]
     return object_of(

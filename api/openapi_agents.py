@@ -14,6 +14,7 @@ from .json_schema import (
     BOOLEAN,
     JSON,
     NON_EMPTY,
+    PRIORITY,
     SESSION_ID,
     SHARED_RULES,
     TOOL_NAME_64,
@@ -118,6 +119,7 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             "top_k": integer(minimum=0),
             "stop_sequences": array_of(NON_EMPTY, max_items=MAX_ANTHROPIC_STOP_SEQUENCES),
             "stream": BOOLEAN,
+            "priority": PRIORITY,
         }
     rules = [
         "tool names are unique within 'tools'",
@@ -228,6 +230,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "safety_identifier": string(),
         "background": {"const": False},
         "top_logprobs": {"const": 0},
+        "priority": PRIORITY,
     }
     rules = [
         *SHARED_RULES,

@@ -1,6 +1,6 @@
 """The call pipeline HTTP and gRPC share: caller -> prompt -> routing hints -> decode pool -> steps.
 
-    caller's key --> tenant (or 401 / UNAUTHENTICATED)
+    caller's key --> tenant (or 401 / UNAUTHENTICATED), and its calls' default class (``priority``)
     body/messages --> prompt token ids       (bounded, off the event loop when large: request_limits)
     token ids ------> serve request          (page hashes computed once, salted by the tenant)
     serve request --> decode pool            (KV-aware routing on those hashes)
@@ -218,6 +218,7 @@ class CallPipeline:
         tools: bool = False,
         retention: Retention | None = None,
         tool_specs: Sequence[Mapping[str, Any]] = (),
+        priority: str | None = None,
     ) -> Call:
         """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
         salt = self.keys.cache_salt(tenant)
@@ -241,6 +242,7 @@ class CallPipeline:
             tools=tools,
             retention=retention,
             tool_specs=tuple(tool_specs),
+            priority=priority or self.keys.default_priority(tenant),  # asked for, else the key's; None: by kind
         )
 
     async def chat_call(
@@ -256,10 +258,12 @@ class CallPipeline:
         call: CallKind | None = None,
         prompt_param: str = "messages",
         max_tokens_param: str = "max_tokens",
+        priority: str | None = None,
     ) -> Call:
         """A chat-shaped call of any API: the template and tokens, sampling (``max_tokens``: the most a request
         that names no ``chat.sampling.max_tokens`` may write, capped by the room left), the guide it asks for, its
-        retention contract. Its kind: the caller's (``said``), else the API's (``call``), else its messages'."""
+        retention contract. Its kind: the caller's (``said``), else the API's (``call``), else its messages'. Its
+        class: ``priority`` (what the caller asked for), else its key's default, else (None) by its kind."""
         prompt_ids = await self.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
         params = to_sampling_params(
             chat.sampling,
@@ -276,7 +280,7 @@ class CallPipeline:
         # Formats that type argument values by schema need the tools on the decode replica too.
         specs = chat.prompt_tools if tools and self.guides.parser in SCHEMA_TYPED_PARSERS else None
         return await self.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, hints, tools, retention, specs or ()
+            request_id, prompt_ids, params, tenant, session_id, hints, tools, retention, specs or (), priority
         )
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:

@@ -20,6 +20,8 @@ clients routinely send extras such as ``metadata`` or ``store``):
   ``return_tokens_as_token_ids``. vLLM's other extensions
   (``UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
   are refused unless they hold their "off" value.
+* every API here (Anthropic Messages and Responses too): ``priority``, the
+  call's class (a name, or vLLM's integer: ``rayturn.api.priority``).
 * ``/v1/chat/completions``: ``messages`` (text content only),
   ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
   ``top_logprobs``, ``tools``, ``tool_choice`` (``required`` and a named
@@ -139,6 +141,8 @@ class ChatRequest:
     prompt_cache_key: str | None = None
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N``.
     return_tokens_as_token_ids: bool = False
+    # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
+    priority: str | None = None
 
     @property
     def prompt_tools(self) -> list[JSON] | None:
@@ -291,7 +295,6 @@ UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
     "guided_whitespace_pattern": None,
     "structured_outputs": None,
     "spaces_between_special_tokens": True,
-    "priority": 0,
     "cache_salt": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,

@@ -11,8 +11,9 @@ Honoured: ``model``, ``input``, ``instructions``, function ``tools`` (the flat
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``store``,
 ``previous_response_id``, ``stream``, ``prompt_cache_key`` (the session id
-when no session header names one) and ``prompt_cache_retention`` (how long
-the whole prompt stays cached, as the chat API keeps it).
+when no session header names one), ``prompt_cache_retention`` (how long
+the whole prompt stays cached, as the chat API keeps it) and rayturn's
+``priority`` (the call's class: ``rayturn.api.priority``).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
 ``include`` (no reasoning items are produced), ``metadata``, ``truncation``
@@ -33,6 +34,7 @@ from typing import Any
 from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, range_error, type_error
+from .priority import body_priority
 from .protocol import (
     JSON,
     MAX_TEMPERATURE,
@@ -89,6 +91,8 @@ class ResponsesRequest:
     prompt_cache_key: str | None = None
     user: str | None = None
     echo: JSON = field(default_factory=dict)
+    # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
+    priority: str | None = None
 
     @property
     def body_session(self) -> tuple[str | None, str]:
@@ -112,6 +116,7 @@ class ResponsesRequest:
             response_format=self.response_format,
             cache_points=cache_points,
             prompt_cache_key=self.prompt_cache_key,
+            priority=self.priority,
         )
 
 
@@ -178,6 +183,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         prompt_cache_key=prompt_cache_key,
         user=user,
         echo=echo,
+        priority=body_priority(fields),
     )
 
 

@@ -1,7 +1,8 @@
 """What every HTTP route of the ingress does around its own API: key, body, session, start, failure.
 
     request --> tenant (401)  --> JSON body (413 / 400) --> API's own parse and prompt
-            --> routing and life-cycle hints --> ``CallPipeline.start`` --> the API's answer or stream
+            --> routing and life-cycle hints, the class asked for (body, else header: ``priority``)
+            --> ``CallPipeline.start`` --> the API's answer or stream
 
 The API modules (``serving_chat``, ``serving_completion``) hold only their
 own wire format; this one holds the steps they share, so each API's call is
@@ -24,6 +25,7 @@ from rayturn.messages import CallKind
 from .bodies import TokenNames
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps
+from .priority import requested_priority
 from .protocol import ChatRequest
 from .request_limits import check_json_media_type, off_loop, parse_json, read_body
 from .session import (
@@ -106,18 +108,21 @@ class HTTPServing:
         body_session: tuple[str | None, str] = (None, "user"),
         retention: Retention | None = None,
         tool_specs: Sequence[Mapping[str, Any]] = (),
+        priority: str | None = None,
     ) -> tuple[CallResult, Steps, Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step.
 
         ``hints``: what the API itself knows of the call's place in its session; the client's headers win.
         ``body_session``: (the session id the body names, the field it came from: OpenAI ``user`` or
         ``prompt_cache_key``, Anthropic ``metadata.user_id``); a session header wins over it.
+        ``priority``: the class the body names; it wins over the ``x-rayturn-priority`` header.
         """
         session_id, said = self.call_context(request, body_session)
         if hints is not None:
             said = LifecycleHints(said.call or hints.call, said.after or hints.after)
+        asked = requested_priority(priority, request.headers)
         call = await self.pipeline.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs
+            request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs, asked
         )
         return await self.pipeline.start(call)
 
@@ -160,6 +165,7 @@ class HTTPServing:
             call=call,
             prompt_param=prompt_param,
             max_tokens_param=max_tokens_param,
+            priority=requested_priority(chat.priority, request.headers),
         )
         return await self.pipeline.start(prepared)
 

@@ -145,7 +145,13 @@ class ServingCompletion(HTTPServing):
             try:
                 async with slots:
                     result, steps, first = await self.start(
-                        call_id, request, tenant, prompt.token_ids, prompt.params, body_session=session
+                        call_id,
+                        request,
+                        tenant,
+                        prompt.token_ids,
+                        prompt.params,
+                        body_session=session,
+                        priority=spec.priority,
                     )
                     if first is NO_STEP:
                         raise server_error(f"The call ended without an answer (request id {call_id}).")

@@ -6,9 +6,10 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rayturn.engine.priority import PRIORITY_NAMES, Priority
 from rayturn.settings import FieldError, check, check_at_least, check_non_empty, check_port
 
-from .tenants import KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
+from .tenants import KEY_TENANT, KEY_TENANT_PREFIX, TENANT_NAME, TENANT_NAME_RULE, KeyTable
 
 # A request body this small could not hold a chat request worth serving.
 MIN_REQUEST_BYTES = 1024
@@ -17,7 +18,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """The ``server`` section: where the ingress listens, the keys it takes, how big a request may be."""
+    """The ``server`` section: where the ingress listens, the keys it takes (and the class of each one's calls), how
+    big a request may be."""
 
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -30,6 +32,9 @@ class ServerSettings:
     max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata={"size": True})
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
+    # Tenant -> the class of its calls that name none (``rayturn.api.priority``): a name of ``tenant_keys``, or
+    # ``key-`` and 12 hex digits for a key of ``api_keys`` (its tenant; the key may come from --api-key too).
+    tenant_priorities: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -61,13 +66,31 @@ class ServerSettings:
             KeyTable.build(self.api_keys, self.tenant_keys)
         except ValueError:
             raise FieldError("api_keys", "must not hold a key twice (api_keys, tenant_keys, --api-key)") from None
+        object.__setattr__(self, "tenant_priorities", types.MappingProxyType(self._checked_priorities()))
         check_at_least("max_request_bytes", self.max_request_bytes, MIN_REQUEST_BYTES)
         check_at_least("ingress_replicas", self.ingress_replicas, 1)
         check_at_least("ingress_num_cpus", self.ingress_num_cpus, 0)
 
     def key_table(self, default_tenant: str) -> KeyTable:
-        """API key digests -> tenants, for the ingress."""
-        return KeyTable.build(self.api_keys, self.tenant_keys, default_tenant)
+        """API key digests -> tenants, and tenants -> their calls' class, for the ingress."""
+        return KeyTable.build(self.api_keys, self.tenant_keys, default_tenant, self.tenant_priorities)
+
+    def _checked_priorities(self) -> dict[str, str]:
+        """``tenant_priorities`` by canonical class name; each entry must name a tenant keys can have."""
+        priorities = {}
+        for tenant, name in self.tenant_priorities.items():
+            key = f"tenant_priorities.{tenant}"
+            check(
+                tenant in self.tenant_keys or KEY_TENANT.fullmatch(tenant) is not None,
+                key,
+                f"names no tenant: expected a name of tenant_keys, or {KEY_TENANT_PREFIX}<the first 12 hex digits of "
+                "the SHA-256 of a key of api_keys>",
+            )
+            try:
+                priorities[tenant] = Priority.parse(name).value
+            except ValueError:
+                raise FieldError(key, f"must be one of {', '.join(PRIORITY_NAMES)}, got {name!r}") from None
+        return priorities
 
 
 @dataclass(frozen=True, slots=True)

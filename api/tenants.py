@@ -9,6 +9,10 @@ tenant: a key of ``api_keys`` to a tenant of its own (``key-`` and 12 hex
 digits of the key's SHA-256), the keys of one ``tenant_keys`` entry to the
 tenant named there.
 
+A tenant's calls that name no class run in the class its config gives it
+(``server.tenant_priorities``, e.g. a batch key's always ``background``;
+``rayturn.api.priority``).
+
 A tenant's cached prefixes are its own on every tier: the ingress salts the
 page hashes of a call with its tenant (``cache_salt``), so the device caches,
 the store's keys and the routing hints of two tenants never name the same
@@ -32,6 +36,8 @@ from dataclasses import dataclass, field
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 KEY_TENANT_PREFIX = "key-"
+# The name of a tenant of a key that names none (``key_tenant``).
+KEY_TENANT = re.compile(rf"{KEY_TENANT_PREFIX}[0-9a-f]{{12}}")
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
 
@@ -48,14 +54,21 @@ def key_tenant(api_key: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KeyTable:
-    """Key digests -> tenants; empty when the cluster takes calls without keys."""
+    """Key digests -> tenants, and tenants -> the class of their calls; empty when the cluster takes calls without
+    keys."""
 
     tenants: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
     default_tenant: str = "default"
+    # Tenant -> the class of its calls that name none (a ``rayturn.engine.priority.Priority`` value).
+    priorities: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(
-        cls, api_keys: Iterable[str], tenant_keys: Mapping[str, Iterable[str]], default_tenant: str = "default"
+        cls,
+        api_keys: Iterable[str],
+        tenant_keys: Mapping[str, Iterable[str]],
+        default_tenant: str = "default",
+        priorities: Mapping[str, str] | None = None,
     ) -> KeyTable:
         """From the config's keys; ValueError when one key is given twice (it could belong to one tenant only)."""
         tenants: dict[str, str] = {}
@@ -66,7 +79,7 @@ class KeyTable:
             if digest in tenants:
                 raise ValueError("an API key is given twice (server.api_keys, server.tenant_keys, --api-key)")
             tenants[digest] = tenant
-        return cls(tenants, default_tenant)
+        return cls(tenants, default_tenant, dict(priorities or {}))
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +93,10 @@ class KeyTable:
             return None
         # A dict lookup by SHA-256 digest: what it takes to answer says nothing about any key.
         return self.tenants.get(key_digest(presented_key))
+
+    def default_priority(self, tenant: str) -> str | None:
+        """The class of a tenant's calls that name none (``server.tenant_priorities``); None: by each call's kind."""
+        return self.priorities.get(tenant)
 
     def cache_salt(self, tenant: str) -> str:
         """The page-hash salt of a tenant's calls: the tenant itself, and none for a cluster without keys."""

@@ -59,7 +59,7 @@ from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetr
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
 
-from .admission import Admission, AdmissionLimits, continues_turn
+from .admission import Admission, AdmissionLimits, call_class
 from .answers import AnswerTracker
 from .idle_work import DeferredJob, IdleWork
 from .lifecycle.planner import SessionPlanner
@@ -240,9 +240,9 @@ class DecodeServer:
         await asyncio.to_thread(self.kv_client.master.call, "snapshot_now", SNAPSHOT_MIN_INTERVAL_S)
 
     async def generate(self, call: Call) -> AsyncIterator[Step]:
-        # A new turn past its share of the replica is refused here, before any work (``admission``); a call
-        # resumed after its replica died was admitted once already and goes on as a continuation would.
-        with self.admission.admitted(call.call if call.resume is None else "tool_continuation"):
+        # A call past its class's share of the replica is refused here, before any work (``admission``); a call
+        # resumed after its replica died was admitted once already and goes on.
+        with self.admission.admitted(call_class(call), resumed=call.resume is not None):
             async with aclosing(self._generate(call)) as steps:
                 async for step in steps:
                     yield step
@@ -274,7 +274,8 @@ class DecodeServer:
                 session_id=session_id,
                 page_hashes=call.page_hashes,
                 retention=call.retention,
-                continues_turn=continues_turn(call.call),
+                continues_turn=call.continues_turn,
+                priority=call.priority,
             ):
                 last = output
                 deltas = answers.deltas(output)
@@ -354,7 +355,7 @@ class DecodeServer:
         sessions = self.planner.followed_sessions() if self.planner is not None else {}
         engine_stats = self.engine.stats()
         self.metrics.publish(engine_stats, self.planner.stats() if self.planner is not None else None)
-        return routing_report(engine_stats, self.replica_id, sessions)
+        return routing_report(engine_stats, self.replica_id, sessions, kv_store=self.engine.has_store)
 
     def check_health(self) -> None:
         """Serve's periodic probe (and the ingress's ``/health``): a replica whose engine thread died fails it,
@@ -377,6 +378,7 @@ class DecodeServer:
             "uptime_s": round(time.time() - self.started_at, 1),
             **self.counters,
             "refused_new_turns": self.admission.num_refused,
+            "calls_by_priority": self.admission.calls_by_priority(),
             **{k: v for k, v in self.engine.stats().items() if k != "cached_page_hashes"},
         }
 

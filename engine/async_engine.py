@@ -3,9 +3,11 @@
 One thread owns the engine: it admits requests, runs ``step()`` while there
 is work and hands each output to the coroutine waiting for it. Everything
 that touches the engine runs on that thread (``call`` runs a function there
-between steps), so the engine itself needs no locks. A caller that stops
-listening (client gone, task cancelled) aborts its request. While no request
-runs, the thread still lets lapsed session holds go.
+between steps), so the engine itself needs no locks. Before any request the
+thread builds the kernels the backend keeps per matmul shape
+(``warm_up_kernels``): the memory they take counts from the start. A caller
+that stops listening (client gone, task cancelled) aborts its request. While
+no request runs, the thread still lets lapsed session holds go.
 
 Servers use this facade only: what the engine is (``backend_name``,
 ``device``, ``model_id``, ``page_size``, ``bytes_per_page``, ``has_store``),
@@ -26,10 +28,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import torch
+
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .page_hash import PageHash
 from .prefix_pins import Retention
+from .priority import Priority
 from .sampling_params import SamplingParams
 from .sequence import TokenLogprob
 from .tokenizer import Tokenizer
@@ -41,6 +46,20 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
 _STATS_PERIOD_S = 0.5
 _CACHED_HASHES_REPORTED = 2048
+
+
+def warm_up_kernels(engine: LLMEngine) -> int:
+    """Build now every matmul kernel the backend keeps per row count (``KernelBackend.linear_row_counts``),
+    up to a step's token budget; returns the number of matmuls run.
+
+    Run it on the thread that will run every step (oneDNN keeps its scratch
+    memory per thread). After it, new prompt lengths and batch sizes build
+    nothing more, so the memory the kernels take counts from the start
+    instead of growing with the shapes met.
+    """
+    row_counts = engine.backend.linear_row_counts(engine.scheduler.config.max_num_batched_tokens)
+    with torch.inference_mode():
+        return engine.model.warm_up_linears(row_counts)
 
 
 class _Finished:
@@ -59,6 +78,9 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="rayturn-engine", daemon=True)
         self._thread.start()
+        started = time.perf_counter()
+        num_matmuls = self.call(warm_up_kernels).result()
+        logger.info("engine thread warmed up: %d matmuls in %.2f s", num_matmuls, time.perf_counter() - started)
 
     # -- the engine thread ------------------------------------------------
 
@@ -147,13 +169,14 @@ class AsyncEngine:
         page_hashes: Sequence[PageHash] | None = None,
         retention: Retention | None = None,
         continues_turn: bool = False,
+        priority: Priority | str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ``ValueError`` for bad input before the first one.
 
         ``page_hashes``: the prompt's leading page hashes, computed by the
         serving layer (see ``LLMEngine.add_request``). ``retention``: what of
         the prompt to keep cached after the request (``prefix_pins.py``).
-        ``continues_turn``: admitted before waiting new turns (``LLMEngine.add_request``).
+        ``continues_turn``, ``priority``: the request's class (``LLMEngine.add_request``).
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
@@ -173,6 +196,7 @@ class AsyncEngine:
                 page_hashes=page_hashes,
                 retention=retention,
                 continues_turn=continues_turn,
+                priority=priority,
             )
             # Both on the engine thread, so no step runs in between and no output is missed.
             self._listeners[request_id] = (loop, outputs)

@@ -13,6 +13,12 @@ A sequence's page hashes are computed once and kept on it
 (``Sequence.page_hashes``): only pages past those it already has are hashed
 here, so a prompt whose hashes arrived with the request is never hashed again.
 
+Draft tokens (speculative decoding) get pages past the sequence's tokens
+(``allocate_draft``) that are never cached as they are scheduled: a draft
+token that the model confirms counts as computed one at a time
+(``cache_computed`` caches a page it fills), and ``trim`` frees the pages
+past the sequence's end once the rejected ones are known.
+
 Pages held for idle sessions (``session_holds.py``) are not free. When an
 allocation falls short, the ``reclaim`` hook releases holds and the
 allocation is tried once more, before the scheduler resorts to preemption.
@@ -152,6 +158,32 @@ class KVCacheManager:
         for index in range(first_uncached, full):
             self.pool.cache(seq.pages[index], seq.page_hashes[index])
         return True
+
+    def allocate_draft(self, seq: Sequence, num_draft_tokens: int, num_pages_spare: int) -> bool:
+        """Pages for ``num_draft_tokens`` positions past ``seq``'s tokens, when ``num_pages_spare`` stay free after.
+
+        Never reclaims or preempts for a draft; the pages are not cached.
+        """
+        num_new_pages = pages_for(seq.num_tokens + num_draft_tokens, self.page_size) - len(seq.pages)
+        if num_new_pages > self.pool.num_free_pages - num_pages_spare:
+            return False
+        seq.pages.extend(self.pool.allocate(max(num_new_pages, 0)))
+        return True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Cache the page that ``seq``'s last computed token filled, if it filled one."""
+        if seq.num_computed_tokens % self.page_size == 0:
+            self._hash_full_pages(seq, seq.num_computed_tokens)
+            index = seq.num_computed_tokens // self.page_size - 1
+            self.pool.cache(seq.pages[index], seq.page_hashes[index])
+
+    def trim(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages past those its tokens need (a rejected draft's)."""
+        num_needed = pages_for(seq.num_tokens, self.page_size)
+        excess = seq.pages[num_needed:]
+        if excess:
+            del seq.pages[num_needed:]
+            self.pool.free(reversed(excess))
 
     def _num_pages_short(self, num_new_pages: int, cached: list[Page]) -> int:
         # Cache hits that sit in the free queue are not free for this request.

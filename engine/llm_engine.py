@@ -10,7 +10,8 @@ and outputs, ``Scheduler`` picks the chunks, ``KVCacheManager`` maps them to
 pages, ``ModelRunner`` runs them, ``sample_sequences`` samples,
 ``KVTransfer`` moves pages to and from the KV store, and ``SessionHolds``,
 ``PrefixReservations`` and ``PrefixPins`` keep pages for sessions, queued
-requests and retention contracts.
+requests and retention contracts, and the ``Drafter`` proposes draft tokens
+that a step verifies several at a time (``speculative/``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rayturn.kernels import KernelBackend, select_backend
 
 from . import kv_transfer
 from .config import ModelConfig
+from .energy import EnergyLedger
 from .kv_budget import default_num_pages
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector
@@ -37,6 +39,7 @@ from .outputs import RequestOutput
 from .page_hash import PageHash
 from .prefix_pins import PrefixPins, Retention, reclaim_in_order
 from .presets import resolve_model_dir
+from .priority import Priority, resolve_priority
 from .request import Request, RequestTable
 from .request_limits import Prompt, RequestLimits
 from .reservations import PrefixReservations
@@ -45,6 +48,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from .sequence import Sequence, TokenLogprob
 from .session_holds import SessionHolds, SessionMove
+from .speculative import Drafter, SpeculativeConfig, split_verified, verify_drafts
 from .stop import Verdict
 from .tokenizer import Tokenizer
 
@@ -70,6 +74,7 @@ class LLMEngine:
         kv_save: str = "sync",
         kv_load_min_tokens: int = 0,
         session_hold_s: float = 30.0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -88,7 +93,9 @@ class LLMEngine:
             self.model, page_size, self.dtype, self.device, max_num_seqs, self.max_model_len
         )
         self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv_cache)
+        self.drafter = Drafter(speculative or SpeculativeConfig(), self.max_model_len)
+        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self.drafter.propose)
         self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device)
         # A finished request of a session holds its pages this long (see session_holds.py).
         self.session_hold_s = session_hold_s
@@ -119,6 +126,7 @@ class LLMEngine:
             self.tokenizer, self.config.vocab_size, self.max_model_len, max_num_seqs, self.num_pages, page_size
         )
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.limits)
+        self.energy = EnergyLedger.for_device(self.device, page_size, moves_pages=self.kv_connector is not None)
         logger.info(
             "rayturn engine: %s (%s), %s on %s, %d KV pages of %d tokens",
             model_dir.name,
@@ -163,6 +171,7 @@ class LLMEngine:
         page_hashes: Seq[PageHash] | None = None,
         retention: Retention | None = None,
         continues_turn: bool = False,
+        priority: Priority | str | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -178,9 +187,10 @@ class LLMEngine:
         must not come from a client (a wrong hash would file KV under another
         prompt's name).
         ``retention``: keep the prompt's first pages cached after it finishes (``prefix_pins.py``).
-        ``continues_turn``: the call continues an agent's turn (a tool's result): the scheduler admits it
-        before the new turns waiting (``scheduler.py``).
+        ``priority``: the request's class (``priority.py``); without one, a call that ``continues_turn`` (a
+        tool's result) is a continuation, admitted before the new turns waiting (``scheduler.py``).
         """
+        request_class = resolve_priority(priority, continues_turn)  # ValueError before anything is queued
         request = self.requests.open(
             self.limits.encode_prompt(prompt),
             params or SamplingParams(),
@@ -193,9 +203,11 @@ class LLMEngine:
         )
         if request.finished:  # the output prefix did it: reported by the next step
             return request.request_id
+        self.energy.open(request.request_id, session_id)
         self.prefix_pins.expect(request.request_id, retention)
         seq = request.seqs[0]
-        seq.continues_turn = continues_turn
+        seq.priority = request_class
+        self.drafter.start(seq, session_id)
         if self.kv_transfer is not None:
             # A request arriving with output already made (a remote prefill) finds its pages in the store.
             self.kv_transfer.load_prefix(seq, 0 if output_prefix else self.kv_load_min_tokens)
@@ -214,6 +226,7 @@ class LLMEngine:
             return
         self.reservations.release(request_id)
         self.prefix_pins.forget(request_id)
+        self.energy.close(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -289,11 +302,13 @@ class LLMEngine:
             return arrived
         if self.kv_transfer is not None:
             self.kv_transfer.save_prompts(sampled)
+        sampled, logits, verified = split_verified(sampled, logits)  # decodes that ran a draft: verified apart
+        arrived += verify_drafts(verified, self.drafter, self.requests, self.kv_cache, self._on_stop)
         seqs, rows = self.requests.fork_fresh([chunk.seq for chunk in sampled], self._start_fork)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample_sequences(logits, seqs, self.eos_token_ids)
-        return arrived + self.requests.append_samples(seqs, tokens, logprobs, self._on_stop)
+        return self.energy.annotate(arrived + self.requests.append_samples(seqs, tokens, logprobs, self._on_stop))
 
     def _run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run the model over the scheduled chunks; returns those that sample, and their logits."""
@@ -302,7 +317,8 @@ class LLMEngine:
                 self.reservations.release(chunk.seq.request_id)
         self.runner.apply_page_copies(self.kv_cache.pending_copies)
         self.kv_cache.pending_copies.clear()
-        out = self.runner.run(chunks)
+        with self.energy.step(chunks):
+            out = self.runner.run(chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         for scores in out.prompt_scores:
@@ -321,6 +337,7 @@ class LLMEngine:
         if request.session_id is not None and seq.completion_index == 0:
             self.session_holds.record(request.session_id, hashes, self.session_hold_s, seq.cache_salt)
         self.prefix_pins.finish(request.request_id, hashes, seq.num_prompt_tokens, seq.cache_salt)
+        self.drafter.finish(seq)
         self.scheduler.finish(seq, *verdict)
 
     def generate(

@@ -179,6 +179,25 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             self._tied_head = self.backend.prepare_linear(self.embed_tokens.weight)
 
+    def warm_up_linears(self, row_counts: Iterable[int]) -> int:
+        """Run each distinct prepared matmul (weight shape, bias or not) once at each of ``row_counts`` rows,
+        so that what the backend builds per row count is built now; returns the number of matmuls run."""
+        linears: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
+            (layer.weight, layer.bias, layer.prepared) for layer in self.modules() if isinstance(layer, Linear)
+        ]
+        linears.append((self.embed_tokens.weight, None, self._tied_head))
+        counts = tuple(row_counts)
+        distinct = {
+            (tuple(weight.shape), bias is not None, weight.dtype): (weight, bias, prepared)
+            for weight, bias, prepared in linears
+            if prepared is not None
+        }
+        for weight, bias, prepared in distinct.values():
+            for num_rows in counts:
+                rows = torch.zeros(num_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                self.backend.linear(rows, weight, bias, prepared)
+        return len(distinct) * len(counts)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; raise naming any tensor missing or unexpected."""
         cfg = self.config

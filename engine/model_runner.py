@@ -2,8 +2,10 @@
 
 Token order in the flat batch: one-token chunks first (decodes, and
 one-token prompt chunks, which attend exactly like a decode), then longer
-prefill chunks packed back to back. Only chunks that reach their sequence's
-last token produce logits to sample; a chunk of a sequence that asks for
+chunks packed back to back: prefill chunks, and decodes with a draft to
+verify (their last token, then the draft tokens). Only chunks that reach their
+sequence's last token produce logits to sample: one row, or one row per
+position for a chunk with a draft. A chunk of a sequence that asks for
 prompt logprobs also scores its prompt positions (``prompt_logprobs.py``).
 """
 
@@ -25,7 +27,7 @@ from .sequence import Sequence
 @dataclass(frozen=True, slots=True)
 class RunOutput:
     sampled: list[ScheduledChunk]  # the chunks that sample, in the order of ``logits``' rows
-    logits: torch.Tensor  # [len(sampled), vocab] float32
+    logits: torch.Tensor  # [rows, vocab] float32: per sampled chunk, 1 + len(chunk.draft) rows
     prompt_scores: list[PromptScores]  # one per chunk that scored prompt positions
 
 
@@ -66,8 +68,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> RunOutput:
         """Run one step: the chunks that sample with their logits, and the prompt positions scored."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
+        decodes = [c for c in chunks if c.num_scheduled_tokens == 1]
+        prefills = [c for c in chunks if c.num_scheduled_tokens > 1]
         ordered = decodes + prefills
         page_size = self.page_size
 
@@ -84,11 +86,13 @@ class ModelRunner:
             if prompt_positions:
                 scored.append((seq, prompt_positions, len(input_ids)))
             input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(chunk.draft)
+            end += len(chunk.draft)
             positions.extend(range(start, end))
             pages = seq.pages  # only the pages this chunk writes are touched: a decode costs O(1) here
             slots.extend(pages[p // page_size].page_id * page_size + p % page_size for p in range(start, end))
             if chunk.samples:
-                logit_rows.append(len(input_ids) - 1)
+                logit_rows.extend(range(len(input_ids) - 1 - len(chunk.draft), len(input_ids)))
 
         decode_batch = None
         if decodes:
@@ -101,8 +105,8 @@ class ModelRunner:
             )
         prefill_batch = None
         if prefills:
-            query_lens = [c.num_tokens for c in prefills]
-            seq_lens = [c.seq.num_computed_tokens + c.num_tokens for c in prefills]
+            query_lens = [c.num_scheduled_tokens for c in prefills]
+            seq_lens = [c.seq.num_computed_tokens + c.num_scheduled_tokens for c in prefills]
             context_lens = [c.seq.num_computed_tokens for c in prefills]
             prefill_batch = PrefillBatch(
                 page_table=self._page_table(prefills, seq_lens),

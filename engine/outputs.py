@@ -39,6 +39,9 @@ class RequestOutput:
     # Of the cached prompt tokens, those loaded from the KV store (not found on this engine).
     num_loaded_prompt_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Joules the request's steps so far were attributed (``engine/energy``), and the meter that measured them.
+    energy_j: float | None = None
+    energy_meter: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -144,11 +144,17 @@ class PagePool:
         return pages
 
     def touch(self, pages: Iterable[Page]) -> None:
-        """Take a reference to pages found in the cache (they may be free)."""
-        for page in pages:
+        """Take a reference to pages found in the cache (they may be free); their hashes become the most
+        recently used, the first page last (``recent_hashes`` cuts a prefix's tail before its head)."""
+        touched = list(pages)
+        for page in touched:
             if page.ref_count == 0:
                 self.free_queue.remove(page)
             page.ref_count += 1
+        cached = self._cached
+        for page in reversed(touched):
+            if page.page_hash is not None:
+                cached[page.page_hash] = cached.pop(page.page_hash)
 
     def free(self, pages: Iterable[Page]) -> None:
         """Drop a reference to each page, in the order given (pass the tail first)."""
@@ -172,10 +178,11 @@ class PagePool:
             self.free_queue.appendleft(page)
 
     def recent_hashes(self, limit: int) -> list[PageHash]:
-        """Up to ``limit`` cached hashes, the most recently cached last."""
+        """Up to ``limit`` cached hashes, the most recently cached or touched last: a prefix every call
+        shares (a system prompt) stays among them however many pages were cached after it."""
         if limit <= 0:
             return []
-        hashes = list(self._cached)  # insertion order: oldest first
+        hashes = list(self._cached)  # cached or last touched: least recent first
         return hashes[-limit:]
 
     def cache(self, page: Page, page_hash: PageHash) -> None:

@@ -201,16 +201,36 @@ class RequestTable:
         on_stop: OnStop,
     ) -> list[RequestOutput]:
         """Add one sampled token to each sequence and check its stops; returns the outputs of the requests touched."""
+        return self.append_runs(seqs, [[token] for token in tokens], [[logprob] for logprob in logprobs], on_stop)
+
+    def append_runs(
+        self,
+        seqs: Seq[Sequence],
+        token_runs: Seq[Seq[int]],
+        logprob_runs: Seq[Seq[TokenLogprob | None]],
+        on_stop: OnStop,
+        before_next: Callable[[Sequence], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Add each sequence's run of tokens one at a time, checking its stops after each; a stop drops the rest.
+
+        ``before_next`` runs before each token of a run after its first (a
+        verified draft: the token before it is now computed). Returns the
+        outputs of the requests touched.
+        """
         touched: dict[str, Request] = {}
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
+        for seq, tokens, logprobs in zip(seqs, token_runs, logprob_runs):
             request = self._requests[seq.request_id]
-            verdict = request.stops[seq.seq_id].check(seq, self.max_model_len)
-            if verdict is not None:
-                on_stop(request, seq, verdict)
             touched[request.request_id] = request
+            for index, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                if index and before_next is not None:
+                    before_next(seq)
+                seq.token_ids.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                verdict = request.stops[seq.seq_id].check(seq, self.max_model_len)
+                if verdict is not None:
+                    on_stop(request, seq, verdict)
+                    break
         return self._report(list(touched.values()))
 
     def _report(self, requests: list[Request]) -> list[RequestOutput]:
@@ -261,7 +281,7 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
         completion_index=completion_index,
         guide=parent.guide.fork() if parent.guide is not None else None,
         prompt_logprobs=parent.prompt_logprobs,
-        continues_turn=parent.continues_turn,
+        priority=parent.priority,
     )
     child.num_computed_tokens = parent.num_computed_tokens
     child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

@@ -40,6 +40,10 @@ class SamplingParams:
     the tokens before it, and the ``k`` most likely alternatives, from the raw
     distribution (``RequestOutput.prompt_logprobs``). Such a request computes
     its whole prompt: it takes no prefix-cache hits and loads no KV pages.
+
+    ``speculative``: whether decoding may verify draft tokens several at a
+    time (``speculative/``); None takes the engine's default. The output is
+    the same either way (greedy: token for token; seeded: draw for draw).
     """
 
     n: int = 1
@@ -59,6 +63,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -104,6 +109,8 @@ class SamplingParams:
                 "prompt_logprobs",
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
             )
+        if self.speculative is not None:
+            _check(isinstance(self.speculative, bool), "speculative", f"must be a boolean, got {self.speculative!r}")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         if self.guide is not None:

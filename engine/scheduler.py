@@ -1,25 +1,37 @@
 """Decides what runs each step: continuous batching with chunked prefill.
 
 Each step has a token budget (``max_num_batched_tokens``). Running sequences
-go first, in admission order: a decode costs one token, an unfinished prompt
-gets the next chunk that fits. When pages run out, the most recently admitted
-running sequence is preempted (its pages freed, to be recomputed later —
-cheaply, since its full pages stay in the prefix cache until evicted) until
-the older one fits. Waiting sequences are admitted in queue order with
-whatever budget, sequence slots and pages remain; none are admitted in a
-step that had to preempt. The queue puts calls that continue an agent's turn
-(a tool's result coming back) before new turns, so under load the agents
-already working keep going while new work waits::
+go first, by class (``priority.py``: continuations, interactive, background)
+and in admission order within one: a decode costs one token, an unfinished
+prompt gets the next chunk that fits. When pages run out, the last running
+sequence (the newest of the lowest class) is preempted (its pages freed, to
+be recomputed later — cheaply, since its full pages stay in the prefix cache
+until evicted) until the earlier one fits. Waiting sequences are admitted in
+queue order with whatever budget, sequence slots and pages remain; none are
+admitted in a step that had to preempt. The queue goes by class too, so
+under load the agents already working keep going (a tool's result coming
+back continues a turn) while new turns wait, and background work waits for
+room; a sequence preempted after it ran waits ahead of every new arrival
+but background ones ahead only of background::
 
-    waiting = [preempted (last preempted first)] + [continuations, oldest first] + [new turns, oldest first]
+    waiting = [preempted (last preempted first)] + [continuations] + [interactive]
+              + [background: preempted (last first), new], new ones oldest first
+
+With a drafter (speculative decoding), a running sequence that decodes may
+run a draft after its token (``ScheduledChunk.draft``): its tokens count
+against the budget, all drafts of a step together take at most half of it,
+and each leaves a token of budget and a page for every running sequence
+after it, so prompt chunks still progress and no draft causes a preemption.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
+from .priority import Priority
 from .sequence import Sequence, SequenceStatus
 
 
@@ -35,10 +47,19 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+# Up to the given number of draft tokens to verify after a decoding sequence's last token.
+ProposeDraft = Callable[[Sequence, int], list[int]]
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # of the sequence's own tokens
+    draft: list[int] = field(default_factory=list)  # draft tokens run after them, to verify
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
@@ -53,13 +74,16 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
+        return sum(chunk.num_scheduled_tokens for chunk in self.chunks)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, propose_draft: ProposeDraft | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.propose_draft = propose_draft
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -80,24 +104,26 @@ class Scheduler:
         }
 
     def add(self, seq: Sequence) -> None:
-        if not seq.continues_turn:
-            self.waiting.append(seq)
-            return
-        # Behind the preempted and the continuations already waiting, ahead of every new turn that never ran.
-        position = next(
-            (
-                index
-                for index, other in enumerate(self.waiting)
-                if not other.continues_turn and other.num_cached_prompt_tokens is None
-            ),
-            len(self.waiting),
-        )
-        self.waiting.insert(position, seq)
+        """Queue a new sequence: behind every waiting one of its class or a higher one."""
+        key = _queue_key(seq)
+        self._enqueue(seq, lambda other: _queue_key(other) > key)
 
     def add_running(self, seq: Sequence) -> None:
         """Add a fork whose pages are already shared with a running sibling."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
+
+    def _enqueue(self, seq: Sequence, goes_before: Callable[[Sequence], bool]) -> None:
+        position = next((index for index, other in enumerate(self.waiting) if goes_before(other)), len(self.waiting))
+        self.waiting.insert(position, seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Add to the running sequences: behind every one of its class or a higher one."""
+        rank = seq.priority.rank
+        position = next(
+            (index for index, other in enumerate(self.running) if other.priority.rank > rank), len(self.running)
+        )
+        self.running.insert(position, seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
@@ -112,6 +138,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        draft_budget = budget // 2
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -123,8 +150,13 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, num_new))
-                budget -= num_new
+                chunk = ScheduledChunk(seq, num_new)
+                num_after = len(self.running) - index - 1
+                if num_new == 1 and self.propose_draft is not None:
+                    self._add_draft(chunk, min(draft_budget, budget - 1 - num_after), num_after)
+                out.chunks.append(chunk)
+                budget -= chunk.num_scheduled_tokens
+                draft_budget -= len(chunk.draft)
                 index += 1
         if out.preempted:
             return out
@@ -144,14 +176,33 @@ class Scheduler:
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return out
+
+    def _add_draft(self, chunk: ScheduledChunk, max_tokens: int, num_pages_spare: int) -> None:
+        """Give a decoding chunk a draft of up to ``max_tokens``, with pages that leave ``num_pages_spare`` free."""
+        assert self.propose_draft is not None
+        if max_tokens < 1 or chunk.seq.num_computed_tokens + 1 != chunk.seq.num_tokens:
+            return
+        draft = self.propose_draft(chunk.seq, max_tokens)
+        if draft and self.kv_cache.allocate_draft(chunk.seq, len(draft), num_pages_spare):
+            chunk.draft = draft
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        key = _queue_key(seq)
+        self._enqueue(seq, lambda other: _queue_key(other) >= key)  # ahead of its class's others
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    """Where a sequence waits (lower first): the preempted (admitted before) ahead of every new arrival, but
+    background ones only ahead of background; the new by class."""
+    preempted = seq.num_cached_prompt_tokens is not None
+    if seq.priority is Priority.BACKGROUND:
+        return seq.priority.rank, 0 if preempted else 1
+    return (-1, 0) if preempted else (seq.priority.rank, 1)

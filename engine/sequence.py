@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .guided import GuideState
 from .page_hash import PageHash
 from .page_pool import Page
+from .priority import Priority
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .speculative.drafter import SequenceDrafts
 
 
 class SequenceStatus(enum.Enum):
@@ -62,11 +67,12 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     completion_index: int = 0  # which of the request's n completions this is
-    continues_turn: bool = False  # an agent's turn goes on (a tool's result): admitted before new turns
+    priority: Priority = Priority.INTERACTIVE  # its class: admission and step budget go by class (``priority``)
     guide: GuideState | None = None  # where the output stands in its grammar, for a guided request
     # With params.prompt_logprobs: entry i scores prompt token i given those before it (entry 0 is
     # None), filled as prompt chunks run; forks share their parent's, complete by then.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    drafts: SequenceDrafts | None = None  # its drafting state, while its request speculates (``speculative/``)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:

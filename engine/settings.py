@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +11,15 @@ from rayturn.settings import check_at_least, check_choice, check_non_empty
 
 from .loader import DTYPES
 from .model_source import is_hub_id
+from .speculative import SpeculativeConfig
 from .tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """The ``model`` section: which checkpoint, its dtype, the engine's paging and batching limits, and the
-    format its answers call tools in (``tool_call_parser``; None: the one its chat template teaches)."""
+    format its answers call tools in (``tool_call_parser``; None: the one its chat template teaches), and
+    speculative decoding (``speculative``)."""
 
     name: str = "tiny"
     served_name: str | None = None
@@ -29,6 +31,7 @@ class ModelSettings:
     max_model_len: int | None = None
     backend: str | None = None
     tool_call_parser: str | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         check_non_empty("name", self.name)
@@ -64,4 +67,5 @@ class ModelSettings:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
+            "speculative": self.speculative,
         }

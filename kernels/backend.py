@@ -156,6 +156,11 @@ class KernelBackend(abc.ABC):
         """``x @ weight.T + bias`` for ``x`` [num_tokens, in]; ``prepared`` is ``prepare_linear(weight)``."""
         return F.linear(x, weight, bias)
 
+    def linear_row_counts(self, max_rows: int) -> tuple[int, ...]:
+        """The row counts at which ``linear`` on a prepared weight builds and keeps a kernel of its own, for
+        inputs of up to ``max_rows`` rows; empty when it keeps none per row count."""
+        return ()
+
     def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
         """Copy whole pages inside the cache (copy-on-write of shared pages)."""
         staging = torch.empty((src_page_ids.numel(), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)

@@ -41,8 +41,11 @@ class TorchBackend(KernelBackend):
         twice. ``RAYTURN_PACKED_LINEAR=0`` turns this off. oneDNN compiles and
         caches a kernel for every row count a packed matmul meets (about half
         a MB each, up to a thousand of them), so rows are padded to a bounded
-        set of counts (``_padded_rows``): the cache, and the process's memory,
-        stops growing once each has been met, and no step waits on a compile.
+        set of counts (``_padded_rows``, listed by ``linear_row_counts``): the
+        cache, and the process's memory, stops growing once each has been met.
+        Serving engines meet them all when they start
+        (``rayturn.engine.async_engine.warm_up_kernels``), so no step waits
+        on a compile and the memory counts from the start.
         """
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _packed_linear_available():
             return None
@@ -54,6 +57,11 @@ class TorchBackend(KernelBackend):
         if prepared is None or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
         return _packed_linear(x, prepared, bias)
+
+    def linear_row_counts(self, max_rows: int) -> tuple[int, ...]:
+        if not _packed_linear_available():
+            return ()
+        return tuple(sorted({_padded_rows(num_rows) for num_rows in range(1, max_rows + 1)}))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         input_dtype = x.dtype

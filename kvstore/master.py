@@ -279,6 +279,9 @@ def start_master(
         num_cpus=0,
         max_concurrency=1000,
         scheduling_strategy=_on_head_node(),
+        # Every call would leave a task event in the GCS (kept up to Ray's task_events_max_num_task_in_gcs,
+        # 100k by default): the master answers several calls per request. Serve leaves them off for its actors.
+        enable_task_events=False,
     )
     # The secret only counts when this call creates the master; Ray keeps it for the master's restarts.
     handle = options.remote(config, snapshot_dir, snapshot_interval_s, new_secret())

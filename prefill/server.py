@@ -8,6 +8,8 @@ prefill (batched with other replicas' prompts), samples the first token, and
 segment and registers it with the store's master, so the decode replica can
 pull them straight into its cache. A call's retention contract pins its
 prefix here and soft-pins the pages in the store (``engine/prefix_pins.py``).
+The engine computes the prompts it holds in the order of their calls' classes
+(``rayturn.engine.priority``), as a decode replica's engine does.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class PrefillServer:
             cache_salt=call.cache_salt,
             page_hashes=call.page_hashes,
             retention=call.retention,
+            continues_turn=call.continues_turn,
+            priority=call.priority,
         ):
             final = output
         assert final is not None and final.finished

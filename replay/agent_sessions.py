@@ -16,7 +16,9 @@ Per system: TTFT (first content chunk) and inter-token latency p50/p99, output
 tokens/s, ``cached_token_fraction`` (``usage.prompt_tokens_details.
 cached_tokens`` over prompt tokens: what a replica's cache or the store served;
 for a call the prefill pool computed, what the prefill replica found cached;
-``prefill_paths`` says how many calls took that path). Results and TTFT samples
+``prefill_paths`` says how many calls took that path), ``replicas_per_session``
+(the decode replicas a session's calls landed on, on average: 1.0 when every
+session stays on one). Results and TTFT samples
 go to ``agent_sessions.json`` in the folder ``--out`` (default
 ``bench/results/agent_sessions``), with ``agent_sessions.png``, a TTFT CDF,
 when matplotlib is installed. The last line of stdout is one JSON object;
@@ -39,6 +41,9 @@ from rayturn.replay.agent_workload import Call, Shape, default_token_scale, make
 from rayturn.replay.cli_help import plain_help
 from rayturn.replay.harness import SMALL_MACHINE, add_out_argument, emit, machine
 from rayturn.replay.probes import prefill_paths
+
+# How long a system waits for the previous one's HTTP and gRPC ports to be let go.
+PORTS_FREE_TIMEOUT_S = 60.0
 
 SYSTEMS: dict[str, dict[str, Any]] = {
     "rayturn": {"router.policy": "kv_aware", "kvstore.enabled": True, "prefill.min_replicas": 1,
@@ -84,6 +89,22 @@ def run_system(
     return summary, [s.ttft_s for s in samples if s.ok]
 
 
+def wait_for_ports(host: str, ports: dict[str, int], timeout_s: float = PORTS_FREE_TIMEOUT_S) -> None:
+    """Until ``ports`` are free: the last system's Serve proxy may still hold them for a moment after
+    its shutdown returned. Raises ``ListenerError`` past ``timeout_s``."""
+    from rayturn.cluster.listeners import ListenerError, check_ports_free
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check_ports_free(host, ports)
+            return
+        except ListenerError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def run_clusters(
     args: argparse.Namespace, sessions: list[list[Call]], shape: Shape, warmup: Sequence[Call]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
@@ -99,8 +120,11 @@ def run_clusters(
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace=KV_NAMESPACE)
     try:
         for system in SYSTEMS:
+            config = load_config(**cluster_overrides(system, args))
+            ports = {"server.http_port": args.http_port, "server.grpc_port": args.grpc_port}
+            wait_for_ports(config.server.host, ports)
             start = time.perf_counter()
-            with running_cluster(load_config(**cluster_overrides(system, args))) as endpoints:
+            with running_cluster(config) as endpoints:
                 start_s = time.perf_counter() - start
                 summaries[system], ttfts[system] = run_system(endpoints.http, sessions, shape, system, warmup)
                 summaries[system]["cluster_start_s"] = round(start_s, 1)
@@ -154,13 +178,18 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.url:
         summary, ttft = run_system(args.url.rstrip("/"), sessions, shape, "cluster", warmup)
         summaries, ttfts = {"cluster": summary}, {"cluster": ttft}
-        result: dict[str, Any] = {"cached_token_fraction": summary["cached_token_fraction"]}
+        result: dict[str, Any] = {
+            "cached_token_fraction": summary["cached_token_fraction"],
+            "replicas_per_session": summary["replicas_per_session"],
+        }
     else:
         summaries, ttfts = run_clusters(args, sessions, shape, warmup)
         result = {
             **compare(summaries["rayturn"], summaries["baseline"]),
             "cached_token_fraction": summaries["rayturn"]["cached_token_fraction"],
             "baseline_cached_token_fraction": summaries["baseline"]["cached_token_fraction"],
+            "replicas_per_session": summaries["rayturn"]["replicas_per_session"],
+            "baseline_replicas_per_session": summaries["baseline"]["replicas_per_session"],
         }
     result = {
         "bench": "agent_sessions",

@@ -48,6 +48,9 @@ class ReplicaStats:
     # `session_key` -> when the replica last saw a call of the session (epoch seconds), for the
     # sessions it follows between calls (the most recent ones).
     sessions: Mapping[str, float] = field(default_factory=dict)
+    # The replica publishes the pages it computes to a KV store its pool shares, and loads from it what it
+    # lacks: a page another replica holds is a load away, not a recompute.
+    kv_store: bool = False
 
     def __post_init__(self) -> None:
         for name in _COUNT_FIELDS:
@@ -68,12 +71,16 @@ class ReplicaStats:
             raise ValueError("replica stats need a non-empty string 'replica_id'")
         counts = {name: _int_field(data, name) for name in _COUNT_FIELDS}
         page_size = _int_field(data, "page_size") if "page_size" in data else DEFAULT_PAGE_SIZE
+        kv_store = data.get("kv_store", False)
+        if not isinstance(kv_store, bool):
+            raise ValueError(f"replica stats 'kv_store' must be a bool, got {kv_store!r}")
         return cls(
             replica_id=replica_id,
             cached_page_hashes=_hash_set(data, "cached_page_hashes", required=True),
             host_page_hashes=_hash_set(data, "host_page_hashes", required=False),
             page_size=page_size,
             sessions=_session_times(data),
+            kv_store=kv_store,
             **counts,
         )
 
@@ -90,6 +97,7 @@ class ReplicaStats:
             "host_page_hashes": sorted(self.host_page_hashes),
             "page_size": self.page_size,
             "sessions": dict(self.sessions),
+            "kv_store": self.kv_store,
         }
 
 
@@ -98,7 +106,10 @@ UNSERVED_REPLICA_ID = "unserved"
 
 
 def routing_report(
-    engine_stats: Mapping[str, Any], replica_id: str | None, sessions: Mapping[str, float] | None = None
+    engine_stats: Mapping[str, Any],
+    replica_id: str | None,
+    sessions: Mapping[str, float] | None = None,
+    kv_store: bool = False,
 ) -> dict[str, Any]:
     """What a replica's ``record_routing_stats`` returns: its engine's figures (``AsyncEngine.stats``) as
     ``ReplicaStats``, in the plain form Serve ships to every router (which reads it back with ``from_dict``)."""
@@ -107,6 +118,7 @@ def routing_report(
         cached_page_hashes=frozenset(engine_stats["cached_page_hashes"]),
         page_size=engine_stats["page_size"],
         sessions=dict(sessions or {}),
+        kv_store=kv_store,
         **{name: engine_stats[name] for name in _COUNT_FIELDS},
     )
     return stats.to_dict()

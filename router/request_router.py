@@ -49,9 +49,11 @@ Consistency across routing processes. Every process that holds a handle (each
 ingress replica, each proxy, a driver) runs its own instance of this router;
 there is no shared session table. They agree without talking because:
 
-- session affinity is rendezvous hashing over the replica ids that the Serve
-  controller broadcasts to every router, so the same ids give the same answer
-  in every process, and a replica joining or leaving moves only ~1/N sessions;
+- a session's affinity goes to the replica that saw its last call, as the
+  replicas report the sessions they follow; a session no replica reports is
+  placed by rendezvous hashing over the replica ids that the Serve controller
+  broadcasts to every router, so the same ids give the same answer in every
+  process, and a replica joining or leaving moves only ~1/N new sessions;
 - the KV and load terms come from the stats each replica reports to the
   controller every ``request_routing_stats_period_s``, broadcast the same way.
 
@@ -59,25 +61,39 @@ Routers disagree only while a broadcast is in flight, and a wrong choice costs
 a recompute, never a wrong answer. Stats lag by up to a period, so a router
 does not see the load it adds itself between reports; replicas whose scores
 tie therefore share one rank, and Serve's live queue-length probe picks the
-shortest queue among them.
+shortest queue among them. Nor would it see where its own last call of a
+session went, and a session's calls come faster than reports: so each router
+keeps the session's trail (``rayturn.router.session_trails``), which counts
+the pages of that call's prompt as resident on its replica and makes that
+replica the session's home until a report shows a later call elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ray import serve
+from ray.serve._private.common import ReplicaID
+from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from rayturn.messages import Call, SessionAnnouncement
 from rayturn.router.page_index import PageIndex
 from rayturn.router.replica_stats import ReplicaStats, page_hash_key
-from rayturn.router.scoring import ScoringWeights, following_replicas, scored_by_residency
+from rayturn.router.scoring import (
+    ScoringWeights,
+    following_replicas,
+    scored_by_residency,
+    session_home,
+    store_prefix_estimate,
+)
+from rayturn.router.session_trails import SessionTrails, with_trail
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +192,7 @@ class KVAwareRequestRouter(RequestRouter):
         # whether to parse again.
         self._parsed_stats: dict[str, tuple[dict[str, Any], ReplicaStats | None]] = {}
         self._pages = PageIndex()
+        self._trails = SessionTrails()
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Take ``ScoringWeights`` fields from ``request_router_kwargs``."""
@@ -216,7 +233,9 @@ class KVAwareRequestRouter(RequestRouter):
             ranks = [[by_id[replica_id]] for replica_id in following]
             for replica_id in following:
                 del stats[replica_id]
-        resident = self._pages.resident_prefixes(hints.page_keys, stats)
+        trail = self._trails.get(hints.session_id)
+        resident = with_trail(self._pages.resident_prefixes(hints.page_keys, stats), trail, hints.page_keys)
+        last_routed = (trail.replica_id, trail.routed_at_s) if trail is not None else None
         scored = scored_by_residency(
             len(hints.page_keys),
             resident,
@@ -224,7 +243,8 @@ class KVAwareRequestRouter(RequestRouter):
             hints.prompt_tokens,
             stats,
             self._weights,
-            hints.store_prefix_pages,
+            store_prefix_estimate(resident, stats, hints.store_prefix_pages),
+            home=session_home(hints.session_id, stats, last_routed),
         )
         last_score: float | None = None
         for replica_id, replica_score in scored:
@@ -233,6 +253,12 @@ class KVAwareRequestRouter(RequestRouter):
                 last_score = replica_score
             ranks[-1].append(by_id[replica_id])
         return last_if_refused(ranks, hints.refused_by)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """Serve sent the call to ``replica_id`` (the replica accepted it): its session's trail leads there now."""
+        hints = RoutingHints.from_pending_request(pending_request)
+        if hints.session_id and not hints.prewarm:
+            self._trails.record(hints.session_id, replica_id.unique_id, hints.page_keys, time.time())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -246,9 +272,12 @@ class KVAwareRequestRouter(RequestRouter):
         a routing decision.
         """
         live = {replica.replica_id.unique_id for replica in replicas}
-        for replica_id in self._parsed_stats.keys() - live:
+        left = self._parsed_stats.keys() - live
+        for replica_id in left:
             del self._parsed_stats[replica_id]
             self._pages.remove(replica_id)
+        if left:
+            self._trails.forget_replicas(live)
         for replica in replicas:
             self._stats(replica)
 

@@ -8,8 +8,13 @@ the same replicas the same way from the same stats:
 
     score = kv_overlap * w.kv_overlap - load_penalty * w.load + affinity * w.affinity
 
-Affinity is soft: an overloaded replica loses its bonus, so a hot session
-spills over to other replicas instead of saturating its preferred one.
+The affinity bonus goes to the session's home (``session_home``): the
+replica its last call went to, as the routing process remembers it or the
+replicas report it; a session never seen goes to its rendezvous replica. A
+session that once moved therefore stays where its pages now are, instead of
+being pulled back to its rendezvous replica call after call. Affinity is
+soft: an overloaded replica loses its bonus, so a hot session spills over to
+other replicas instead of saturating its home.
 """
 
 from __future__ import annotations
@@ -114,6 +119,20 @@ def load_penalty(stats: ReplicaStats | None, prompt_tokens: int, resident_pages:
     return min(1.0, max(queue, seqs, pages))
 
 
+def store_prefix_estimate(
+    resident: Mapping[str, tuple[int, int]],
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    store_prefix_pages: int,
+) -> int:
+    """Leading pages of the prompt the KV store holds, at least: ``store_prefix_pages`` (what the call says),
+    or, where replicas report a shared store (they publish every page they compute to it), the longest
+    prefix any of them holds. So a prefix cached on one replica (a system prompt every session shares)
+    counts as a store load on the others, not a recompute, and does not outweigh a session's affinity."""
+    if not any(stats is not None and stats.kv_store for stats in stats_by_replica.values()):
+        return store_prefix_pages
+    return max(store_prefix_pages, max((sum(pages) for pages in resident.values()), default=0))
+
+
 def session_key(session_id: str) -> str:
     """The short hex form of a session id that replica stats carry (ids themselves may be long or private)."""
     return hashlib.blake2b(session_id.encode(), digest_size=PAGE_HASH_PREFIX_CHARS // 2).hexdigest()
@@ -150,6 +169,33 @@ def preferred_replica(session_id: str | None, replica_ids: Iterable[str]) -> str
     return max(
         replica_ids, key=lambda replica_id: (rendezvous_weight(session_id, replica_id), replica_id), default=None
     )
+
+
+def session_home(
+    session_id: str | None,
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    last_routed: tuple[str, float] | None = None,
+) -> str | None:
+    """The replica that saw the session's last call, among ``stats_by_replica``; the session's rendezvous
+    replica when none of them did.
+
+    Two witnesses, the most recent wins (epoch seconds): ``last_routed``, the (replica, time) this routing
+    process sent the session's last call to, and the sessions each replica reports following (reports
+    lag, but they also show the calls other routing processes sent).
+    """
+    if not session_id:
+        return None
+    key = session_key(session_id)
+    sightings = [
+        (seen_s, replica_id)
+        for replica_id, stats in stats_by_replica.items()
+        if stats is not None and (seen_s := stats.sessions.get(key)) is not None
+    ]
+    if last_routed is not None and last_routed[0] in stats_by_replica:
+        sightings.append((last_routed[1], last_routed[0]))
+    if sightings:
+        return max(sightings)[1]
+    return preferred_replica(session_id, stats_by_replica)
 
 
 def affinity(session_id: str | None, replica_id: str, replica_ids: Iterable[str]) -> float:
@@ -225,18 +271,21 @@ def scored_by_residency(
     stats_by_replica: Mapping[str, ReplicaStats | None],
     weights: ScoringWeights,
     store_prefix_pages: int = 0,
+    home: str | None = None,
 ) -> list[tuple[str, float]]:
     """``scored_replicas`` for a prompt of ``num_pages`` pages of which each replica holds the prefix in
     ``resident`` (device pages, host pages), however that was found (``router.page_index`` finds it for all
-    replicas in one walk)."""
+    replicas in one walk). ``home`` (``session_home``) takes the affinity bonus when it is among the
+    replicas; otherwise the session's rendezvous replica does."""
     tie_key = session_id or ""
     # One rendezvous weight per replica serves both the session's preferred replica and the tie order.
     tie_weights = {replica_id: rendezvous_weight(tie_key, replica_id) for replica_id in stats_by_replica}
-    preferred = (
-        max(tie_weights, key=lambda replica_id: (tie_weights[replica_id], replica_id), default=None)
-        if session_id
-        else None
-    )
+    if not session_id:
+        preferred = None
+    elif home in stats_by_replica:
+        preferred = home
+    else:
+        preferred = max(tie_weights, key=lambda replica_id: (tie_weights[replica_id], replica_id), default=None)
     scored = [
         (
             replica_id,

@@ -10,6 +10,7 @@ hand-made samples.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,12 @@ from typing import Any
 import pytest
 
 from rayturn.cli import main
+from rayturn.cluster.listeners import ListenerError
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.tokenizer import Tokenizer
 from rayturn.replay.agent_client import CallSample
 from rayturn.replay.agent_report import compare, summarize
-from rayturn.replay.agent_sessions import make_shape, parse_args
+from rayturn.replay.agent_sessions import make_shape, parse_args, wait_for_ports
 from rayturn.replay.agent_workload import make_workload
 from rayturn.replay.cli import parse_args as replay_args
 from rayturn.replay.harness import percentile
@@ -197,3 +199,13 @@ def test_out_is_a_results_folder_as_for_the_replay(tmp_path: Path) -> None:
     assert parse_args(["--out", str(tmp_path)]).out == replay_args(["--out", str(tmp_path)]).out == tmp_path
     with pytest.raises(SystemExit):  # the file name it once took
         parse_args(["--out", str(tmp_path / "agent_sessions.json")])
+
+
+def test_the_next_system_waits_until_the_last_ones_ports_are_let_go() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ListenerError, match="already in use"):
+            wait_for_ports("127.0.0.1", {"server.http_port": port}, timeout_s=0.0)
+    wait_for_ports("127.0.0.1", {"server.http_port": port}, timeout_s=0.0)

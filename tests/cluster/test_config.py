@@ -439,6 +439,7 @@ def test_kv_transports_match_the_store() -> None:
 
 def test_engine_kwargs_match_the_engine() -> None:
     from rayturn.engine import LLMEngine
+    from rayturn.engine.speculative import SpeculativeConfig
 
     spec = ModelSettings(dtype="bfloat16", num_pages=128, max_model_len=4096, backend="torch")
     kwargs = spec.engine_kwargs()
@@ -450,6 +451,7 @@ def test_engine_kwargs_match_the_engine() -> None:
         "max_num_seqs": 64,
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
+        "speculative": SpeculativeConfig(),
     }
     inspect.signature(LLMEngine.from_pretrained).bind("tiny", **kwargs)
     assert set(kwargs) <= set(inspect.signature(LLMEngine.__init__).parameters)

@@ -258,6 +258,7 @@ def test_streams_cut_by_a_killed_decode_replica_continue_identically_on_another(
 
 
 LONG_TEXT = "def handler(event):\n    return process(event)\n" * 12  # far past the threshold: prefilled remotely
+SHORT_TEXT = "def f(): g()"  # with the chat template and a session tag, 41-43 tokens: prefilled locally
 
 
 class Load:
@@ -337,10 +338,11 @@ def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai
     wait_settled(decode_replicas=2)
     replicas = set(replica_pids("decode"))
     sessions = [session for replica in sorted(replicas) for session in sessions_on(replica, replicas, 2, "moved")]
-    # n=2 cannot go through the prefill pool: each session's pages exist only in its decode replica's segment.
-    conversations = {session: [{"role": "user", "content": f"[{session}] {LONG_TEXT}"}] for session in sessions}
+    # Prompts under the threshold (< 48 tokens) do not go through the prefill pool: each session's pages exist
+    # only in its decode replica's segment.
+    conversations = {session: [{"role": "user", "content": f"[{session}] {SHORT_TEXT}"}] for session in sessions}
     for session, messages in conversations.items():
-        answer = chat(client, session, messages, 6, n=2)
+        answer = chat(client, session, messages, 6)
         conversations[session] = follow_up(messages, answer.text)
 
     serve.run(build_app(pool_config(decode_replicas=1)), name=APP_NAME, route_prefix="/")

@@ -7,6 +7,8 @@ repeat; function tools and tool choices come back in valid shapes; a call
 that continues a stored response by ``previous_response_id`` reads its
 conversation from the cache, while an unknown, unstored, deleted or other
 tenant's id is a 400; a Codex-shaped streamed call is served as Codex sends it.
+A call's class (``priority`` in the body, the ``x-rayturn-priority`` header,
+bob's key's default) reaches the decode replica, and a bad one is a 400.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ HTTP_PORT, GRPC_PORT = 18481, 19481
 ALICE_KEY, BOB_KEY = "responses-alice-key", "responses-bob-key"
 THRESHOLD = 96  # uncached prompt tokens from which a prefill replica computes the prompt
 OVERRIDES = small_cluster(
-    HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.tenant_keys": {"alice": [ALICE_KEY], "bob": [BOB_KEY]}}
+    HTTP_PORT,
+    GRPC_PORT,
+    THRESHOLD,
+    **{
+        "server.tenant_keys": {"alice": [ALICE_KEY], "bob": [BOB_KEY]},
+        "server.tenant_priorities": {"bob": "batch"},
+    },
 )
 INSTRUCTIONS = "You are a terse coding agent."
 MAX_OUTPUT_TOKENS = 8
@@ -265,3 +273,41 @@ def test_json_schema_text_format_gives_valid_json(client: openai.OpenAI) -> None
     )
     value = json.loads(response.output_text)
     assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and 0 <= value["size"] <= 9
+
+
+def decode_calls_by_priority(cluster: str) -> dict[str, int]:
+    """The calls the (one) decode replica admitted, by class, from its own report."""
+    health = requests.get(f"{cluster}/health", headers={"Authorization": f"Bearer {ALICE_KEY}"}, timeout=30)
+    counts = health.json()["details"]["decode.calls_by_priority"]
+    assert isinstance(counts, dict)
+    return counts
+
+
+def test_each_calls_class_reaches_the_decode_replica_and_a_bad_one_is_a_400(
+    cluster: str, client: openai.OpenAI
+) -> None:
+    bob = openai.OpenAI(base_url=f"{cluster}/v1", api_key=BOB_KEY, max_retries=0, timeout=120)
+    chat: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    before = decode_calls_by_priority(cluster)
+    client.chat.completions.create(**chat, extra_body={"priority": "background"})
+    client.chat.completions.create(**chat, extra_headers={"x-rayturn-priority": "continuation"})  # a new turn
+    client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={"priority": 1})  # vLLM's
+    client.chat.completions.create(**chat)  # by its kind: a new turn
+    bob.chat.completions.create(**chat)  # bob's key's default
+    bob.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={"priority": "interactive"})
+    after = decode_calls_by_priority(cluster)
+    assert {name: after[name] - before[name] for name in after} == {
+        "continuation": 1,
+        "interactive": 2,
+        "background": 3,
+    }
+
+    for bad in ({"extra_body": {"priority": "urgent"}}, {"extra_headers": {"x-rayturn-priority": "urgent"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**chat, **bad)
+        assert caught.value.body["param"] == "priority"  # type: ignore[index]
+        assert "continuation, interactive, background, batch" in caught.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="hi", extra_body={"priority": 2.5})
+    assert caught.value.body["param"] == "priority"  # type: ignore[index]
+    assert decode_calls_by_priority(cluster) == after  # refused at the ingress: no replica saw them

@@ -65,6 +65,22 @@ def test_cache_hit_revives_a_free_page_and_eviction_drops_its_hash() -> None:
     assert pool.num_cached_pages == 1
 
 
+def test_recent_hashes_keep_a_prefix_every_call_touches_head_first() -> None:
+    pool = PagePool(10)
+    pages = pool.allocate(10)
+    for i, page in enumerate(pages):
+        pool.cache(page, h(i))
+    pool.free(reversed(pages))
+    assert pool.recent_hashes(2) == [h(8), h(9)]
+    # A later call hits the first three pages (a shared system prompt): they are the most recently used now,
+    # the first one last, so a report cut to fewer still starts the prefix.
+    pool.touch(pool.cached_prefix([h(0), h(1), h(2)]))
+    assert pool.recent_hashes(3) == [h(2), h(1), h(0)]
+    assert pool.recent_hashes(1) == [h(0)]
+    assert pool.recent_hashes(10)[:7] == [h(i) for i in range(3, 10)]
+    assert pool.recent_hashes(0) == []
+
+
 def test_shared_page_returns_to_queue_only_when_last_holder_frees() -> None:
     pool = PagePool(3)
     (page,) = pool.allocate(1)

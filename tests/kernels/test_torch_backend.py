@@ -198,6 +198,9 @@ def test_packed_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch) -> None:
         x = torch.randn(rows, 8)
         torch.testing.assert_close(BACKEND.linear(x, weight, None, prepared), x @ weight.T, rtol=1e-5, atol=1e-5)
     assert seen == [_padded_rows(rows) for rows in range(1, 300)] and len(set(seen)) == 33
+    # What an engine builds when it starts: every count met, and no other.
+    assert BACKEND.linear_row_counts(299) == tuple(sorted(set(seen)))
+    assert BACKEND.linear_row_counts(2048) == tuple(sorted(set(counts)))
 
 
 def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> None:
@@ -205,3 +208,4 @@ def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> N
     assert BACKEND.prepare_linear(weight.to(torch.bfloat16)) is None
     monkeypatch.setenv("RAYTURN_PACKED_LINEAR", "0")
     assert BACKEND.prepare_linear(weight) is None
+    assert BACKEND.linear_row_counts(2048) == ()  # nothing to build ahead

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,11 @@ class FakeReplica:
 
 
 def replica(
-    name: str, held: list[str] | None = None, running_seqs: int = 0, sessions: dict[str, float] | None = None
+    name: str,
+    held: list[str] | None = None,
+    running_seqs: int = 0,
+    sessions: dict[str, float] | None = None,
+    kv_store: bool = False,
 ) -> FakeReplica:
     stats = ReplicaStats(
         replica_id=name,
@@ -42,6 +47,7 @@ def replica(
         total_pages=1000,
         cached_page_hashes=frozenset(page_hash_key(h) for h in held or []),
         sessions={session_key(session_id): seen_s for session_id, seen_s in (sessions or {}).items()},
+        kv_store=kv_store,
     )
     return FakeReplica(ReplicaID(unique_id=name, deployment_id=DEPLOYMENT), stats.to_dict())
 
@@ -156,13 +162,60 @@ def test_an_announcement_goes_where_its_session_was_seen_last() -> None:
     announcement = {"session_id": "s-1", "page_hashes": [], "prompt_tokens": 0, "prewarm": True}
     ranks = choose(router(), replicas, announcement)
     assert ranks[:3] == [[follower], [stale], [preferred]]
-    # A call, even one without pages, routes as before: by its pages, then load and affinity.
-    assert choose(router(), replicas, {"session_id": "s-1", "prompt_tokens": 8})[0] == [preferred]
+    # A call, even one without pages, has its affinity where the session was seen last, not its rendezvous
+    # replica: the session's pages are there.
+    assert choose(router(), replicas, {"session_id": "s-1", "prompt_tokens": 8})[0] == [follower]
     holder = next(name for name in names if name != follower)
     replicas = [replica(name, held=PAGES if name == holder else None, sessions=seen.get(name)) for name in names]
     assert choose(router(), replicas, {"session_id": "s-1", "page_hashes": PAGES, "prompt_tokens": 64})[0] == [holder]
     # A malformed flag drops the hints, as any malformed hint does.
     assert hints_of({"session_id": "s-1", "prewarm": "yes"}) == RoutingHints()
+
+
+def routed(instance: KVAwareRequestRouter, request: dict[str, Any], replica_id: str) -> None:
+    """Serve reports that it sent ``request`` to ``replica_id``."""
+
+    async def run() -> None:
+        target = ReplicaID(unique_id=replica_id, deployment_id=DEPLOYMENT)
+        instance.on_request_routed(pending(request), target, None)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+
+
+def test_a_sessions_next_call_follows_its_last_one_before_any_report_lists_its_pages() -> None:
+    prompt = [hashlib.sha256(f"prompt-{i}".encode()).hexdigest() for i in range(8)]
+    session_id = next(f"s{i}" for i in range(100) if preferred_replica(f"s{i}", ["a", "b"]) == "a")
+    instance = router()
+    # "a" has reported nothing yet; "b" reports the shared system prompt (3 pages) that other sessions cached.
+    replicas = [replica("a"), replica("b", held=prompt[:3])]
+    first = {"session_id": session_id, "page_hashes": prompt[:5], "prompt_tokens": 80}
+    assert choose(instance, replicas, first)[0] == ["b"]  # 3 of 5 pages cached outweigh the rendezvous replica
+    routed(instance, first, "b")
+    # The next call extends the prompt while the reports still say the same: it stays with its pages.
+    second = {"session_id": session_id, "page_hashes": prompt[:7], "prompt_tokens": 112}
+    assert choose(instance, replicas, second)[0] == ["b"]
+    assert choose(router(), replicas, second)[0] == ["a"]  # a router that did not route the first call
+    # A report of a later call of the session elsewhere (another router sent it) moves its home there.
+    replicas = [replica("a", held=prompt[:5], sessions={session_id: time.time() + 60}), replicas[1]]
+    assert choose(instance, replicas, second)[0] == ["a"]
+    # An announcement is no call: it leaves the trail alone.
+    routed(instance, {"session_id": session_id, "prewarm": True}, "a")
+    routed(instance, {"page_hashes": prompt[:7], "prompt_tokens": 112}, "a")
+    assert choose(instance, [replica("a"), replica("b", held=prompt[:3])], second)[0] == ["b"]
+
+
+def test_with_a_shared_store_a_prefix_one_replica_holds_does_not_pull_new_sessions_to_it() -> None:
+    prompt = [hashlib.sha256(f"prompt-{i}".encode()).hexdigest() for i in range(8)]
+    session_id = next(f"s{i}" for i in range(100) if preferred_replica(f"s{i}", ["a", "b"]) == "a")
+    first = {"session_id": session_id, "page_hashes": prompt[:4], "prompt_tokens": 64}
+    # "b" alone holds the system prompt every session shares (3 of the 4 pages).
+    alone = [replica("a"), replica("b", held=prompt[:3])]
+    assert choose(router(), alone, first)[0] == ["b"]  # without a store, "a" would recompute them
+    # With a store, "a" loads them instead: the new session goes to its rendezvous replica.
+    shared = [replica("a", kv_store=True), replica("b", held=prompt[:3], kv_store=True)]
+    assert choose(router(), shared, first)[0] == ["a"]
+    # A call without a session still goes to the holder.
+    assert choose(router(), shared, {"page_hashes": prompt[:4], "prompt_tokens": 64})[0] == ["b"]
 
 
 def test_replicas_that_refused_the_call_for_capacity_rank_last_together() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rayturn.router.replica_stats import PAGE_HASH_PREFIX_CHARS, ReplicaStats, page_hash_key
+from rayturn.router.replica_stats import PAGE_HASH_PREFIX_CHARS, ReplicaStats, page_hash_key, routing_report
 from rayturn.router.scoring import (
     HOST_PAGE_CREDIT,
     NEUTRAL_LOAD,
@@ -25,8 +25,11 @@ from rayturn.router.scoring import (
     preferred_replica,
     rank_replicas,
     score,
+    scored_by_residency,
     scored_replicas,
+    session_home,
     session_key,
+    store_prefix_estimate,
 )
 
 WEIGHTS = ScoringWeights()
@@ -301,6 +304,56 @@ def test_session_sticks_before_any_stats_arrive() -> None:
     assert rank_replicas(PAGES, session_id, 128, replicas, WEIGHTS)[0] == "c"
 
 
+def test_a_sessions_home_is_where_its_last_call_went() -> None:
+    session_id = session_preferring("a", ["a", "b", "c"])
+    key = session_key(session_id)
+    seen = {
+        "a": stats("a"),
+        "b": replace(stats("b"), sessions={key: 100.0}),
+        "c": replace(stats("c"), sessions={key: 200.0}),
+    }
+    assert session_home(session_id, seen) == "c"  # the replica that saw it last
+    assert session_home(session_id, seen, last_routed=("b", 300.0)) == "b"  # this router sent a later call
+    assert session_home(session_id, seen, last_routed=("a", 150.0)) == "c"
+    # Only candidates count; a session nobody saw goes to its rendezvous replica.
+    assert session_home(session_id, {"a": seen["a"], "b": seen["b"]}, last_routed=("c", 300.0)) == "b"
+    assert session_home(session_id, {"a": seen["a"], "none": None}) == "a"
+    assert session_home(None, seen) is None and session_home("", seen) is None
+
+
+def test_the_home_takes_the_affinity_bonus_from_the_rendezvous_replica() -> None:
+    session_id = session_preferring("a", ["a", "b"])
+    replicas = {"a": stats("a"), "b": stats("b")}
+    resident = {"a": (0, 0), "b": (0, 0)}
+    assert scored_by_residency(0, resident, session_id, 0, replicas, WEIGHTS)[0] == ("a", WEIGHTS.affinity)
+    assert scored_by_residency(0, resident, session_id, 0, replicas, WEIGHTS, home="b")[0] == (
+        "b",
+        WEIGHTS.affinity,
+    )
+    # A home that is no candidate (it left) leaves the bonus to the rendezvous replica.
+    assert scored_by_residency(0, resident, session_id, 0, replicas, WEIGHTS, home="gone")[0][0] == "a"
+    # A session that moved stays where its pages are, though its rendezvous replica holds the shared prefix.
+    holding = {"a": (3, 0), "b": (5, 0)}
+    assert scored_by_residency(8, holding, session_id, 128, replicas, WEIGHTS, home="b")[0][0] == "b"
+
+
+def test_a_shared_store_holds_at_least_the_longest_resident_prefix() -> None:
+    resident = {"a": (0, 0), "b": (3, 2), "c": (1, 0)}
+    alone = {"a": stats("a"), "b": stats("b"), "c": None}
+    assert store_prefix_estimate(resident, alone, 0) == 0
+    assert store_prefix_estimate(resident, alone, 4) == 4  # what the call says
+    shared = {name: replace(stats(name), kv_store=True) for name in ("a", "b")}
+    assert store_prefix_estimate(resident, {**shared, "c": None}, 0) == 5
+    assert store_prefix_estimate(resident, shared, 7) == 7
+    assert store_prefix_estimate({}, shared, 0) == 0
+
+
+def test_a_replica_with_a_store_says_so_in_its_report() -> None:
+    engine_stats = {**stats("r").to_dict(), "page_size": 16, "held_pages": 3}
+    assert ReplicaStats.from_dict(routing_report(engine_stats, "r", kv_store=True)).kv_store
+    assert not ReplicaStats.from_dict(routing_report(engine_stats, "r")).kv_store
+
+
 def test_ranking_is_deterministic_and_independent_of_input_order() -> None:
     replicas = {f"r{i}": stats(f"r{i}", device=PAGES[: i % 3], running_seqs=i % 4) for i in range(8)}
     reversed_replicas = dict(reversed(list(replicas.items())))
@@ -324,6 +377,10 @@ def test_sessions_travel_in_the_stats_as_short_keys() -> None:
     again = ReplicaStats.from_dict(stats.to_dict())
     assert again == stats
     assert ReplicaStats.from_dict({**stats.to_dict(), "sessions": {}}).sessions == {}
+    assert ReplicaStats.from_dict({**stats.to_dict(), "kv_store": True}).kv_store
+    assert not ReplicaStats.from_dict({k: v for k, v in stats.to_dict().items() if k != "kv_store"}).kv_store
+    with pytest.raises(ValueError, match="kv_store"):
+        ReplicaStats.from_dict({**stats.to_dict(), "kv_store": "yes"})
     assert "sessions" not in ReplicaStats.from_dict({**stats.to_dict(), "sessions": {}}).to_dict()["sessions"]
     older = ReplicaStats("q", 0, 0, 8, 10, 10, frozenset(), sessions={key: 1600000000.0})
     by_replica = {"q": older, "r": stats, "s": ReplicaStats("s", 0, 0, 8, 10, 10, frozenset()), "none": None}
