@@ -168,12 +168,13 @@ class Watch:
 
 
 def actors_by_node() -> dict[str, list[str]]:
-    """What may keep a node from counting as idle: each node's live actors (for a failure's message)."""
-    from ray.util.state import list_actors
-
+    """What may keep a node from counting as idle: each node's live actors (for a failure's message), read from
+    the GCS (the cluster runs no dashboard, so Ray's state API has no server to ask)."""
     placed: dict[str, list[str]] = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        placed.setdefault(str(actor.node_id)[:8], []).append(actor.class_name)
+    for actor in ray._private.state.actors().values():
+        if actor.get("State") == "ALIVE":
+            node = str(actor.get("Address", {}).get("NodeID", "?"))  # whole: fake nodes' ids differ only at the end
+            placed.setdefault(node, []).append(str(actor.get("ActorClassName")))
     return placed
 
 
