@@ -4,25 +4,14 @@ pages, and the JSON object is the last line printed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_script import run_bench
 
 
 def test_forked_completions_equal_separate_requests_on_fewer_pages(tmp_path: Path) -> None:
     args = ["--quick", "--model", "tiny", "--n", "4", "--prompt-tokens", "100", "--max-tokens", "6"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "parallel_sampling.py"), *args, "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-4000:]
-    result = json.loads(done.stdout.rstrip().splitlines()[-1])
+    result = run_bench("parallel_sampling.py", *args, "--out", str(tmp_path))
     assert result["bench"] == "parallel_sampling" and result["outputs_identical"] is True
     assert json.loads((tmp_path / "parallel_sampling.json").read_text()) == result
     # The forked request computes its prompt once; without a prefix cache each separate request computes it.

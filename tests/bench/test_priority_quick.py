@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_script import run_bench
 
 
 def test_agents_calls_start_sooner_with_classes_than_behind_the_batch(tmp_path: Path) -> None:
     args = ["--quick", "--background", "40", "--background-prompt", "128", "--background-tokens", "64"]
     args += ["--seconds", "0.3", "--rate", "30"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "priority.py"), *args, "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-4000:]
-    result = json.loads(done.stdout.rstrip().splitlines()[-1])
+    result = run_bench("priority.py", *args, "--out", str(tmp_path))
     assert result["bench"] == "priority" and json.loads((tmp_path / "priority.json").read_text()) == result
     on, off = result["on"], result["off"]
     assert on["interactive_calls"] == off["interactive_calls"] > 0
