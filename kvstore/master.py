@@ -21,7 +21,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .access import StoreAuth, new_secret
 from .master_lookup import LookupServer
@@ -277,8 +276,8 @@ def start_master(
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
+        resources=_on_head_node(),
         max_concurrency=1000,
-        scheduling_strategy=_on_head_node(),
         # Every call would leave a task event in the GCS (kept up to Ray's task_events_max_num_task_in_gcs,
         # 100k by default): the master answers several calls per request. Serve leaves them off for its actors.
         enable_task_events=False,
@@ -289,11 +288,16 @@ def start_master(
     return handle
 
 
-def _on_head_node() -> NodeAffinitySchedulingStrategy | str:
+def _on_head_node() -> dict[str, float]:
     """Where the master runs: on the head node, which an autoscaler never removes. Elsewhere it would keep
-    the worker node it landed on (that of the first replica to start) from ever going idle; soft, so a
-    cluster without a head node Ray can see still gets a master."""
+    the worker node it landed on (that of the first replica to start) from ever going idle.
+
+    A sliver of the head's own resource rather than a node-affinity strategy: a raylet that has not yet
+    heard of the head (a worker node that just joined) would place a soft affinity elsewhere at once and
+    fail a hard one, while a resource request waits until some node offers it. A cluster whose head Ray
+    cannot see gets a master anywhere.
+    """
     for node in ray.nodes():
         if node["Alive"] and HEAD_NODE_RESOURCE in node["Resources"]:
-            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
-    return "DEFAULT"
+            return {HEAD_NODE_RESOURCE: 0.001}
+    return {}

@@ -136,6 +136,9 @@ def test_pools_run_on_their_node_groups(
     store = ray.get(master.stats.remote())
     segments = store["segments"].values()
     assert sorted(segment["node_id"] for segment in segments) == sorted([nodes.prefill, nodes.decode])
+    # The master sits on the head node, which scaling never removes, whichever replica started it.
+    master_id = master._actor_id.hex()
+    assert ray._private.state.actors()[master_id]["Address"]["NodeID"] == nodes.head
     assert sum(segment["used_bytes"] for segment in segments) > 0 and store["hits"] > 0
 
 
