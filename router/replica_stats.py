@@ -4,6 +4,7 @@ built by ``routing_report`` on the replica and read back with ``ReplicaStats.fro
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -51,13 +52,20 @@ class ReplicaStats:
     # The replica publishes the pages it computes to a KV store its pool shares, and loads from it what it
     # lacks: a page another replica holds is a load away, not a recompute.
     kv_store: bool = False
+    # The values of ``sessions``, ascending: how many sessions it saw since a time is one bisection.
+    session_times: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "session_times", tuple(sorted(self.sessions.values())))
         for name in _COUNT_FIELDS:
             if getattr(self, name) < 0:
                 raise ValueError(f"ReplicaStats.{name} must be >= 0, got {getattr(self, name)}")
         if self.page_size <= 0:
             raise ValueError(f"ReplicaStats.page_size must be > 0, got {self.page_size}")
+
+    def sessions_seen_since(self, since_s: float) -> int:
+        """How many of the sessions it follows it saw a call of at ``since_s`` (epoch seconds) or later."""
+        return len(self.session_times) - bisect.bisect_left(self.session_times, since_s)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], replica_id: str | None = None) -> ReplicaStats:

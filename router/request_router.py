@@ -235,7 +235,10 @@ class KVAwareRequestRouter(RequestRouter):
                 del stats[replica_id]
         trail = self._trails.get(hints.session_id)
         resident = with_trail(self._pages.resident_prefixes(hints.page_keys, stats), trail, hints.page_keys)
+        now_s = time.time()
         last_routed = (trail.replica_id, trail.routed_at_s) if trail is not None else None
+        # Only a session this router has not routed may be new: counting the others' sessions costs a walk.
+        routed_recently = self._trails.recent_sessions(now_s) if trail is None else None
         scored = scored_by_residency(
             len(hints.page_keys),
             resident,
@@ -244,7 +247,7 @@ class KVAwareRequestRouter(RequestRouter):
             stats,
             self._weights,
             store_prefix_estimate(resident, stats, hints.store_prefix_pages),
-            home=session_home(hints.session_id, stats, last_routed),
+            home=session_home(hints.session_id, stats, last_routed, routed_recently, now_s),
         )
         last_score: float | None = None
         for replica_id, replica_score in scored:

@@ -10,7 +10,8 @@ the same replicas the same way from the same stats:
 
 The affinity bonus goes to the session's home (``session_home``): the
 replica its last call went to, as the routing process remembers it or the
-replicas report it; a session never seen goes to its rendezvous replica. A
+replicas report it; a session never seen goes to the replica following the
+fewest active sessions, by its rendezvous order among equals. A
 session that once moved therefore stays where its pages now are, instead of
 being pulled back to its rendezvous replica call after call. Affinity is
 soft: an overloaded replica loses its bonus, so a hot session spills over to
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .replica_stats import PAGE_HASH_PREFIX_CHARS, ReplicaStats, page_hash_key
+from .session_trails import ACTIVE_SESSION_S
 
 # Credit per prompt page by where the replica finds it, relative to a page it
 # must recompute (0). A page in device memory is free; one in the replica's host
@@ -175,9 +177,11 @@ def session_home(
     session_id: str | None,
     stats_by_replica: Mapping[str, ReplicaStats | None],
     last_routed: tuple[str, float] | None = None,
+    routed_recently: Mapping[str, int] | None = None,
+    now_s: float = 0.0,
 ) -> str | None:
-    """The replica that saw the session's last call, among ``stats_by_replica``; the session's rendezvous
-    replica when none of them did.
+    """The replica that saw the session's last call, among ``stats_by_replica``; for a session none of them
+    saw, the one following the fewest active sessions (``least_followed_replica``).
 
     Two witnesses, the most recent wins (epoch seconds): ``last_routed``, the (replica, time) this routing
     process sent the session's last call to, and the sessions each replica reports following (reports
@@ -195,7 +199,33 @@ def session_home(
         sightings.append((last_routed[1], last_routed[0]))
     if sightings:
         return max(sightings)[1]
-    return preferred_replica(session_id, stats_by_replica)
+    return least_followed_replica(session_id, stats_by_replica, routed_recently or {}, now_s)
+
+
+def least_followed_replica(
+    session_id: str,
+    stats_by_replica: Mapping[str, ReplicaStats | None],
+    routed_recently: Mapping[str, int],
+    now_s: float,
+    active_s: float = ACTIVE_SESSION_S,
+) -> str | None:
+    """Where a new session goes: the replica following the fewest sessions active within ``active_s`` of
+    ``now_s``; among equals the session's rendezvous replica, so routers that see the same counts agree.
+
+    A replica's count is the larger of two lower bounds: the sessions it reports seen within the window
+    (every router's, but a stats period late) and ``routed_recently``, the sessions this routing process
+    sent there within it (up to date, but its own only)."""
+
+    def followed(replica_id: str) -> int:
+        stats = stats_by_replica[replica_id]
+        reported = stats.sessions_seen_since(now_s - active_s) if stats is not None else 0
+        return max(reported, routed_recently.get(replica_id, 0))
+
+    return min(
+        stats_by_replica,
+        key=lambda replica_id: (followed(replica_id), -rendezvous_weight(session_id, replica_id), replica_id),
+        default=None,
+    )
 
 
 def affinity(session_id: str | None, replica_id: str, replica_ids: Iterable[str]) -> float:

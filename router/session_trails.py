@@ -18,16 +18,27 @@ A session's trail::
     none --call routed--> (replica, routed at, pages) --call routed--> replaced
       ^                              |
       +-- its replica left, or LRU past MAX_TRAILED_SESSIONS
+
+The trails also count, per replica, the sessions routed there within the last
+``ACTIVE_SESSION_S`` (``recent_sessions``): a session nobody has seen yet goes
+to the replica following the fewest, which the replicas' own reports show only
+a stats period or more later (a burst of new sessions would otherwise all land
+where the reports last looked emptiest, or by hash: six on one replica, two on
+the other).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # Sessions a routing process keeps a trail for (about 100 bytes each), most recently routed kept.
 MAX_TRAILED_SESSIONS = 65_536
+
+# A session whose last call is at most this old counts as one its replica follows: the agent may be waiting
+# on a tool or on its human, and comes back there.
+ACTIVE_SESSION_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +62,17 @@ class Trail:
 class SessionTrails:
     """Session id -> its ``Trail``, bounded; one per routing process."""
 
-    def __init__(self, max_sessions: int = MAX_TRAILED_SESSIONS) -> None:
+    def __init__(self, max_sessions: int = MAX_TRAILED_SESSIONS, active_s: float = ACTIVE_SESSION_S) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if not active_s > 0:
+            raise ValueError(f"active_s must be > 0, got {active_s}")
         self.max_sessions = max_sessions
-        self._trails: OrderedDict[str, Trail] = OrderedDict()
+        self.active_s = active_s
+        self._trails: OrderedDict[str, Trail] = OrderedDict()  # least recently routed first
+        # The trails routed within ``active_s`` (at most), in the same order, and how many lead to each replica.
+        self._active: OrderedDict[str, Trail] = OrderedDict()
+        self._active_by_replica: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._trails)
@@ -68,15 +85,36 @@ class SessionTrails:
         if not session_id:
             return
         last_page_key = page_keys[-1] if page_keys else ""
-        self._trails[session_id] = Trail(replica_id, routed_at_s, len(page_keys), last_page_key)
+        trail = Trail(replica_id, routed_at_s, len(page_keys), last_page_key)
+        self._trails[session_id] = trail
         self._trails.move_to_end(session_id)
+        self._deactivate(session_id)
+        self._active[session_id] = trail
+        self._active_by_replica[replica_id] += 1
         while len(self._trails) > self.max_sessions:
-            self._trails.popitem(last=False)
+            evicted, _ = self._trails.popitem(last=False)
+            self._deactivate(evicted)
+
+    def recent_sessions(self, now_s: float) -> Counter[str]:
+        """Replica id -> how many sessions this router sent a call there within the last ``active_s``, as
+        of ``now_s`` (epoch seconds); a session counts only at the replica its last call went to."""
+        while self._active:
+            session_id, trail = next(iter(self._active.items()))
+            if trail.routed_at_s >= now_s - self.active_s:
+                break
+            self._deactivate(session_id)
+        return +self._active_by_replica
 
     def forget_replicas(self, live_replica_ids: set[str]) -> None:
         """Drop the trails that lead to replicas no longer running."""
         for session_id in [s for s, trail in self._trails.items() if trail.replica_id not in live_replica_ids]:
             del self._trails[session_id]
+            self._deactivate(session_id)
+
+    def _deactivate(self, session_id: str) -> None:
+        trail = self._active.pop(session_id, None)
+        if trail is not None:
+            self._active_by_replica[trail.replica_id] -= 1
 
 
 def with_trail(

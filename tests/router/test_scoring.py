@@ -21,6 +21,7 @@ from rayturn.router.scoring import (
     affinity,
     following_replicas,
     kv_overlap,
+    least_followed_replica,
     load_penalty,
     preferred_replica,
     rank_replicas,
@@ -31,6 +32,7 @@ from rayturn.router.scoring import (
     session_key,
     store_prefix_estimate,
 )
+from rayturn.router.session_trails import ACTIVE_SESSION_S
 
 WEIGHTS = ScoringWeights()
 PAGES = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(8)]
@@ -315,10 +317,33 @@ def test_a_sessions_home_is_where_its_last_call_went() -> None:
     assert session_home(session_id, seen) == "c"  # the replica that saw it last
     assert session_home(session_id, seen, last_routed=("b", 300.0)) == "b"  # this router sent a later call
     assert session_home(session_id, seen, last_routed=("a", 150.0)) == "c"
-    # Only candidates count; a session nobody saw goes to its rendezvous replica.
+    # Only candidates count; a session nobody saw goes, all else equal, to its rendezvous replica.
     assert session_home(session_id, {"a": seen["a"], "b": seen["b"]}, last_routed=("c", 300.0)) == "b"
     assert session_home(session_id, {"a": seen["a"], "none": None}) == "a"
     assert session_home(None, seen) is None and session_home("", seen) is None
+
+
+def test_a_new_session_goes_to_the_replica_following_the_fewest_active_sessions() -> None:
+    session_id = session_preferring("a", ["a", "b", "c"])
+    now_s = 1_000.0
+    recent, old = now_s - 10.0, now_s - ACTIVE_SESSION_S - 1.0
+    replicas = {
+        "a": replace(stats("a"), sessions={"s1": recent, "s2": recent, "s3": old}),
+        "b": replace(stats("b"), sessions={"s4": recent, "s5": old, "s6": old}),
+        "c": replace(stats("c"), sessions={"s7": recent, "s8": recent}),
+    }
+    assert replicas["a"].sessions_seen_since(now_s - ACTIVE_SESSION_S) == 2
+    assert session_home(session_id, replicas, now_s=now_s) == "b"  # one active; the others' old ones do not count
+    # This router's own recent placements count when the reports have not caught up with them.
+    assert session_home(session_id, replicas, routed_recently={"b": 3}, now_s=now_s) == "a"
+    assert least_followed_replica(session_id, replicas, {"b": 3, "a": 3}, now_s) == "c"
+    # Equal counts: the rendezvous replica, as every router computes it.
+    assert least_followed_replica(session_id, dict.fromkeys(["a", "b", "c"]), {}, now_s) == "a"
+    assert least_followed_replica(session_id, {}, {}, now_s) is None
+    # A session some replica saw keeps its home, however busy.
+    key = session_key(session_id)
+    seen = {**replicas, "a": replace(replicas["a"], sessions={**replicas["a"].sessions, key: recent})}
+    assert session_home(session_id, seen, routed_recently={"b": 0}, now_s=now_s) == "a"
 
 
 def test_the_home_takes_the_affinity_bonus_from_the_rendezvous_replica() -> None:

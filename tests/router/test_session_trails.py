@@ -67,3 +67,21 @@ def test_trails_to_replicas_that_left_are_forgotten() -> None:
     trails.record("s2", "b", KEYS, 1.0)
     trails.forget_replicas({"b", "c"})
     assert trails.get("s1") is None and trails.get("s2") is not None
+
+
+def test_recent_sessions_count_each_session_at_its_last_replica_within_the_window() -> None:
+    trails = SessionTrails(max_sessions=3, active_s=100.0)
+    trails.record("s1", "a", KEYS, 10.0)
+    trails.record("s2", "a", KEYS, 20.0)
+    trails.record("s3", "b", KEYS, 30.0)
+    assert trails.recent_sessions(50.0) == {"a": 2, "b": 1}
+    trails.record("s1", "b", KEYS, 60.0)  # moved: counted at its new replica only
+    assert trails.recent_sessions(60.0) == {"a": 1, "b": 2}
+    assert trails.recent_sessions(125.0) == {"b": 2}  # s2 (routed at 20) is past the window
+    trails.record("s4", "c", KEYS, 126.0)  # four sessions for three trails: the oldest, s2, is evicted
+    assert trails.get("s2") is None and trails.recent_sessions(126.0) == {"b": 2, "c": 1}
+    trails.forget_replicas({"c"})
+    assert trails.recent_sessions(126.0) == {"c": 1}
+    assert trails.recent_sessions(1_000.0) == {}
+    with pytest.raises(ValueError, match="active_s"):
+        SessionTrails(active_s=0.0)
