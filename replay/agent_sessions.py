@@ -139,7 +139,13 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     )
     parser.add_argument("--quick", action="store_true", help="4 short sessions: seconds of load per system")
     parser.add_argument("--url", default=None, help="drive this running cluster (no baseline)")
-    parser.add_argument("--model", default="tiny", help="preset or model directory (sets the context to scale to)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="preset or model directory (sets the context to scale to; default small, where a prefix costs to "
+        "recompute about what it would on an accelerator against loading its pages; tiny with --quick or --url, "
+        "the model a cluster serves by default)",
+    )
     parser.add_argument("--sessions", type=int, default=None, help="concurrent sessions (default 8, quick 4)")
     parser.add_argument("--turns", type=int, default=None, help="user turns per session (default 3, quick 2)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per call (default 16, quick 8)")
@@ -151,6 +157,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     parser.add_argument("--grpc-port", type=int, default=19080)
     add_out_argument(parser, "agent_sessions")
     args = parser.parse_args(argv)
+    args.model = args.model or ("tiny" if args.quick or args.url else "small")
     if args.out.suffix == ".json":
         parser.error(f"--out is the results folder (agent_sessions.json goes in it), got the file name {args.out}")
     return args
