@@ -254,10 +254,13 @@ ENGINE_REQUESTS = [(3000, 8), (1500, 24), (600, 48), (120, 96), (40, 64), (2000,
 MORE_ENGINE_REQUESTS = [(900, 32), (250, 16), (3500, 12), (60, 120)]
 
 
-def run_steps(engine: LLMEngine, ledger: RecordingLedger, prompts: Seq[tuple[list[int], int]]) -> float:
-    """Run requests together to completion; returns the joules the ledger measured."""
+def run_steps(
+    engine: LLMEngine, ledger: RecordingLedger, prompts: Seq[tuple[list[int], int]], ids: Seq[int] | None = None
+) -> float:
+    """Run requests together to completion (named ``ids``, by default their positions); returns the joules the
+    ledger measured."""
     start_j = ledger.energy_j
-    for index, (prompt, max_tokens) in enumerate(prompts):
+    for index, (prompt, max_tokens) in zip(ids or range(len(prompts)), prompts):
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), str(index))
     while engine.has_unfinished_requests():
         engine.step()
@@ -293,9 +296,11 @@ def on_engine(model: str, repeats: int, full: bool, step_tokens: int, seed: int)
     noise = [l1({rid: runs[i] for rid, runs in isolated_j.items()}, truth) for i in range(repeats)]
     mean_shapley = {rid: statistics.mean(shapley[rid] for shapley, _ in batched) for rid in truth}
     mean_proportional = {rid: statistics.mean(proportional[rid] for _, proportional in batched) for rid in truth}
+    coalition_truth = coalitions(engine, ledger, repeats if full else 1, seed)
     stats = ledger.stats()
     return {
         **accounting_cpu(ledger),
+        "coalition_truth": coalition_truth,
         "model": model,
         "meter": ledger.meter.name,
         "step_tokens": step_tokens,
@@ -312,6 +317,57 @@ def on_engine(model: str, repeats: int, full: bool, step_tokens: int, seed: int)
         "accounting_us_per_step": round(ledger.accounting_s / ledger.num_steps * 1e6, 1),
         "accounting_fraction": round(float(stats["accounting_fraction"]), 5),
         "fitted": {field.name: stats[f"model_{field.name}"] for field in fields(CostCoefficients)},
+    }
+
+
+def coalitions(engine: LLMEngine, ledger: RecordingLedger, repeats: int, seed: int) -> dict[str, Any]:
+    """The ground truth Shapley values stand for: every coalition of ``ENGINE_REQUESTS`` run together and
+    measured, the requests' exact Shapley values of those measured energies, against the attributions of
+    the batched run of all of them (the last coalition run). Averaged over the repeats, each with its own
+    prompts; the coalitions run in a fresh random order each time, so the host's drift spreads over all."""
+    rng = np.random.default_rng(seed + 1)
+    num_players = len(ENGINE_REQUESTS)
+    everyone = (1 << num_players) - 1
+    measured_j: dict[int, list[float]] = {mask: [] for mask in range(1, everyone + 1)}
+    batched: list[tuple[dict[str, float], dict[str, float]]] = []
+    progress = Progress("energy by coalitions", repeats * everyone)
+    for _ in range(repeats):
+        prompts = [([int(t) for t in rng.integers(10, 200, size=length)], out) for length, out in ENGINE_REQUESTS]
+        for mask in [*rng.permutation(np.arange(1, everyone)).tolist(), everyone]:
+            players = [i for i in range(num_players) if mask >> i & 1]
+            first_step = len(ledger.steps)
+            measured_j[mask].append(run_steps(engine, ledger, [prompts[i] for i in players], players))
+            progress.advance()
+        shapley: dict[str, float] = {}
+        proportional: dict[str, float] = {}
+        for works, attribution in ledger.steps[first_step:]:
+            add(shapley, works, attribution.shapley_j)
+            add(proportional, works, attribution.proportional_j)
+        batched.append((shapley, proportional))
+    mean_j = {mask: statistics.mean(runs) for mask, runs in measured_j.items()}
+    values = exact_shapley(lambda players: mean_j[sum(1 << i for i in players)] if players else 0.0, num_players)
+    truth = {str(i): float(value) for i, value in enumerate(values)}
+    mean_shapley = {rid: statistics.mean(shapley[rid] for shapley, _ in batched) for rid in truth}
+    mean_proportional = {rid: statistics.mean(proportional[rid] for _, proportional in batched) for rid in truth}
+    noise = [
+        share_l1(
+            exact_shapley(lambda players: measured_j[sum(1 << i for i in players)][r] if players else 0.0, num_players),
+            values,
+        )
+        for r in range(repeats)
+    ]
+    return {
+        "requests": [{"prompt_tokens": length, "output_tokens": out} for length, out in ENGINE_REQUESTS],
+        "coalitions": everyone,
+        "repeats": repeats,
+        "shapley_l1": round(l1(mean_shapley, truth), 4),
+        "proportional_l1": round(l1(mean_proportional, truth), 4),
+        "shapley_l1_each_repeat": [round(l1(shapley, truth), 4) for shapley, _ in batched],
+        "proportional_l1_each_repeat": [round(l1(proportional, truth), 4) for _, proportional in batched],
+        "repeat_truth_l1_to_their_mean": round(statistics.mean(noise), 4),
+        "true_shares": [round(value / float(values.sum()), 4) for value in values],
+        # What being in a batch saved: the coalition of all against the sum of the requests run alone.
+        "batch_over_isolated_energy": round(mean_j[everyone] / sum(mean_j[1 << i] for i in range(num_players)), 4),
     }
 
 
