@@ -25,6 +25,11 @@ averaged over the repeats (``isolated_run_l1_to_their_mean`` says how far a
 single isolated run is from that mean: the host's noise). The ledger is the
 engine's: it calibrates online across the isolated and batched runs.
 
+(c) This machine, by coalitions (``coalition_truth``): an isolated run pays
+every step's fixed cost alone, which a batch shares, so it is not the share
+Shapley values claim. Every coalition of the first six requests is run and
+measured; the truth is the exact Shapley values of those measured energies.
+
 The error of a split is the L1 distance of its normalised shares to the true
 ones (0: equal, 2: disjoint): per request over a workload (``shapley_l1``,
 ``proportional_l1``), and in (a) per step of two requests or more
