@@ -350,15 +350,12 @@ def coalitions(engine: LLMEngine, ledger: RecordingLedger, repeats: int, seed: i
             add(proportional, works, attribution.proportional_j)
         batched.append((shapley, proportional))
     mean_j = {mask: statistics.mean(runs) for mask, runs in measured_j.items()}
-    values = exact_shapley(lambda players: mean_j[sum(1 << i for i in players)] if players else 0.0, num_players)
+    values = shapley_of(mean_j, num_players)
     truth = {str(i): float(value) for i, value in enumerate(values)}
     mean_shapley = {rid: statistics.mean(shapley[rid] for shapley, _ in batched) for rid in truth}
     mean_proportional = {rid: statistics.mean(proportional[rid] for _, proportional in batched) for rid in truth}
     noise = [
-        share_l1(
-            exact_shapley(lambda players: measured_j[sum(1 << i for i in players)][r] if players else 0.0, num_players),
-            values,
-        )
+        share_l1(shapley_of({mask: runs[r] for mask, runs in measured_j.items()}, num_players), values)
         for r in range(repeats)
     ]
     return {
@@ -374,6 +371,11 @@ def coalitions(engine: LLMEngine, ledger: RecordingLedger, repeats: int, seed: i
         # What being in a batch saved: the coalition of all against the sum of the requests run alone.
         "batch_over_isolated_energy": round(mean_j[everyone] / sum(mean_j[1 << i] for i in range(num_players)), 4),
     }
+
+
+def shapley_of(energy_j: dict[int, float], num_players: int) -> np.ndarray:
+    """The exact Shapley values of measured coalition energies, keyed by the coalition's bit mask."""
+    return exact_shapley(lambda players: energy_j[sum(1 << i for i in players)] if players else 0.0, num_players)
 
 
 def accounting_cpu(ledger: RecordingLedger) -> dict[str, float]:
