@@ -156,6 +156,10 @@ class Step:
     # A call that asked for prompt logprobs (``SamplingParams.prompt_logprobs``), on its first step: one entry
     # per prompt token, the first None (nothing predicts it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Joules the call has been attributed so far (``rayturn.engine.energy``): this replica's engine, plus the
+    # prefill replica's when the prefill pool computed the prompt; the meter (or meters, ``+``-joined) they read.
+    energy_j: float = 0.0
+    energy_meter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +171,6 @@ class PrefillAnswer:
     logprobs: tuple[TokenLogprob, ...] | None
     cached_tokens: int
     loaded_tokens: int
+    # Joules the prefill replica's engine attributed to computing the prompt, and its meter's name.
+    energy_j: float = 0.0
+    energy_meter: str | None = None

@@ -33,7 +33,8 @@ door. What changes on the way:
 ``output_config.format`` (structured outputs, a JSON schema) is enforced by
 constrained decoding, as the chat API's ``response_format``. rayturn's
 ``priority`` (the call's class, sent through the SDK's ``extra_body``) is read
-as every API reads it (``rayturn.api.priority``).
+as every API reads it (``rayturn.api.priority``), and so is ``speculative``
+(``rayturn.api.protocol``).
 
 Accepted and ignored: ``thinking``, ``context_management``, ``output_config.effort``,
 ``service_tier``, ``container``, ``mcp_servers`` and unknown top-level fields,
@@ -100,6 +101,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         top_p=1.0 if top_p is None else top_p,
         top_k=top_k or 0,
         stop=_stop_sequences(fields),
+        speculative=fields.boolean("speculative"),
     )
     chat = ChatRequest(
         model=model,

@@ -59,7 +59,8 @@ def openai_finish_reason(engine_reason: str | None, *, has_tool_calls: bool = Fa
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, kv_store_tokens: int = 0) -> JSON:
     """OpenAI's usage object. ``prompt_tokens_details.kv_store_tokens`` (rayturn's own) counts the
-    cached tokens whose KV came from the KV store rather than the serving replica's device."""
+    cached tokens whose KV came from the KV store rather than the serving replica's device; the callers add
+    rayturn's ``energy`` object (``energy.energy_usage``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayturn.engine.energy import joined_meter_names
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallDelta
 from rayturn.messages import Step
 
 from .bodies import usage
+from .energy import energy_usage
 
 
 @dataclass
@@ -46,13 +48,34 @@ class CallResult:
     session: Mapping[str, Any] | None = None  # the decode replica's view of the session at arrival
     # Each prompt token's logprob (the first None), for a call that asked for them.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Joules of this send of the call so far (its replicas' attribution), and of earlier sends (a call resumed
+    # after its decode replica died); the meter that measured them.
+    attempt_energy_j: float = 0.0
+    earlier_energy_j: float = 0.0
+    energy_meter: str | None = None
+    # Set once the ingress has settled the call's energy (``energy.EnergyAccounts``): its session's total then.
+    energy_settled: bool = False
+    session_energy_j: float | None = None
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions.values())
 
+    @property
+    def energy_j(self) -> float:
+        return self.earlier_energy_j + self.attempt_energy_j
+
+    def energy(self) -> dict[str, Any]:
+        return energy_usage(self.energy_j, self.energy_meter, self.session_energy_j)
+
     def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
+        tokens = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
+        return {**tokens, "energy": self.energy()}
+
+    def send_again(self) -> None:
+        """The call goes to another replica: what this send spent is kept, the next one counts from zero."""
+        self.earlier_energy_j += self.attempt_energy_j
+        self.attempt_energy_j = 0.0
 
     def fold(self, step: Step) -> None:
         """One step of the decode pool: its prompt's counts, where it ran, and its completions' deltas."""
@@ -61,6 +84,8 @@ class CallResult:
         self.loaded_tokens = step.loaded_tokens
         self.path = step.path
         self.replica_id = step.replica_id
+        self.attempt_energy_j = step.energy_j
+        self.energy_meter = joined_meter_names(self.energy_meter, step.energy_meter)
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = step.prompt_logprobs
         if step.session is not None:

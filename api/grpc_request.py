@@ -239,4 +239,5 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         repetition_penalty=repetition_penalty,
         min_p=min_p,
         min_tokens=options.min_tokens,
+        speculative=options.speculative if options.HasField("speculative") else None,
     )

@@ -8,7 +8,8 @@ Delta --> text         the delta's text; for a call that offered tools only its 
       --> logprobs     each token's logprob; with ``top_logprobs`` its alternatives, with their text
                        and exact bytes
       --> finish       ``tool_calls`` once the completion called a tool, else the engine's reason; the
-                       message that ends the last completion carries the request's usage
+                       message that ends the last completion carries the request's usage,
+                       its energy too (settled by the pipeline on the call's last step)
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class GrpcStream:
                 response.usage.completion_tokens = result.completion_tokens
                 response.usage.cached_tokens = result.cached_tokens
                 response.usage.kv_store_tokens = result.loaded_tokens
+                response.usage.energy.joules = result.energy_j
+                response.usage.energy.meter = result.energy_meter or ""
+                if result.session_energy_j is not None:
+                    response.usage.energy.session_joules = result.session_energy_j
         return response
 
     def _kept(self, index: int, calls: Sequence[ToolCall]) -> Sequence[ToolCall]:

@@ -65,3 +65,8 @@ PRIORITY: JSON = {
     "anyOf": [enum_of(*PRIORITY_NAMES), integer()],
     "description": "The call's class; an integer as vLLM's: < 0 continuation, 0 unset, > 0 background.",
 }
+SPECULATIVE: JSON = {
+    "type": "boolean",
+    "description": "Speculative decoding for this call (the same answer, faster when drafts match); "
+    "absent: the server's default.",
+}

@@ -1,9 +1,14 @@
 """The ingress's Prometheus metrics, served at ``/metrics`` (per ingress replica)."""
 
+from __future__ import annotations
+
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+if TYPE_CHECKING:
+    from .call_result import CallResult
 
 
 class IngressMetrics:
@@ -37,6 +42,13 @@ class IngressMetrics:
             "rayturn_prompt_tokens", "Prompt tokens by where their KV came from", ["source"], registry=self.registry
         )
         self.completion_tokens = Counter("rayturn_completion_tokens", "Generated tokens", registry=self.registry)
+        # No session or tenant label: a label per session would grow without bound (``energy.SessionEnergy``).
+        self.energy_joules = Counter(
+            "rayturn_energy_joules",
+            "Joules the decode and prefill replicas attributed to calls, by the meter that measured them",
+            ["meter"],
+            registry=self.registry,
+        )
         self.replica_losses = Counter(
             "rayturn_replica_losses",
             "Calls whose decode replica died, by what followed: retried, resumed, finished (nothing lost), failed",
@@ -55,6 +67,14 @@ class IngressMetrics:
             ["kv"],
             registry=self.registry,
         )
+
+    def count_tokens(self, result: CallResult) -> None:
+        """A call's prompt tokens by where their KV came from, and its generated tokens."""
+        local = result.cached_tokens - result.loaded_tokens
+        self.prompt_tokens.labels("device").inc(max(local, 0))
+        self.prompt_tokens.labels("store").inc(result.loaded_tokens)
+        self.prompt_tokens.labels("computed").inc(max(result.prompt_tokens - result.cached_tokens, 0))
+        self.completion_tokens.inc(result.completion_tokens)
 
     def count_session(self, session: Mapping[str, Any] | None) -> None:
         if session is None or session.get("idle_s") is None:

@@ -34,6 +34,7 @@ from .json_schema import (
     PRIORITY,
     SESSION_ID,
     SHARED_RULES,
+    SPECULATIVE,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -162,6 +163,7 @@ def chat_request_schema(served_model: str) -> JSON:
         "prompt_cache_key": SESSION_ID,
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
         "priority": PRIORITY,
+        "speculative": SPECULATIVE,
     }
     return object_of(
         properties,
@@ -188,6 +190,7 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
         "prompt_logprobs": integer(0, MAX_LOGPROBS),
         "suffix": {"const": "", "description": "Only an empty suffix is supported."},
         "priority": PRIORITY,
+        "speculative": SPECULATIVE,
     }
     rules = [*SHARED_RULES[:1], "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated"]
     return object_of(

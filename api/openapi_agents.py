@@ -17,6 +17,7 @@ from .json_schema import (
     PRIORITY,
     SESSION_ID,
     SHARED_RULES,
+    SPECULATIVE,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -120,6 +121,7 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             "stop_sequences": array_of(NON_EMPTY, max_items=MAX_ANTHROPIC_STOP_SEQUENCES),
             "stream": BOOLEAN,
             "priority": PRIORITY,
+            "speculative": SPECULATIVE,
         }
     rules = [
         "tool names are unique within 'tools'",
@@ -231,6 +233,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "background": {"const": False},
         "top_logprobs": {"const": 0},
         "priority": PRIORITY,
+        "speculative": SPECULATIVE,
     }
     rules = [
         *SHARED_RULES,

@@ -33,6 +33,7 @@ from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnoun
 from rayturn.router.replica_stats import page_hash_key
 
 from .call_result import CallResult
+from .energy import EnergyAccounts
 from .errors import client_error, invalid_request, replica_unavailable, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
@@ -122,6 +123,7 @@ class CallPipeline:
         self.guides = GuideMaker(parser, self.tokenizer)
         self.health_probe = PoolHealthProbe(settings.app_name, settings.pools)
         self.telemetry = IngressMetrics()
+        self.energy = EnergyAccounts(self.telemetry.energy_joules)
 
     # -- the caller -------------------------------------------------------
 
@@ -337,26 +339,23 @@ class CallPipeline:
                         done = True
                         return
                     sent = loss.call
+                    result.send_again()
         finally:
             if not done and generator is not None:
                 generator.cancel()
             self.telemetry.e2e.observe(time.perf_counter() - start)
-            self._count_tokens(result)
+            self.telemetry.count_tokens(result)
+            self.energy.settle(call.session_id, result)  # a call that ended without its last step spent too
 
     def _fold(self, call: Call, step: Step, result: CallResult) -> None:
         if any(delta.finish_reason == GUIDE_BROKEN for delta in step.deltas):
             # The engine met a token its guide refused: the answer is not what was asked, so no answer.
             raise server_error(f"The answer broke its required format (request id {call.request_id}).")
         result.fold(step)
+        if step.finished:  # settled before the API sees the last step: its usage carries the session's total
+            self.energy.settle(call.session_id, result)
         if step.session is not None:
             self.telemetry.count_session(step.session)
-
-    def _count_tokens(self, result: CallResult) -> None:
-        local = result.cached_tokens - result.loaded_tokens
-        self.telemetry.prompt_tokens.labels("device").inc(max(local, 0))
-        self.telemetry.prompt_tokens.labels("store").inc(result.loaded_tokens)
-        self.telemetry.prompt_tokens.labels("computed").inc(max(result.prompt_tokens - result.cached_tokens, 0))
-        self.telemetry.completion_tokens.inc(result.completion_tokens)
 
     async def prewarm(self, request_id: str, tenant: str, session_id: str) -> PrewarmAnswer:
         """Announce a session's next call to the decode replica that follows the session."""

@@ -21,7 +21,14 @@ clients routinely send extras such as ``metadata`` or ``store``):
   (``UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): ``priority``, the
-  call's class (a name, or vLLM's integer: ``rayturn.api.priority``).
+  call's class (a name, or vLLM's integer: ``rayturn.api.priority``), and
+  ``speculative`` (a boolean: speculative decoding on or off for the call;
+  absent or null: the server's ``model.speculative.enabled``). Every engine
+  can draft (``rayturn.engine.speculative`` keeps no state that only an
+  enabled server builds), so ``true`` works on a server whose default is off.
+  The answer is the same either way; only its speed differs. Calls that
+  cannot be verified exactly (``n`` > 1, a guide, a repetition penalty)
+  decode without drafts whatever they ask.
 * ``/v1/chat/completions``: ``messages`` (text content only),
   ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
   ``top_logprobs``, ``tools``, ``tool_choice`` (``required`` and a named
@@ -32,6 +39,11 @@ clients routinely send extras such as ``metadata`` or ``store``):
 * ``/v1/completions`` (``completion_request``): ``prompt`` (a string, a list
   of token ids, or a list of either), ``echo``, ``logprobs`` (an integer),
   ``prompt_logprobs``, ``suffix`` only empty, ``best_of`` only equal to ``n``.
+
+Usage, in every API's own shape, carries rayturn's ``energy``: the call's
+joules, their meter and its session's total (``rayturn.api.energy``); the
+OpenAI-shaped ones also count the cached prompt tokens loaded from the KV
+store (``kv_store_tokens``).
 
 A supported field with a bad value is a 400 whose ``param`` is the field's
 dotted path (``messages[2].content``) and whose message quotes that path; a
@@ -111,6 +123,8 @@ class SamplingSpec:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    # The body's ``speculative``: speculative decoding on or off for this call; None: the server's default.
+    speculative: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +225,7 @@ def to_sampling_params(
             include_stop_str_in_output=spec.include_stop_str_in_output,
             skip_special_tokens=spec.skip_special_tokens,
             prompt_logprobs=spec.prompt_logprobs,
+            speculative=spec.speculative,
         )
     except ValueError as error:
         match = _ENGINE_FIELD.match(str(error))
@@ -275,6 +290,7 @@ def sampling_spec(
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output") or False,
         skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
         prompt_logprobs=prompt_logprobs,
+        speculative=fields.boolean("speculative"),
     )
 
 

@@ -13,7 +13,8 @@ Honoured: ``model``, ``input``, ``instructions``, function ``tools`` (the flat
 ``previous_response_id``, ``stream``, ``prompt_cache_key`` (the session id
 when no session header names one), ``prompt_cache_retention`` (how long
 the whole prompt stays cached, as the chat API keeps it) and rayturn's
-``priority`` (the call's class: ``rayturn.api.priority``).
+``priority`` (the call's class: ``rayturn.api.priority``) and ``speculative``
+(speculative decoding for the call: ``rayturn.api.protocol``).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
 ``include`` (no reasoning items are produced), ``metadata``, ``truncation``
@@ -143,6 +144,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         max_tokens=max_output_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
+        speculative=fields.boolean("speculative"),
     )
     echo: JSON = {
         "instructions": instructions,

@@ -35,6 +35,7 @@ from .bodies import (
     vllm_prompt_logprobs,
 )
 from .completion_request import CompletionRequest, parse_completion_request
+from .energy import summed_energy_usage
 from .errors import invalid_request, server_error
 from .pipeline import NO_STEP, CallResult, chain_steps
 from .protocol import JSON
@@ -329,9 +330,10 @@ def _usage(spec: CompletionRequest, results: Iterable[CallResult]) -> JSON:
     """The whole request's usage: every prompt's call added up (a scored-only prompt generated nothing)."""
     calls = list(results)
     completion_tokens = sum(result.completion_tokens for result in calls) if spec.generates else 0
-    return usage(
+    tokens = usage(
         sum(result.prompt_tokens for result in calls),
         completion_tokens,
         sum(result.cached_tokens for result in calls),
         sum(result.loaded_tokens for result in calls),
     )
+    return {**tokens, "energy": summed_energy_usage(calls)}

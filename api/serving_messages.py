@@ -93,8 +93,10 @@ class ServingMessages(HTTPServing):
             headers["Retry-After"] = str(RETRY_AFTER_S)
         return JSONResponse(error_body(api_error), status_code=anthropic_status(api_error), headers=headers)
 
-    def _usage(self, result: CallResult) -> JSON:
-        return messages_usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens, self.page_size)
+    def _usage(self, result: CallResult, *, energy: bool = True) -> JSON:
+        """The call's usage; with rayturn's ``energy`` (``rayturn.api.energy``) once the call has ended."""
+        tokens = messages_usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens, self.page_size)
+        return {**tokens, "energy": result.energy()} if energy else tokens
 
     @property
     def page_size(self) -> int:
@@ -116,7 +118,7 @@ class ServingMessages(HTTPServing):
         self, parsed: MessagesRequest, steps: Steps, first: Any, result: CallResult
     ) -> AsyncIterator[str]:
         stream = MessageStream(message_id(), self.served_model)
-        for line in stream.start({**self._usage(result), "output_tokens": 0}):
+        for line in stream.start({**self._usage(result, energy=False), "output_tokens": 0}):
             yield line
         parse_tools = parsed.chat.prompt_tools is not None
         one_call = not parsed.chat.parallel_tool_calls

@@ -147,9 +147,10 @@ class ServingResponses(HTTPServing):
         self.store.put(stored)
 
     def _usage(self, result: CallResult) -> JSON:
-        return response_usage(
+        tokens = response_usage(
             result.prompt_tokens, result.completion_tokens, result.cached_tokens, result.loaded_tokens
         )
+        return {**tokens, "energy": result.energy()}
 
     async def _stream(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
         chat = turn.chat

@@ -48,6 +48,7 @@ import ray
 
 from rayturn.engine import LLMEngine, RequestOutput
 from rayturn.engine.async_engine import AsyncEngine
+from rayturn.engine.energy import joined_meter_names
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
@@ -119,6 +120,14 @@ def output_prefix_of(
     if first is not None:
         return first.token_ids, first.logprobs
     return (), None
+
+
+def call_energy(output: RequestOutput, first: PrefillAnswer | None) -> tuple[float, str | None]:
+    """The joules this replica's engine attributed to a call so far, plus the prefill replica's share when it
+    computed the prompt; and the meters that measured them."""
+    if first is None:
+        return output.energy_j or 0.0, output.energy_meter
+    return (output.energy_j or 0.0) + first.energy_j, joined_meter_names(output.energy_meter, first.energy_meter)
 
 
 def continues_first(call: Call) -> bool:
@@ -287,6 +296,7 @@ class DecodeServer:
                         cached, loaded = first.cached_tokens, first.loaded_tokens
                     else:
                         cached, loaded = output.num_cached_prompt_tokens, output.num_loaded_prompt_tokens
+                    energy_j, energy_meter = call_energy(output, first)
                     yield Step(
                         deltas=deltas,
                         prompt_tokens=len(output.prompt_token_ids),
@@ -297,6 +307,8 @@ class DecodeServer:
                         replica_id=self.replica_id,
                         session=report,
                         prompt_logprobs=None if prompt_logprobs_sent else output.prompt_logprobs,
+                        energy_j=energy_j,
+                        energy_meter=energy_meter,
                     )
                     report = None
                     prompt_logprobs_sent = prompt_logprobs_sent or output.prompt_logprobs is not None

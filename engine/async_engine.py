@@ -135,6 +135,7 @@ class AsyncEngine:
                 **engine.load_stats(),
                 **engine.session_stats(),
                 **engine.prefix_pins.stats(),
+                "speculation": engine.drafter.stats.as_dict(),
                 "page_size": engine.page_size,
                 "cached_page_hashes": hashes,
             }
@@ -285,8 +286,8 @@ class AsyncEngine:
         return connector.longest_prefix(page_hashes, cache_salt) if connector is not None else 0
 
     def stats(self) -> dict[str, Any]:
-        """The latest load, session-hold and prefix-pin figures and recently cached page hashes (16 hex chars
-        each)."""
+        """The latest load, session-hold, prefix-pin and speculation figures and recently cached page hashes (16
+        hex chars each)."""
         return dict(self._stats)
 
     @property

@@ -82,6 +82,8 @@ class PrefillServer:
             logprobs=tuple(completion.logprobs) if completion.logprobs is not None else None,
             cached_tokens=final.num_cached_prompt_tokens,
             loaded_tokens=final.num_loaded_prompt_tokens,
+            energy_j=final.energy_j or 0.0,
+            energy_meter=final.energy_meter,
         )
 
     def record_routing_stats(self) -> dict[str, Any]:

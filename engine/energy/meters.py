@@ -146,6 +146,13 @@ def select_meter(device: torch.device, powercap_root: Path = POWERCAP_ROOT) -> E
     return meter
 
 
+def joined_meter_names(*names: str | None) -> str | None:
+    """The name of a figure summed from several meters' (a call's prefill and decode replicas): the distinct
+    names, sorted and ``+``-joined (``model+nvml``); one name when they agree, None when there are none."""
+    distinct = sorted({part for name in names if name for part in name.split("+")})
+    return "+".join(distinct) or None
+
+
 def _nvml_handle(pynvml: Any, device: torch.device) -> Any:
     """The NVML handle of a CUDA device: by its UUID where torch reports one (NVML ignores CUDA_VISIBLE_DEVICES)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,5 +1,5 @@
 """A call's deltas as ``Generate`` messages: prose without call markup, whole tool calls, ``tool_calls`` as the
-finish, alternatives with their exact bytes, and usage only on the stream's last message."""
+finish, alternatives with their exact bytes, and usage (energy too) only on the stream's last message."""
 
 from __future__ import annotations
 
@@ -19,7 +19,16 @@ from rayturn.messages import Delta
 from rayturn.protos import rayturn_pb2 as pb
 
 CALL = '<tool_call>{"name": "open_file", "arguments": {"path": "README.md"}}</tool_call>'
-RESULT = CallResult(completions={}, prompt_tokens=40, cached_tokens=32, loaded_tokens=16)
+RESULT = CallResult(
+    completions={},
+    prompt_tokens=40,
+    cached_tokens=32,
+    loaded_tokens=16,
+    attempt_energy_j=0.25,
+    earlier_energy_j=0.5,
+    energy_meter="rapl",
+    session_energy_j=2.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +70,10 @@ def test_prose_and_calls_come_apart_and_the_finish_says_tool_calls() -> None:
     assert json.loads(calls[0].arguments) == {"path": "README.md"}
     assert [r.finish_reason for r in out] == ["", "", "", "tool_calls"]
     assert [r.HasField("usage") for r in out] == [False, False, False, True]
-    assert out[-1].usage == pb.Usage(prompt_tokens=40, completion_tokens=0, cached_tokens=32, kv_store_tokens=16)
+    energy = pb.Energy(joules=0.75, meter="rapl", session_joules=2.0)
+    assert out[-1].usage == pb.Usage(
+        prompt_tokens=40, completion_tokens=0, cached_tokens=32, kv_store_tokens=16, energy=energy
+    )
 
 
 @pytest.mark.parametrize(("parallel", "num_calls"), [(True, 2), (False, 1)])

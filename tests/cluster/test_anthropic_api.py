@@ -239,3 +239,32 @@ def test_structured_output_gives_json(client: anthropic.Anthropic) -> None:
     assert message.content[0].type == "text" and message.stop_reason == "end_turn"
     value = json.loads(message.content[0].text)
     assert isinstance(value["done"], bool) and 0 <= value["files"] <= 9
+
+
+def test_usage_carries_each_calls_energy_and_its_sessions_total(client: anthropic.Anthropic) -> None:
+    """rayturn's ``usage.energy`` (kept by the SDK among the usage's extra fields): the call's joules, on the
+    disaggregated path the prefill replica's too; the session's total in the last usage of each call."""
+    session = {"x-session-id": "anthropic-energy"}
+    long_question = [{"role": "user", "content": "Review this diff: " + "- a\n+ b\n" * 12}]  # past the threshold
+    message = client.messages.create(
+        model="tiny", max_tokens=4, extra_body=GREEDY, messages=long_question, extra_headers=session
+    )  # type: ignore[arg-type]
+    events = list(
+        client.messages.create(
+            model="tiny",
+            max_tokens=4,
+            extra_body=GREEDY,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_headers=session,
+        )
+    )
+    (delta,) = [event for event in events if event.type == "message_delta"]
+    (start,) = [event for event in events if event.type == "message_start"]
+    assert "energy" not in (start.message.usage.model_extra or {})  # known once the call has ended
+    energies = [(message.usage.model_extra or {})["energy"], (delta.usage.model_extra or {})["energy"]]
+    for energy in energies:
+        assert energy["joules"] > 0 and set(energy["meter"].split("+")) <= {"model", "rapl", "nvml"}
+    assert [energy["session_joules"] for energy in energies] == pytest.approx(
+        [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
+    )

@@ -234,3 +234,27 @@ def test_bad_fields_are_invalid_argument_naming_them(stub: Any, request_fields: 
     ok = generate(stub, chat(pb.ChatMessage(role="user", content="hi"), sampling=pb.SamplingOptions(max_tokens=2)))
     assert ok[-1].usage.completion_tokens == sum(len(r.token_ids) for r in ok) >= 1
     assert stub.Health(pb.HealthRequest(), metadata=METADATA).status == "ok"
+
+
+def test_usage_carries_energy_per_call_and_session_and_speculation_keeps_the_answer(stub: Any) -> None:
+    """``Usage.energy``: each call's joules (the prefill replica's too past the threshold), the meter, and the
+    session's running total; ``sampling.speculative`` changes nothing of a greedy answer."""
+    long_prompt = "Refactor this module: " + "def h(z): return z - 1\n" * 6  # past the threshold
+    energies = []
+    for text in (long_prompt, "hi"):
+        request = pb.GenerateRequest(
+            text=text, session_id="grpc-energy", sampling=pb.SamplingOptions(max_tokens=4, temperature=0.0)
+        )
+        energies.append(generate(stub, request)[-1].usage.energy)
+    for energy in energies:
+        assert energy.joules > 0 and set(energy.meter.split("+")) <= {"model", "rapl", "nvml"}
+    assert [energy.session_joules for energy in energies] == pytest.approx(
+        [energies[0].joules, energies[0].joules + energies[1].joules]
+    )
+    answers = []
+    for speculative in (False, True):
+        sampling = pb.SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=speculative)
+        responses = generate(stub, pb.GenerateRequest(text="a = 1\nb = 1\n" * 4, sampling=sampling))
+        assert not responses[-1].usage.energy.HasField("session_joules")  # no session named
+        answers.append([token for response in responses for token in response.token_ids])
+    assert answers[0] == answers[1] and len(answers[0]) == 24

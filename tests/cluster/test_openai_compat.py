@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
@@ -337,3 +338,95 @@ def test_logprob_tokens_carry_their_raw_bytes_and_alternatives_never_collide(
                 assert top.token == raw.decode("utf-8")
             except UnicodeDecodeError:
                 assert top.token == "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+# ---------------------------------------------------------------- per-call energy, speculative decoding per call
+
+
+def _energy(usage: Any) -> dict[str, Any]:
+    """rayturn's ``usage.energy`` (an extension the SDK keeps among its extra fields), checked for its shape."""
+    energy = (usage.model_extra or {})["energy"]
+    assert energy["joules"] > 0
+    assert set(energy["meter"].split("+")) <= {"model", "rapl", "nvml"}
+    return dict(energy)
+
+
+def _energy_counted_j(server: str) -> float:
+    """The ingress's ``rayturn_energy_joules`` counter, summed over meters."""
+    families = text_string_to_metric_families(requests.get(f"{server}/metrics", timeout=30).text)
+    return sum(
+        sample.value
+        for family in families
+        if family.name == "rayturn_energy_joules"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def test_usage_carries_each_calls_energy_and_its_sessions_total(server: str, client: openai.OpenAI) -> None:
+    counted_before_j = _energy_counted_j(server)
+    session = {"x-session-id": "energy-session"}
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": LONG_PROMPT}],  # past the threshold: the prefill pool's joules too
+        max_tokens=6,
+        temperature=0,
+        extra_headers=session,
+    )
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=session,
+        )
+    )
+    completion = client.completions.create(
+        model="tiny", prompt=[PROMPT, LONG_PROMPT], max_tokens=4, temperature=0, extra_headers=session
+    )
+    alone = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    energies = [_energy(chat.usage), _energy(streamed[-1].usage), _energy(completion.usage), _energy(alone.usage)]
+    assert [energy["session_joules"] is None for energy in energies] == [False, False, False, True]
+    in_session_j = [energy["joules"] for energy in energies[:3]]
+    # Each call's usage carries its session's total so far, this call included.
+    assert [energy["session_joules"] for energy in energies[:3]] == pytest.approx(
+        [sum(in_session_j[: i + 1]) for i in range(3)]
+    )
+    counted_j = _energy_counted_j(server) - counted_before_j
+    assert counted_j == pytest.approx(sum(energy["joules"] for energy in energies))
+
+
+def test_speculative_decoding_per_call_gives_the_same_greedy_answer(server: str, client: openai.OpenAI) -> None:
+    """The server's default is off; ``speculative: true`` turns drafting on for one call, and the answer is the
+    same token for token, streamed or not."""
+
+    def drafts() -> int:
+        return int(requests.get(f"{server}/health", timeout=30).json()["details"]["decode.speculation"]["num_drafts"])
+
+    drafts_before = drafts()
+    prompt = "x = [1, 2, 3]\ny = [1, 2, 3]\n" * 4
+    answers = {}
+    for switch in (None, False, True):
+        body: dict[str, Any] = {"ignore_eos": True, **({} if switch is None else {"speculative": switch})}
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=48, temperature=0, extra_body=body)
+        answers[switch] = answer.choices[0].text
+    chunks = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "speculative": True},
+    )
+    streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert answers[True] == answers[False] == answers[None] == streamed
+    deadline = time.monotonic() + 30  # the replica's figures are refreshed as its engine goes idle
+    while drafts() <= drafts_before:  # the switched-on calls did verify drafts
+        assert time.monotonic() < deadline, "no draft was verified"
+        time.sleep(0.2)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"speculative": "yes"})
+    assert caught.value.param == "speculative"  # type: ignore[attr-defined]

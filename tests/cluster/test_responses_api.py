@@ -311,3 +311,26 @@ def test_each_calls_class_reaches_the_decode_replica_and_a_bad_one_is_a_400(
         client.responses.create(model="tiny", input="hi", extra_body={"priority": 2.5})
     assert caught.value.body["param"] == "priority"  # type: ignore[index]
     assert decode_calls_by_priority(cluster) == after  # refused at the ingress: no replica saw them
+
+
+def test_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.OpenAI) -> None:
+    """rayturn's ``usage.energy`` (an extra field to the SDK): the call's joules and its session's total, in the
+    answer and in a stream's final response."""
+    session = {"x-session-id": "responses-energy"}
+    answer = client.responses.create(
+        model="tiny", input="Review: " + "a = b\n" * 20, max_output_tokens=4, temperature=0, extra_headers=session
+    )
+    events = list(
+        client.responses.create(
+            model="tiny", input="hi", max_output_tokens=4, temperature=0, stream=True, extra_headers=session
+        )
+    )
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert answer.usage is not None and final.usage is not None
+    energies = [(usage.model_extra or {})["energy"] for usage in (answer.usage, final.usage)]
+    for energy in energies:
+        assert energy["joules"] > 0 and set(energy["meter"].split("+")) <= {"model", "rapl", "nvml"}
+    assert [energy["session_joules"] for energy in energies] == pytest.approx(
+        [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
+    )

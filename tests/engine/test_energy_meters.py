@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayturn.engine.energy import ModelMeter, NvmlMeter, RaplMeter, select_meter
+from rayturn.engine.energy import ModelMeter, NvmlMeter, RaplMeter, joined_meter_names, select_meter
 
 
 def rapl_domain(root: Path, name: str, energy_uj: int | str, max_range_uj: int = 1000) -> Path:
@@ -76,3 +76,11 @@ def test_nvml_reads_millijoules_as_joules_and_is_absent_without_the_library(monk
     assert NvmlMeter.open(torch.device("cuda", 0)) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     assert NvmlMeter.open(torch.device("cuda", 0)) is None
+
+
+def test_joined_meter_names_are_distinct_sorted_and_none_without_any() -> None:
+    assert joined_meter_names("rapl", "rapl") == "rapl"
+    assert joined_meter_names("nvml", None, "model") == "model+nvml"
+    assert joined_meter_names("model+nvml", "rapl", "nvml") == "model+nvml+rapl"
+    assert joined_meter_names(None, "") is None
+    assert joined_meter_names() is None
