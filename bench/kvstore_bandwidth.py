@@ -7,9 +7,14 @@ again as a list of per-page rows: ``*_list_*`` figures) — once on the
 same-node path (straight out of the owner's shared memory), once with UCX
 forced. It also times a 1-page get and a 256-page
 batch (p50/p99). In the same run, a single-thread memcpy of the same bytes
-into a warm buffer gives the physical limit.
+into a warm buffer gives the physical limit, and the Mooncake store runs the
+same workloads on the same pages (``--peer mooncake``, the default when its
+venv is set up: ``bash bench/peers/setup_mooncake.sh``; see
+``bench/peers/mooncake_peer.py``), in its TCP and local-memcpy modes; the
+``vs_mooncake`` ratios are rayturn's figure over Mooncake's (bandwidth: higher
+is better for rayturn; latency: lower is).
 
-    python bench/kvstore_bandwidth.py [--quick]
+    python bench/kvstore_bandwidth.py [--quick] [--peer mooncake|none] [--out DIR]
 
 The last line of stdout is one JSON object.
 """
@@ -17,15 +22,17 @@ The last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from typing import Any
 
 import numpy as np
 import ray
+from peers import mooncake_peer
 
 from rayturn.kvstore import KVStoreClient, start_master
-from rayturn.replay.harness import Progress, emit
+from rayturn.replay.harness import Progress, add_out_argument, emit
 
 PAGE_BYTES = 32 << 10
 BATCH_PAGES = 256  # the latency batch
@@ -106,6 +113,10 @@ def _percentile(samples: list[float], q: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 MiB, fewer repeats")
+    parser.add_argument(
+        "--peer", choices=("mooncake", "none"), default="mooncake", help="the store run beside rayturn's"
+    )
+    add_out_argument(parser, "kvstore_bandwidth")
     args = parser.parse_args()
     total_bytes = (16 if args.quick else 64) << 20
     repeats, latency_iters = (5, 50) if args.quick else (5, 200)
@@ -113,7 +124,7 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     start_master("kv-bench")
-    progress = Progress("kvstore bandwidth", 4)
+    progress = Progress("kvstore bandwidth", 5)
     writer = Worker.remote("kv-bench", "auto", int(total_bytes * 1.5))
     keys = ray.get(writer.fill.remote(num_pages))
     progress.advance()
@@ -126,25 +137,56 @@ def main() -> None:
     used = ray.get(reader.transports.remote())
     progress.advance()
     ray.shutdown()
+    peer = _peer(args.peer, args.out, num_pages, repeats, latency_iters)
+    progress.advance()
     same, ucx = results["auto"], results["ucx"]
-    emit(
-        {
-            "bench": "kvstore_bandwidth",
-            "quick": args.quick,
-            "bytes": total_bytes,
-            "page_bytes": PAGE_BYTES,
-            "same_node_gbps": round(same["gbps"], 3),
-            "ucx_gbps": round(ucx["gbps"], 3),
-            "memcpy_gbps": round(memcpy, 3),
-            "same_node_over_memcpy": round(same["gbps"] / memcpy, 3),
-            "same_node_list_over_memcpy": round(same["list_gbps"] / memcpy, 3),
-            "ucx_over_memcpy": round(ucx["gbps"] / memcpy, 3),
-            "same_node": {k: round(v, 3) for k, v in same.items()},
-            "ucx": {k: round(v, 3) for k, v in ucx.items()},
-            "ucx_transports": used,
-            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
-        }
-    )
+    result = {
+        "bench": "kvstore_bandwidth",
+        "quick": args.quick,
+        "bytes": total_bytes,
+        "page_bytes": PAGE_BYTES,
+        "same_node_gbps": round(same["gbps"], 3),
+        "ucx_gbps": round(ucx["gbps"], 3),
+        "memcpy_gbps": round(memcpy, 3),
+        "same_node_over_memcpy": round(same["gbps"] / memcpy, 3),
+        "same_node_list_over_memcpy": round(same["list_gbps"] / memcpy, 3),
+        "ucx_over_memcpy": round(ucx["gbps"] / memcpy, 3),
+        "same_node": {k: round(v, 3) for k, v in same.items()},
+        "ucx": {k: round(v, 3) for k, v in ucx.items()},
+        "ucx_transports": used,
+        "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+        **peer,
+    }
+    if "mooncake" in peer and "tcp" in peer["mooncake"]:
+        result["vs_mooncake"] = _ratios(same, ucx, peer["mooncake"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kvstore_bandwidth.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    emit(result)
+
+
+def _peer(name: str, out: Any, num_pages: int, repeats: int, latency_iters: int) -> dict[str, Any]:
+    """The peer's figures per mode, under ``mooncake`` (or why it did not run, under ``mooncake_skipped``)."""
+    if name == "none":
+        return {}
+    config = {"page_bytes": PAGE_BYTES, "num_pages": num_pages, "repeats": repeats, "latency_iters": latency_iters}
+    try:
+        figures = mooncake_peer.measure(config, out)
+    except mooncake_peer.PeerMissing as err:
+        return {"mooncake_skipped": str(err)}
+    return {"mooncake": {mode: {k: round(v, 3) for k, v in f.items()} for mode, f in figures.items()}}
+
+
+def _ratios(same: dict[str, float], ucx: dict[str, float], peer: dict[str, dict[str, float]]) -> dict[str, float]:
+    """rayturn over Mooncake: shared memory against its memcpy mode, UCX against its TCP mode."""
+    local, tcp = peer["memcpy"], peer["tcp"]
+    return {
+        "same_node_gbps_over_memcpy_mode": round(same["gbps"] / local["gbps"], 3),
+        "ucx_gbps_over_tcp_mode": round(ucx["gbps"] / tcp["gbps"], 3),
+        "same_node_get_1_p50_over_memcpy_mode": round(same["get_1_p50_ms"] / local["get_1_p50_ms"], 3),
+        "ucx_get_1_p50_over_tcp_mode": round(ucx["get_1_p50_ms"] / tcp["get_1_p50_ms"], 3),
+        "same_node_get_256_p99_over_memcpy_mode": round(same["get_256_p99_ms"] / local["get_256_p99_ms"], 3),
+        "ucx_get_256_p99_over_tcp_mode": round(ucx["get_256_p99_ms"] / tcp["get_256_p99_ms"], 3),
+    }
 
 
 if __name__ == "__main__":

@@ -2,16 +2,19 @@
 
 Life cycle of a connection and its requests, client side (it mirrors the server's, see
 :mod:`rayturn.kvstore.ucx_server`): CONNECT -> WAIT_CHALLENGE -> SEND_PROOF -> WAIT_OK -> IDLE, then per
-request IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE.
-A refusal (``ok=False``) leaves the connection usable and becomes a :class:`TransportError`
-carrying the server's message; anything else that goes wrong (timeout, broken connection,
-malformed reply) also raises TransportError and drops the cached endpoint, so the next call
-reconnects instead of reading a stale message from a desynchronised stream.
+request IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE
+(a read posts its WAIT_REPLY and RECV_DATA receives at once).
+A refusal (``ok=False``) becomes a :class:`TransportError` carrying the server's message and leaves
+the connection usable, except a read's (its data receive is already posted: the endpoint is dropped);
+anything else that goes wrong (timeout, broken connection, malformed reply) also raises TransportError
+and drops the cached endpoint, so the next call reconnects instead of reading a stale message from a
+desynchronised stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
@@ -77,6 +80,10 @@ class _ServerRefused(Exception):
     """The server answered ok=False: the request failed, the connection is still in step."""
 
 
+class _RefusedOutOfStep(_ServerRefused):
+    """The server answered ok=False to a request whose data receive was already posted: the connection must go."""
+
+
 class _ConnectionFailed(Exception):
     """Connecting or talking to the server failed (its own timeouts included); the endpoint is gone."""
 
@@ -96,6 +103,9 @@ class _ClientConnection:
             try:
                 channel = self._channel or await self._connect()
                 await operation(channel)
+            except _RefusedOutOfStep:
+                self.drop()
+                raise
             except _ServerRefused:
                 raise
             except _ConnectionFailed:
@@ -146,12 +156,13 @@ class _ClientConnection:
 
 
 async def _send_and_expect_ok(channel: Channel, request_id: int, send: Awaitable[None]) -> int:
-    """Run ``send`` and receive the reply that answers it; the reply's ``total_bytes``.
+    """Run ``send`` and receive the reply that answers it, posted at once; the reply's ``total_bytes``."""
+    return await _expect_ok(request_id, send, channel.recv_control(expected_type="reply"))
 
-    Both are posted at once, so the reply's receive is waiting before the send has even
-    completed. _ServerRefused if the reply is a refusal.
-    """
-    _, reply = await asyncio.gather(send, channel.recv_control(expected_type="reply"))
+
+async def _expect_ok(request_id: int, send: Awaitable[None], receive: Awaitable[dict[str, Any]]) -> int:
+    """The ``total_bytes`` of the reply ``receive`` brings, once ``send`` is done; _ServerRefused if refused."""
+    _, reply = await asyncio.gather(send, receive)
     # A refusal of a request the server could not even parse carries id -1; any other stranger
     # means the stream is out of step, and the connection must go.
     if reply["request_id"] not in (request_id, UNPARSED_REQUEST_ID):
@@ -165,17 +176,34 @@ async def _send_and_expect_ok(channel: Channel, request_id: int, send: Awaitable
 
 
 async def _read_exchange(channel: Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:
-    total_bytes = await _send_and_expect_ok(channel, request_id, channel.send_control(body))
+    """Post the request, the reply's receive and the data's, in that order (a tag receive takes the next matching
+    message, in posting order): the data lands as it arrives, with no turn of this loop between reply and data.
+    A refusal leaves the data's receive posted, so it drops the connection (``_RefusedOutOfStep``)."""
     expected_bytes = sum(view.nbytes for view in views)
-    if total_bytes != expected_bytes:
-        raise _ProtocolError(f"server announced {total_bytes} bytes for a read of {expected_bytes}")
     span = adjacent_span(views)
-    if span is not None:
-        await channel.recv_data(span)  # zero copy: straight into the caller's destination(s)
-        return
-    with staging_pool.borrow(total_bytes) as data:
-        await channel.recv_data(data)
-        scatter_views(data, views)
+    with contextlib.ExitStack() as staging:
+        into = span if span is not None else staging.enter_context(staging_pool.borrow(expected_bytes))
+        send = asyncio.ensure_future(channel.send_control(body))
+        reply = asyncio.ensure_future(channel.recv_control(expected_type="reply"))
+        data = asyncio.ensure_future(channel.recv_data(into))  # zero copy when ``span``: straight into the dests
+        try:
+            total_bytes = await _expect_ok(request_id, send, reply)
+            if total_bytes != expected_bytes:
+                raise _ProtocolError(f"server announced {total_bytes} bytes for a read of {expected_bytes}")
+            await data
+        except _ServerRefused as error:
+            raise _RefusedOutOfStep(str(error)) from None
+        finally:
+            for task in (send, reply, data):
+                task.cancel()  # only those not done; the connection then drops, cancelling UCX's requests
+                task.add_done_callback(_observe)
+        if span is None:
+            scatter_views(into, views)
+
+
+def _observe(task: asyncio.Future[Any]) -> None:
+    """Mark a side task's failure as seen: the request's own error (or the dropped connection) reports it."""
+    _ = task.cancelled() or task.exception()
 
 
 async def _write_exchange(channel: Channel, request_id: int, body: bytes, views: list[memoryview]) -> None:

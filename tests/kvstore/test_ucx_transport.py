@@ -312,6 +312,9 @@ def test_out_of_bounds_read_is_refused_and_the_server_keeps_serving(
     dest = bytearray(8)
     read(client, remote.address, [(64, 8)], [dest])
     assert dest == expected[64:72].tobytes()
+    # The refused read's data receive was posted with its reply's: nothing, not even the next read's bytes,
+    # may land in its destinations.
+    assert all(refused == bytearray(len(refused)) for refused in dests)
 
 
 def test_out_of_bounds_write_is_refused_and_lands_nothing(remote: RemoteServer, client: UcxClient) -> None:
