@@ -7,24 +7,11 @@ cache served the continued calls, which holds on any machine.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_script import run_bench
 
 
 def test_agent_clients_quick_reports_cached_continuations() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "agent_clients.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_bench("agent_clients.py", "--quick")
     assert result["bench"] == "agent_clients" and result["quick"] is True
     assert result["sdk_prompt_tokens"] > 4000 and result["sdk_cached_fraction"] >= 0.9
     assert result["sdk_cold_ttft_s"] > 0 and result["sdk_continue_ttft_s"] > 0

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "control_plane.py"
+from bench_script import run_bench
 
 
 def test_quick_run_reports_router_and_master_figures_against_their_baselines(tmp_path: Path) -> None:
-    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)]
-    command += ["--sessions", "2000", "--decisions", "400", "--keys", "20000", "--ops", "2000", "--rounds", "1"]
-    command += ["--single-key-ops", "4000"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    sizes = ["--sessions", "2000", "--decisions", "400", "--keys", "20000", "--ops", "2000", "--rounds", "1"]
+    report = run_bench("control_plane.py", "--quick", "--out", str(tmp_path), *sizes, "--single-key-ops", "4000")
     assert report == json.loads((tmp_path / "control_plane_quick.json").read_text())
     assert (report["bench"], report["replicas"], report["sessions"], report["decisions"]) == (
         "control_plane",

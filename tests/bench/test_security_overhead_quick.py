@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "security_overhead.py"
+from bench_script import run_bench
 
 
 def test_quick_run_reports_each_check_and_its_share() -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_bench("security_overhead.py", "--quick")
     ingress, store = report["ingress_checks_us"], report["store_checks_us"]
     assert set(ingress) == {"api_key", "body_limit", "prompt_bound", "thread_hop"}
     assert ingress["thread_hop"] == 0.0 and report["large_body_ingress_checks_us"]["thread_hop"] > 0

@@ -6,24 +6,13 @@ Whether memory stays flat is the benchmark's to report over minutes (BENCHMARKS.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_script import run_bench
 
 
 def test_soak_quick_loses_nothing_and_samples_every_process(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "soak.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_bench("soak.py", "--quick", "--out", str(tmp_path))
     assert result["bench"] == "soak" and result["quick"] is True
     requests = result["requests"]
     assert requests["lost"] == 0 and requests["completed"] == requests["sent"] > 0
