@@ -20,6 +20,10 @@ switch), for ``--rounds`` rounds; the outputs of the two must be identical.
     temperature 1 with a seed per request (the greedy output of a random
     model loops, which drafts predict; sampled output does not). Seeded
     outputs are identical with speculation on or off.
+(c) A large batch, where verification competes with many sequences for the
+    step: ``--batch`` calls decoded together, half (a)'s agent calls and
+    half (b)'s random text, so drafts of many sequences are verified in the
+    same forward passes as the non-drafting sequences' single tokens.
 
 Reported per workload: decode time (from the step that gave every call its
 first token to the last), output tokens per decode step, drafts, acceptance
@@ -30,7 +34,7 @@ time - 1). Each is given in wall time and in this process's CPU time
 each round; the random ones are new each round, since a call's output,
 once finished, is recent output that drafts may copy.
 
-    python bench/speculative.py [--quick] [--rounds N] [--out DIR]
+    python bench/speculative.py [--quick] [--rounds N] [--batch N] [--out DIR]
 
 Writes ``speculative.json`` to ``--out``; the last line of stdout is one JSON object.
 """
@@ -181,6 +185,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--backend", default=None, help="kernel backend (default: what this host gets)")
     parser.add_argument("--rounds", type=int, default=None, help="off/on pairs per workload (default 3, quick 1)")
+    parser.add_argument("--batch", type=int, default=None, help="calls decoded together in (c) (default 32, quick 8)")
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     add_out_argument(parser, "speculative")
@@ -205,6 +210,19 @@ def main() -> None:
             for index in range(rounds)
         ],
     )
+    print("a large batch ...", file=sys.stderr, flush=True)
+    batch = args.batch or (8 if args.quick else 32)
+    if batch < 2:
+        parser.error(f"--batch must be at least 2, got {batch}")
+    batch_agent = agent_calls(engine, batch // 2, prompt_chars, num_tokens)
+    mixed = measure(
+        engine,
+        [
+            batch_agent
+            + random_calls(vocab_size, batch - batch // 2, prompt_chars // 4, num_tokens, args.seed + 7 + 1000 * index)
+            for index in range(rounds)
+        ],
+    )
     result = {
         "bench": "speculative",
         "quick": args.quick,
@@ -214,9 +232,11 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "agent_sessions": agent,
         "random_text": noise,
+        "large_batch": mixed,
         "agent_decode_speedup": agent["decode_speedup"],
         "random_text_overhead": noise["overhead"],
-        "outputs_identical": agent["outputs_identical"] and noise["outputs_identical"],
+        "large_batch_decode_speedup": mixed["decode_speedup"],
+        "outputs_identical": agent["outputs_identical"] and noise["outputs_identical"] and mixed["outputs_identical"],
         "machine": machine(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
