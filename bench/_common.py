@@ -1,4 +1,4 @@
-"""What only the benchmark scripts share (the rest lives in ``rayturn.replay.harness``): peak memory."""
+"""What only the benchmark scripts share (the rest lives in ``rayturn.replay.harness``): peak memory, host load."""
 
 from __future__ import annotations
 
@@ -8,3 +8,9 @@ import resource
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_average() -> float:
+    """The host's 1-minute load average: the figures beside it are only as clean as it is low."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])

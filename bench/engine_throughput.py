@@ -11,9 +11,19 @@ memory bandwidth drifts between runs).
 
 rayturn uses the kernel backend the host gets by default (``cpu`` on a CPU
 with a C compiler: native paged decode attention); ``--backend torch`` runs
-the pure-PyTorch reference instead.
+the pure-PyTorch reference instead. rayturn builds its per-row-count matmul kernels
+first, outside the timing, as a serving engine does when it starts.
 
-    python bench/engine_throughput.py [--quick] [--backend NAME]
+``--peer vllm`` adds vLLM (set up by ``bench/peers/setup_vllm.sh``): its
+OpenAI server on the same model directory, float32, every request sent at
+once, in each round after rayturn's. rayturn is measured as an engine and
+vLLM through its server: vLLM's server is its engine (the engine core runs in
+a process of its own, fed over a socket), and a rayturn server adds Ray's
+replica hops, which this benchmark is not about. The server's start-up is
+outside the timing; its greedy tokens must equal rayturn's (exit status 1
+otherwise).
+
+    python bench/engine_throughput.py [--quick] [--backend NAME] [--peer vllm]
 
 The last line of stdout is one JSON object.
 """
@@ -21,6 +31,8 @@ The last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing as mp
 import random
 import statistics
@@ -31,9 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import peak_rss_mb
+from _common import load_average, peak_rss_mb
+from peers.vllm_server import VllmServer
 
-from rayturn.replay.harness import Progress, emit, machine
+from rayturn.replay.harness import Progress, add_out_argument, emit, machine
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,10 @@ def make_workload(
 
 def run_rayturn(model: str, workload: Workload, backend: str | None) -> dict[str, Any]:
     from rayturn.engine import LLMEngine, SamplingParams
+    from rayturn.engine.async_engine import warm_up_kernels
 
     engine = LLMEngine.from_pretrained(model, backend=backend, dtype="float32", enable_prefix_caching=False)
+    warm_up_kernels(engine)  # what a serving engine does when it starts, outside the timing like vLLM's
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     progress = Progress("rayturn (continuous)", workload.useful_tokens)
@@ -105,6 +120,27 @@ def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
     return {"elapsed_s": elapsed_s, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
 
 
+def run_vllm(server: VllmServer, workload: Workload) -> dict[str, Any]:
+    progress = Progress("vllm (server)", 1)
+    tokens, elapsed_s = server.complete_all(workload.prompts, workload.output_lens)
+    progress.advance()
+    return {"elapsed_s": elapsed_s, "tokens": tokens}
+
+
+def vllm_figures(workload: Workload, ours_runs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    vllm_s = statistics.median(r["elapsed_s"] for r in runs)
+    ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
+    mismatched = [i for i, (a, b) in enumerate(zip(ours_runs[0]["tokens"], runs[0]["tokens"])) if a != b]
+    return {
+        "vllm_s": round(vllm_s, 3),
+        "vllm_s_each": [round(r["elapsed_s"], 3) for r in runs],
+        "vllm_tok_s": round(workload.useful_tokens / vllm_s, 1),
+        "throughput_vs_vllm": round(vllm_s / ours_s, 3),
+        "vllm_outputs_match": not mismatched,
+        "vllm_mismatched_requests": mismatched,
+    }
+
+
 def in_fresh_process(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """``run(*args)`` in a newly spawned process (so the peak RSS it reports is its own alone).
 
@@ -128,6 +164,8 @@ def main() -> None:
         "--backend", default=None, help="rayturn's kernel backend (default: what this host gets by default)"
     )
     parser.add_argument("--rounds", type=int, default=None, help="alternating runs of each side (default 3, quick 1)")
+    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine, alternating")
+    add_out_argument(parser, "engine_throughput")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
 
@@ -141,39 +179,55 @@ def main() -> None:
     else:
         workload = make_workload(32, (16, 512), (16, 128), args.seed, vocab)
 
-    ours_runs, theirs_runs = [], []
-    for _ in range(rounds):
-        ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))
-        theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
+    load_before = load_average()
+    ours_runs: list[dict[str, Any]] = []
+    theirs_runs: list[dict[str, Any]] = []
+    vllm_runs: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.peer == "vllm":
+            server = stack.enter_context(VllmServer(model_dir, args.out / "vllm_server.log"))
+            server.complete([1, 2, 3], 2)  # warm-up
+        for _ in range(rounds):
+            ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))
+            theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
+            if server is not None:
+                vllm_runs.append(run_vllm(server, workload))
     ours, theirs = ours_runs[0], theirs_runs[0]
     mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
     ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
     theirs_s = statistics.median(r["elapsed_s"] for r in theirs_runs)
     ours_tok_s = workload.useful_tokens / ours_s
     theirs_tok_s = workload.useful_tokens / theirs_s
-    emit(
-        {
-            "bench": "engine_throughput",
-            "quick": args.quick,
-            "model": args.model,
-            "backend": ours["backend"],
-            "requests": len(workload.prompts),
-            "useful_output_tokens": workload.useful_tokens,
-            "rounds": rounds,
-            "rayturn_s": round(ours_s, 3),
-            "hf_s": round(theirs_s, 3),
-            "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
-            "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
-            "rayturn_tok_s": round(ours_tok_s, 1),
-            "hf_tok_s": round(theirs_tok_s, 1),
-            "speedup_vs_hf": round(ours_tok_s / theirs_tok_s, 3),
-            "outputs_match": not mismatched,
-            "mismatched_requests": mismatched,
-            "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
-            "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
-            "machine": machine(),
-        }
-    )
+    peer = vllm_figures(workload, ours_runs, vllm_runs) if vllm_runs else {}
+    result = {
+        "bench": "engine_throughput",
+        "quick": args.quick,
+        "model": args.model,
+        "backend": ours["backend"],
+        "requests": len(workload.prompts),
+        "useful_output_tokens": workload.useful_tokens,
+        "rounds": rounds,
+        "rayturn_s": round(ours_s, 3),
+        "hf_s": round(theirs_s, 3),
+        "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
+        "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
+        "rayturn_tok_s": round(ours_tok_s, 1),
+        "hf_tok_s": round(theirs_tok_s, 1),
+        "speedup_vs_hf": round(ours_tok_s / theirs_tok_s, 3),
+        "outputs_match": not mismatched,
+        "mismatched_requests": mismatched,
+        "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
+        "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
+        "machine": machine(),
+        "loadavg_1m_before_after": [load_before, load_average()],
+        **peer,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_throughput.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    emit(result)
+    if peer and not peer["vllm_outputs_match"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

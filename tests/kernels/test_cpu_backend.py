@@ -69,10 +69,25 @@ def test_calls_the_kernel_does_not_cover_take_the_torch_path() -> None:
     )
 
 
-def test_prefill_and_other_ops_are_the_torch_backends() -> None:
-    check_prefill_attention(
-        BACKEND, CacheSpec(page_size=4, num_kv_heads=2, head_dim=8), 4, [0, 5], [6, 3], torch.float32, "cpu"
-    )
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens", "dtype"),
+    [
+        ([0, 5], [6, 3], torch.float32),
+        ([0, 37, 64, 3], [17, 40, 1, 64], torch.float32),  # context split from the chunk, merged by log-sum-exp
+        ([0, 21], [9, 30], torch.bfloat16),
+    ],
+)
+def test_prefill_attention_matches_reference(
+    context_lens: list[int], query_lens: list[int], dtype: torch.dtype
+) -> None:
+    spec = CacheSpec(page_size=4, num_kv_heads=2, head_dim=8)
+    check_prefill_attention(BACKEND, spec, 4, context_lens, query_lens, dtype, "cpu")
+
+
+def test_silu_and_mul_matches_reference() -> None:
+    gate, up = torch.randn(5, 12), torch.randn(5, 12)
+    expected = TorchBackend().silu_and_mul(gate, up)
+    torch.testing.assert_close(BACKEND.silu_and_mul(gate.clone(), up), expected)
 
 
 def test_native_decode_attention_spans_threads_without_sharing_state() -> None:
@@ -150,3 +165,10 @@ def test_an_unwritable_cache_means_the_torch_backend_not_a_crash(
         native._unavailable.clear()
     assert backend.name == "torch"
     assert reason is not None and "NotADirectoryError" in reason
+
+
+def test_float32_rms_norm_is_the_torch_backends_bit_for_bit() -> None:
+    x, weight = torch.randn(7, 64), torch.randn(64)
+    assert torch.equal(BACKEND.rms_norm(x, weight, 1e-5), TorchBackend().rms_norm(x, weight, 1e-5))
+    half = x.to(torch.bfloat16)
+    assert torch.equal(BACKEND.rms_norm(half, weight, 1e-5), TorchBackend().rms_norm(half, weight, 1e-5))

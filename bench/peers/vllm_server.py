@@ -1,0 +1,163 @@
+"""vLLM as a peer of the engine benchmarks: its OpenAI server in its own virtual environment.
+
+``bench/peers/setup_vllm.sh`` builds that environment outside the repository
+(``$RAYTURN_PEERS_DIR/vllm``, default ``~/.cache/rayturn/peers/vllm``); rayturn
+never imports vLLM. ``VllmServer`` runs ``vllm.entrypoints.openai.api_server``
+on 127.0.0.1 over the same Hugging Face directory rayturn loads (weights,
+config and tokenizer), in float32 so that greedy tokens can be compared token
+for token, with its OpenMP threads bound to every core of this host.
+
+    stopped --start()--> starting --/health answers--> ready --stop()--> stopped
+                              \\--process exits or timeout--> RuntimeError (process killed)
+
+Requests carry token ids and ask for token ids back, so neither side's
+tokenizer is on the measured path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+SETUP_SCRIPT = Path(__file__).with_name("setup_vllm.sh")
+KV_CACHE_SPACE_GIB = 4
+START_TIMEOUT_S = 900.0
+
+
+def peer_python() -> Path:
+    base = os.environ.get("RAYTURN_PEERS_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "rayturn" / "peers"
+    return root / "vllm" / "bin" / "python"
+
+
+def peer_available() -> bool:
+    return peer_python().exists()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    token_ids: list[int]
+    elapsed_s: float  # request sent -> whole response read
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmServer:
+    """One vLLM OpenAI server process (and its workers, in their own process group)."""
+
+    def __init__(self, model_dir: str, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.port = _free_port()
+        self.served_name = "peer"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        python = peer_python()
+        if not python.exists():
+            raise RuntimeError(f"no vLLM peer at {python.parent.parent}: run `bash {SETUP_SCRIPT}` first")
+        num_cpus = os.cpu_count() or 1
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB),
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{num_cpus - 1}",
+            OMP_NUM_THREADS=str(num_cpus),
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        env.pop("PYTHONPATH", None)
+        command = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir, "--served-model-name", self.served_name, "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args,
+        ]  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                env=env,
+                cwd=self.log_path.parent,  # not the repository: ``python -m`` puts the cwd first on sys.path
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited during start-up; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"vLLM server not ready after {START_TIMEOUT_S:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> Completion:
+        """One greedy completion of ``prompt`` (token ids); its output token ids."""
+        body = {
+            "model": self.served_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+            "detokenize": False,
+        }
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            payload = json.loads(response.read())
+        elapsed_s = time.perf_counter() - start
+        return Completion(list(payload["choices"][0]["token_ids"]), elapsed_s)
+
+    def complete_all(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], float]:
+        """Send every request at once (the server batches them); outputs in order and the wall time."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            done = list(pool.map(self.complete, prompts, max_tokens))
+        return [c.token_ids for c in done], time.perf_counter() - start
