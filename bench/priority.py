@@ -87,7 +87,8 @@ def run(engine: LLMEngine, arrivals: list[Arrival], classes: bool) -> RunResult:
     """Feed the arrivals at their times and step the engine until every request finished."""
     pending = sorted(arrivals, key=lambda arrival: arrival.at_s)
     by_id = {arrival.request_id: arrival for arrival in arrivals}
-    added_at: dict[str, float] = {}
+    added_at: dict[str, float] = {}  # when the call arrived (TTFT counts from here)
+    queued_at: dict[str, float] = {}  # when it entered the engine's queue (after the step running at its arrival)
     first_token: set[str] = set()
     started_at: dict[str, float] = {}  # the start of the step that first scheduled the request
     result = RunResult(ttft_s={priority: [] for priority in Priority})
@@ -101,6 +102,7 @@ def run(engine: LLMEngine, arrivals: list[Arrival], classes: bool) -> RunResult:
             priority = arrival.priority if classes else Priority.INTERACTIVE
             engine.add_request(arrival.prompt, params, request_id=arrival.request_id, priority=priority)
             added_at[arrival.request_id] = start + arrival.at_s
+            queued_at[arrival.request_id] = time.perf_counter()
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.01, pending[0].at_s - now_s)) if pending else 0.0)
             continue
@@ -123,8 +125,8 @@ def run(engine: LLMEngine, arrivals: list[Arrival], classes: bool) -> RunResult:
     batch_starts = [at for request_id, at in started_at.items() if by_id[request_id].priority is Priority.BACKGROUND]
     for request_id, at in started_at.items():
         if by_id[request_id].priority is not Priority.BACKGROUND:
-            arrived = added_at[request_id]
-            result.overtaken_by.append(sum(arrived < started < at for started in batch_starts))
+            queued = queued_at[request_id]
+            result.overtaken_by.append(sum(queued < started < at for started in batch_starts))
     return result
 
 

@@ -1,9 +1,9 @@
 """Session affinity across a decode pool, and resizing both pools in place while they serve.
 
 One Serve application for the module, redeployed with ``serve.run`` at other
-pool sizes. Affinity: each session's calls land on the decode replica its id
-hashes to (``preferred_replica``), sessions spread over the pool, and every
-call after a session's first finds its prompt cached. Scaling: under a steady
+pool sizes. Affinity: a new session goes to the decode replica following the
+fewest active sessions and its calls stay there, sessions spread evenly over
+the pool, and every call after a session's first finds its prompt cached. Scaling: under a steady
 load of chat calls (some long enough to go through the prefill pool, some
 streamed) the decode pool goes 1 -> 2 -> 1 and the prefill pool 1 -> 2 -> 1;
 no call fails, every answer equals the offline engine's, and replicas that
@@ -31,7 +31,6 @@ from rayturn.api.ingress import REPLICA_HEADER  # noqa: E402
 from rayturn.cluster.app import APP_NAME, build_app  # noqa: E402
 from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
-from rayturn.router.scoring import preferred_replica  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18441, 19441
 THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes the prompt
@@ -92,26 +91,10 @@ def client(cluster: str) -> openai.OpenAI:
 # -- session affinity ---------------------------------------------------------
 
 
-def sessions_per_replica(replicas: set[str], per_replica: int) -> dict[str, str]:
-    """Session ids -> the replica each hashes to, ``per_replica`` sessions for every replica."""
-    chosen: dict[str, str] = {}
-    counts = dict.fromkeys(replicas, 0)
-    for index in range(1000):
-        session_id = f"agent-{index}"
-        replica = preferred_replica(session_id, replicas)
-        assert replica is not None
-        if counts[replica] < per_replica:
-            chosen[session_id] = replica
-            counts[replica] += 1
-        if all(count == per_replica for count in counts.values()):
-            return chosen
-    raise AssertionError("rendezvous hashing never chose some replica")
-
-
 def test_sessions_stick_to_their_replica_and_find_their_prefix_cached(client: openai.OpenAI) -> None:
     redeploy(decode_replicas=2, prefill_replicas=1)
     replicas = replica_ids("decode")
-    sessions = sessions_per_replica(replicas, per_replica=2)
+    sessions = [f"agent-{index}" for index in range(4)]
     conversations = {
         session_id: [{"role": "user", "content": f"[{session_id}] The test suite fails in parser.py; find out why."}]
         for session_id in sessions
@@ -135,10 +118,12 @@ def test_sessions_stick_to_their_replica_and_find_their_prefix_cached(client: op
             messages.append({"role": "assistant", "content": f"Calling tool {turn}."})
             messages.append({"role": "user", "content": f"Tool {turn} returned: ok."})
 
-    for session_id, replica in sessions.items():
-        assert served_by[session_id] == [replica] * 4, session_id
+    # A new session goes to the replica following the fewest active sessions, and stays there.
+    for session_id in sessions:
+        assert served_by[session_id] == [served_by[session_id][0]] * 4, (session_id, served_by[session_id])
         assert all(tokens > 0 for tokens in cached[session_id][1:]), (session_id, cached[session_id])
-    assert {replica for replicas_used in served_by.values() for replica in replicas_used} == replicas
+    homes = [served_by[session_id][0] for session_id in sessions]
+    assert {replica: homes.count(replica) for replica in replicas} == dict.fromkeys(replicas, 2)
 
 
 # -- resizing both pools under load ---------------------------------------------
