@@ -3,7 +3,8 @@
 Life cycle of a connection and its requests, client side (it mirrors the server's, see
 :mod:`rayturn.kvstore.ucx_server`): CONNECT -> WAIT_CHALLENGE -> SEND_PROOF -> WAIT_OK -> IDLE, then per
 request IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE
-(a read posts its WAIT_REPLY and RECV_DATA receives at once).
+(a read posts its WAIT_REPLY and RECV_DATA receives at once; a small one into one span, once connected, runs
+on the calling thread instead of the loop, with the same messages and checks: :mod:`rayturn.kvstore.ucx_direct`).
 A refusal (``ok=False``) becomes a :class:`TransportError` carrying the server's message and leaves
 the connection usable, except a read's (its data receive is already posted: the endpoint is dropped);
 anything else that goes wrong (timeout, broken connection, malformed reply) also raises TransportError
@@ -15,30 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-import numpy as np
-
 from rayturn.kvstore import wire
 from rayturn.kvstore.access import AccessDenied, ReadGrant, StoreAuth, WriteGrant
 from rayturn.kvstore.bytes_view import as_bytes_view, as_writable_view
+from rayturn.kvstore.ucx_direct import DIRECT_READ_MAX_BYTES, DirectReadFailed, read_now
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
+    INLINE_BODY_BYTES,
     UNPARSED_REQUEST_ID,
     Address,
     Channel,
-    Range,
     abort_endpoint,
+    adjacent_span,
+    buffer_views,
     describe_error,
     gather_views,
     scatter_views,
     staging_pool,
 )
 from rayturn.kvstore.ucx_runtime import (
+    in_ucx_loop_thread,
     load_ucxx,
     register_for_shutdown,
     run_in_ucx_loop,
@@ -89,26 +92,26 @@ class _ConnectionFailed(Exception):
 
 
 class _ClientConnection:
-    """The cached endpoint to one server, with the lock that keeps its requests one at a time."""
+    """The cached endpoint to one server, with the locks that keep its requests one at a time: ``caller_lock``,
+    held by the calling thread for the whole request (loop or direct path), and ``lock`` on the loop."""
 
     def __init__(self, address: Address, connect_timeout_s: float, auth: StoreAuth) -> None:
         self.address = address
         self._auth = auth
+        self.caller_lock = threading.Lock()
         self.lock = asyncio.Lock()
         self._connect_timeout_s = connect_timeout_s
-        self._channel: Channel | None = None
+        self.channel: Channel | None = None  # connected and authenticated; None until then and once dropped
 
     async def run(self, operation: _Operation) -> None:
         async with self.lock:
             try:
-                channel = self._channel or await self._connect()
+                channel = self.channel or await self._connect()
                 await operation(channel)
             except _RefusedOutOfStep:
                 self.drop()
                 raise
-            except _ServerRefused:
-                raise
-            except _ConnectionFailed:
+            except (_ServerRefused, _ConnectionFailed):
                 raise
             except Exception as error:  # the stream's state is unknown: never reuse it
                 self.drop()
@@ -132,7 +135,7 @@ class _ClientConnection:
         except BaseException:
             abort_endpoint(endpoint)
             raise
-        self._channel = channel
+        self.channel = channel
         return channel
 
     async def _authenticate(self, channel: Channel) -> None:
@@ -149,10 +152,15 @@ class _ClientConnection:
         except AccessDenied as error:
             raise _ConnectionFailed(str(error)) from None
 
+    async def drop_on_loop(self, posted: tuple[Any, ...]) -> None:
+        self.drop()  # after a failed direct read: its ``posted`` requests' futures end cancelled, seen here
+        for request in posted:
+            request.future.add_done_callback(_observe)
+
     def drop(self) -> None:
-        if self._channel is not None:
-            abort_endpoint(self._channel.endpoint)
-            self._channel = None
+        if self.channel is not None:
+            abort_endpoint(self.channel.endpoint)
+            self.channel = None
 
 
 async def _send_and_expect_ok(channel: Channel, request_id: int, send: Awaitable[None]) -> int:
@@ -240,7 +248,7 @@ class UcxClient:
         self._connect_timeout_s = connect_timeout_s
         self._request_ids = itertools.count(1)
         self._closed = False
-        self._connections: dict[Address, _ClientConnection] = {}  # touched only on the UCX loop
+        self._connections: dict[Address, _ClientConnection] = {}  # added to by calling threads, cleared on the loop
 
     def read(
         self,
@@ -258,22 +266,17 @@ class UcxClient:
         naming the index, before any traffic, if not.
         """
         checked = wire.validate_ranges(list(ranges))
-        views = _buffer_views(dests, checked, "dests", as_writable_view)
+        views = buffer_views(dests, checked, "dests", as_writable_view)
         request_id = next(self._request_ids)
-        body = wire.encode(
-            {
-                "type": "read_request",
-                "request_id": request_id,
-                "ranges": [list(r) for r in checked],
-                "grant": grant.to_wire(),
-            }
-        )
-        self._run(
-            address,
-            lambda channel: _read_exchange(channel, request_id, body, views),
-            "read",
-            timeout_s,
-        )
+        message = {"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]}
+        body = wire.encode({**message, "grant": grant.to_wire()})
+        small = sum(view.nbytes for view in views) <= DIRECT_READ_MAX_BYTES and len(body) <= INLINE_BODY_BYTES
+        span = adjacent_span(views) if small else None
+
+        def operation(channel: Channel) -> Awaitable[None]:
+            return _read_exchange(channel, request_id, body, views)
+
+        self._run(address, operation, "read", timeout_s, direct=None if span is None else (request_id, body, span))
 
     def write(
         self,
@@ -293,7 +296,7 @@ class UcxClient:
         source is a C-contiguous bytes-like object of exactly its range's length.
         """
         checked = wire.validate_ranges(list(ranges))
-        views = _buffer_views(sources, checked, "sources", as_bytes_view)
+        views = buffer_views(sources, checked, "sources", as_bytes_view)
         request_id = next(self._request_ids)
         body = wire.encode(
             {
@@ -330,29 +333,62 @@ class UcxClient:
         self.close()
 
     async def _close_on_loop(self) -> None:
-        for connection in self._connections.values():
+        for connection in list(self._connections.values()):
             connection.drop()
         self._connections.clear()
 
-    def _run(self, address: Address, operation: _Operation, what: str, timeout_s: float | None) -> None:
+    def _run(
+        self,
+        address: Address,
+        operation: _Operation,
+        what: str,
+        timeout_s: float | None,
+        direct: tuple[int, bytes, memoryview] | None = None,
+    ) -> None:
+        """Run ``operation`` on the loop, or ``direct`` (a small read's id, request, span) on this thread."""
         if self._closed:
             raise TransportError("UcxClient is closed")
         host, port = address
         checked_address = (str(host), int(port))
         register_for_shutdown(self, UcxClient._close_on_loop)
         request_timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        try:
-            run_in_ucx_loop(
-                self._request(checked_address, operation, what, request_timeout_s),
-                timeout_s=request_timeout_s + _LOOP_GRACE_S,
-            )
-        except TimeoutError:  # the loop itself did not answer in time (the request's own timeout is inside)
-            raise TransportError(f"{what} {checked_address}: no answer from the UCX loop") from None
+        connection = self._connections.get(checked_address)
+        if connection is None:  # setdefault: two threads' first calls share one connection
+            fresh = _ClientConnection(checked_address, self._connect_timeout_s, self._auth)
+            connection = self._connections.setdefault(checked_address, fresh)
+        with connection.caller_lock:
+            channel = connection.channel
+            # (The loop's lock is taken only while a request the caller gave up on still runs there.)
+            if direct is not None and channel is not None and not connection.lock.locked() and not in_ucx_loop_thread():
+                self._read_direct(connection, channel, direct, request_timeout_s)
+                return
+            try:
+                run_in_ucx_loop(
+                    self._request(connection, operation, what, request_timeout_s),
+                    timeout_s=request_timeout_s + _LOOP_GRACE_S,
+                )
+            except TimeoutError:  # the loop itself did not answer in time (the request's own timeout is inside)
+                raise TransportError(f"{what} {checked_address}: no answer from the UCX loop") from None
 
-    async def _request(self, address: Address, operation: _Operation, what: str, timeout_s: float) -> None:
-        connection = self._connections.get(address)
-        if connection is None:
-            connection = self._connections[address] = _ClientConnection(address, self._connect_timeout_s, self._auth)
+    def _read_direct(
+        self, connection: _ClientConnection, channel: Channel, direct: tuple[int, bytes, memoryview], timeout_s: float
+    ) -> None:
+        request_id, body, span = direct
+        try:
+            read_now(channel, request_id, body, span, timeout_s)
+        except DirectReadFailed as error:
+            # The data's receive may still be posted: the endpoint goes before the destination is handed back.
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                run_in_ucx_loop(connection.drop_on_loop(error.requests), timeout_s=_LOOP_GRACE_S)
+            prefix = f"read {connection.address}"
+            if error.kind == "refused":
+                raise TransportError(f"{prefix} refused by the server: {error}") from None
+            if error.kind == "timeout":
+                raise PeerTimedOut(f"{prefix} timed out after {timeout_s} s") from None
+            raise PeerUnreachable(f"{prefix} failed: {error}") from error.__cause__
+
+    async def _request(self, connection: _ClientConnection, operation: _Operation, what: str, timeout_s: float) -> None:
+        address = connection.address
         try:
             await asyncio.wait_for(connection.run(operation), timeout_s)
         except _ServerRefused as error:
@@ -361,39 +397,3 @@ class UcxClient:
             raise PeerUnreachable(f"{what} {address} failed: {error}") from error.__cause__
         except asyncio.TimeoutError:  # a slow transfer, or one waiting its turn: the peer may be fine
             raise PeerTimedOut(f"{what} {address} timed out after {timeout_s} s") from None
-
-
-def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:
-    """One view over buffers that lie back to back in memory (rows of one array, say), else None.
-
-    Receiving into (or sending from) that span moves a batch as one message
-    with no staging copy. The caller keeps ``views`` alive, and so the memory.
-    """
-    if len(views) == 1:
-        return views[0]
-    start = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
-    end = start
-    for view in views:
-        if np.frombuffer(view, dtype=np.uint8).ctypes.data != end:
-            return None
-        end += view.nbytes
-    span = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start))
-    return span.data
-
-
-def _buffer_views(
-    buffers: Sequence[Any], ranges: list[Range], what: str, as_view: Callable[[object], memoryview]
-) -> list[memoryview]:
-    """Byte views of ``buffers``, each checked against its range's length; errors name the index."""
-    if len(buffers) != len(ranges):
-        raise ValueError(f"{len(ranges)} ranges but {len(buffers)} {what}")
-    views = []
-    for index, (buffer, (_, length)) in enumerate(zip(buffers, ranges)):
-        try:
-            view = as_view(buffer)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"{what}[{index}]: {error}") from error
-        if view.nbytes != length:
-            raise ValueError(f"{what}[{index}] holds {view.nbytes} bytes but range {index} has length {length}")
-        views.append(view)
-    return views

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import struct
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final, TypeAlias, TypeVar
 
 import numpy as np
@@ -44,6 +45,7 @@ __all__ = [
     "CONTROL_VERSION",
     "DEFAULT_TIMEOUT_S",
     "FLAG_BODY_FOLLOWS",
+    "INLINE_BODY_BYTES",
     "UNPARSED_REQUEST_ID",
     "Address",
     "Channel",
@@ -51,6 +53,8 @@ __all__ = [
     "Range",
     "StagingPool",
     "abort_endpoint",
+    "adjacent_span",
+    "buffer_views",
     "contiguous_span",
     "describe_error",
     "gather",
@@ -78,7 +82,8 @@ CONTROL_SLOT_BYTES: Final = 64 * 1024
 """Receive buffer for a control frame: a request of ~5000 ranges still fits, in one message."""
 UNPARSED_REQUEST_ID: Final = -1
 """The request id of a reply to a request the server could not parse."""
-_INLINE_BODY_BYTES: Final = CONTROL_SLOT_BYTES - CONTROL_HEADER.size
+INLINE_BODY_BYTES: Final = CONTROL_SLOT_BYTES - CONTROL_HEADER.size
+"""Largest control body that travels inside its frame."""
 _ZEROS: Final = bytes(CONTROL_SLOT_BYTES)
 _KEEP_STAGING_BYTES: Final = 256 << 20  # staging a process keeps for reuse, all connections together
 _ABORT_PERIOD_NS: Final = 10**9
@@ -119,9 +124,10 @@ class Channel:
         self.endpoint = endpoint
         self._slot = bytearray(CONTROL_SLOT_BYTES)
         self._dirty_bytes = 0
+        self._posted_frame = b""
 
     async def send_control(self, body: bytes) -> None:
-        if len(body) <= _INLINE_BODY_BYTES:
+        if len(body) <= INLINE_BODY_BYTES:
             await self.endpoint.send(CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, 0, len(body)) + body)
             return
         await self.endpoint.send(CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, FLAG_BODY_FOLLOWS, len(body)))
@@ -154,11 +160,50 @@ class Channel:
             if _is_truncation(error):
                 raise FramingError(f"control frame larger than the {CONTROL_SLOT_BYTES}-byte slot") from None
             raise
-        magic, version, flags, body_bytes = CONTROL_HEADER.unpack_from(self._slot)
-        self._dirty_bytes = CONTROL_HEADER.size + min(body_bytes, _INLINE_BODY_BYTES)
-        _check_header(magic, version, flags, body_bytes)
+        flags, body_bytes = self._check_slot()
         if flags & FLAG_BODY_FOLLOWS:
             return wire.decode(await self._recv_body(body_bytes, body_timeout_s), expected_type)
+        return self._decode_slot(body_bytes, expected_type)
+
+    def post_read_now(self, request: bytes, into: memoryview) -> tuple[Any, ...]:
+        """Post, from the calling thread, a read's control frame and the receives of its reply and its data.
+
+        ucxx's request objects, in that order; the caller polls them (``completed``) and, once all
+        are, takes the reply with :meth:`inline_reply`. For a request with an inline body: the
+        direct read path's, see :mod:`rayturn.kvstore.ucx_direct`.
+        """
+        self._clear_slot()
+        ucxx = load_ucxx()
+        array, tag_type = ucxx._lib.arr.Array, ucxx.types.Tag
+        # ucxx's Endpoint wraps the low-level endpoint and the tags agreed on connecting; posting
+        # on that endpoint is what its asyncio send/recv do, less the awaiting.
+        endpoint = self.endpoint._ep
+        send_tag, recv_tag = tag_type(self.endpoint._tags["msg_send"]), tag_type(self.endpoint._tags["msg_recv"])
+        endpoint.raise_on_error()
+        if len(request) > INLINE_BODY_BYTES:
+            raise ValueError(f"a request of {len(request)} bytes does not fit an inline control frame")
+        # Kept by the channel: ucxx's progress thread sends from this memory after this call returns.
+        self._posted_frame = CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, 0, len(request)) + request
+        return (
+            endpoint.tag_send(array(self._posted_frame), send_tag),
+            endpoint.tag_recv(array(self._slot), recv_tag),
+            endpoint.tag_recv(array(into), recv_tag),
+        )
+
+    def inline_reply(self) -> dict[str, Any]:
+        """The reply :meth:`post_read_now` received: FramingError unless it is a whole inline frame."""
+        flags, body_bytes = self._check_slot()
+        if flags & FLAG_BODY_FOLLOWS:
+            raise FramingError("a reply's body must be inline")
+        return self._decode_slot(body_bytes, "reply")
+
+    def _check_slot(self) -> tuple[int, int]:
+        magic, version, flags, body_bytes = CONTROL_HEADER.unpack_from(self._slot)
+        self._dirty_bytes = CONTROL_HEADER.size + min(body_bytes, INLINE_BODY_BYTES)
+        _check_header(magic, version, flags, body_bytes)
+        return flags, body_bytes
+
+    def _decode_slot(self, body_bytes: int, expected_type: str | None) -> dict[str, Any]:
         with memoryview(self._slot) as slot:
             return wire.decode(slot[CONTROL_HEADER.size : CONTROL_HEADER.size + body_bytes], expected_type)
 
@@ -200,7 +245,7 @@ def _check_header(magic: bytes, version: int, flags: int, body_bytes: int) -> No
         raise FramingError(f"unknown control frame flags {flags:#x}")
     if flags & FLAG_BODY_FOLLOWS and body_bytes > wire.MAX_CONTROL_BYTES:
         raise FramingError(f"announced control message of {body_bytes} bytes exceeds {wire.MAX_CONTROL_BYTES}")
-    if not flags & FLAG_BODY_FOLLOWS and body_bytes > _INLINE_BODY_BYTES:
+    if not flags & FLAG_BODY_FOLLOWS and body_bytes > INLINE_BODY_BYTES:
         raise FramingError(f"inline control body of {body_bytes} bytes cannot fit the {CONTROL_SLOT_BYTES}-byte frame")
 
 
@@ -286,3 +331,39 @@ def scatter_views(data: memoryview, views: Sequence[memoryview]) -> None:
     for view in views:
         view[:] = data[position : position + view.nbytes]
         position += view.nbytes
+
+
+def adjacent_span(views: Sequence[memoryview]) -> memoryview | None:
+    """One view over buffers that lie back to back in memory (rows of one array, say), else None.
+
+    Receiving into (or sending from) that span moves a batch as one message
+    with no staging copy. The caller keeps ``views`` alive, and so the memory.
+    """
+    if len(views) == 1:
+        return views[0]
+    start = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
+    end = start
+    for view in views:
+        if np.frombuffer(view, dtype=np.uint8).ctypes.data != end:
+            return None
+        end += view.nbytes
+    span = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start))
+    return span.data
+
+
+def buffer_views(
+    buffers: Sequence[Any], ranges: list[Range], what: str, as_view: Callable[[object], memoryview]
+) -> list[memoryview]:
+    """Byte views of ``buffers``, each checked against its range's length; errors name the index."""
+    if len(buffers) != len(ranges):
+        raise ValueError(f"{len(ranges)} ranges but {len(buffers)} {what}")
+    views = []
+    for index, (buffer, (_, length)) in enumerate(zip(buffers, ranges)):
+        try:
+            view = as_view(buffer)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{what}[{index}]: {error}") from error
+        if view.nbytes != length:
+            raise ValueError(f"{what}[{index}] holds {view.nbytes} bytes but range {index} has length {length}")
+        views.append(view)
+    return views

@@ -46,6 +46,7 @@ from typing import Any, Final, TypeVar
 
 __all__ = [
     "describe_transports",
+    "in_ucx_loop_thread",
     "init_ucx",
     "load_ucxx",
     "register_for_shutdown",
@@ -182,6 +183,12 @@ def _get_runtime() -> _UcxRuntime:
 def _running_runtime() -> _UcxRuntime | None:
     with _runtime_lock:
         return _runtime if _runtime is not None and _runtime.pid == os.getpid() else None
+
+
+def in_ucx_loop_thread() -> bool:
+    """Whether the calling thread is this process's UCX loop thread (where blocking on UCX would deadlock)."""
+    runtime = _running_runtime()
+    return runtime is not None and runtime.in_loop_thread()
 
 
 def ucx_loop_running() -> bool:
