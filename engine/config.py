@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face ``config.json``.
+"""Model configuration read from a Hugging Face ``config.json``: dense Llama-family and mixture-of-experts models.
 
 Parsed once, at load time, into a frozen ``ModelConfig``; anything the engine
 cannot run exactly (an unknown architecture, an unsupported RoPE scaling)
@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,6 +57,14 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    num_experts: int = 0  # 0: every MLP is dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # rescale the top-k routing probabilities to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: a mixture-of-experts MLP rather than a dense one
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer_index]
 
     @property
     def q_size(self) -> int:
@@ -135,17 +145,19 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         )
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     attention_bias = bool(raw.get("attention_bias", False))
-    use_sliding = raw.get("use_sliding_window", model_type == "mistral")
+    use_sliding = raw.get("use_sliding_window", model_type in ("mistral", "mixtral"))
     sliding_window = raw.get("sliding_window") if use_sliding else None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    num_layers = need("num_hidden_layers", int)
+    moe = _parse_moe(raw, source, model_type, num_layers)
     return ModelConfig(
         architecture=architecture,
         model_type=model_type,
         vocab_size=need("vocab_size", int),
         hidden_size=hidden_size,
         intermediate_size=need("intermediate_size", int),
-        num_layers=need("num_hidden_layers", int),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads),
         head_dim=int(head_dim),
@@ -154,14 +166,52 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         rope=_parse_rope(raw, source),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type in ("llama", "mistral"),
+        o_bias=attention_bias and model_type in ("llama", "mistral", "qwen3_moe"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        **moe,
     )
+
+
+def _parse_moe(raw: dict[str, Any], source: str, model_type: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig``; empty for dense models (router loss settings are
+    training-only and ignored)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+
+    def positive_int(key: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    num_experts = positive_int(experts_key, raw.get(experts_key))
+    top_k = positive_int("num_experts_per_tok", raw.get("num_experts_per_tok"))
+    if top_k > num_experts:
+        raise ValueError(f"{source}: 'num_experts_per_tok' ({top_k}) is more than {experts_key!r} ({num_experts})")
+    if model_type == "mixtral":
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": positive_int("intermediate_size", raw.get("intermediate_size")),
+            "norm_topk_prob": True,
+            "moe_layers": (True,) * num_layers,
+        }
+    step = positive_int("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
+    dense_layers = raw.get("mlp_only_layers") or []
+    if not isinstance(dense_layers, list) or not all(isinstance(i, int) for i in dense_layers):
+        raise ValueError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {dense_layers!r}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": positive_int("moe_intermediate_size", raw.get("moe_intermediate_size")),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)),
+    }
 
 
 def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 3.x, Mistral, Qwen2/2.5, Qwen3; Mixtral and Qwen3-MoE with mixture-of-experts
+MLPs, see ``moe``) over a paged KV cache.
 
 The model sees one flat batch of tokens per step: decode tokens first (one per
 sequence), then prefill chunks packed back to back. ``ForwardBatch`` carries
@@ -18,6 +19,7 @@ from torch import nn
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
 from .config import ModelConfig
+from .moe import SparseMoeBlock, checkpoint_name, expert_slice
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, backend: KernelBackend) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_index, backend)
-        self.mlp = MLP(config, backend)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_index):
+            router = Linear(config.hidden_size, config.num_experts, False, backend)
+            self.mlp = SparseMoeBlock(config, backend, router)
+        else:
+            self.mlp = MLP(config, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
@@ -208,34 +215,40 @@ class CausalLM(nn.Module):
             "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
             "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
         }
-        expected_rows: dict[str, int] = {name: p.shape[0] for name, p in params.items()}
-        loaded_rows: dict[str, int] = dict.fromkeys(params, 0)
+        expected_size: dict[str, int] = {name: p.numel() for name, p in params.items()}
+        loaded_size: dict[str, int] = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name = checkpoint_name(hf_name.removeprefix("model."))
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store the head anyway
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints store the RoPE table; we compute it
-            parts = name.split(".")
-            target, offset, rows = name, 0, None
-            for i, part in enumerate(parts):
-                if part in fused:
-                    fused_name, offset, rows = fused[part]
-                    target = ".".join([*parts[:i], fused_name, *parts[i + 1 :]])
-                    break
-            if target not in params:
+            located = expert_slice(name, params) or _fused_slice(name, fused, params)
+            if located is None:
                 raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {cfg.architecture}")
-            param = params[target]
-            dest = param.data if rows is None else param.data[offset : offset + rows]
+            target, dest = located
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded_rows[target] += dest.shape[0]
+            loaded_size[target] += dest.numel()
         unfused = {"qkv_proj": "q_proj/k_proj/v_proj"}
         missing = [
             ("" if name.startswith("lm_head") else "model.") + ".".join(unfused.get(p, p) for p in name.split("."))
-            for name, n in loaded_rows.items()
-            if n != expected_rows[name]
+            for name, n in loaded_size.items()
+            if n != expected_size[name]
         ]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")
+
+
+def _fused_slice(
+    name: str, fused: dict[str, tuple[str, int, int]], params: dict[str, nn.Parameter]
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter a checkpoint tensor fills and the slice of it: its rows of a fused projection, else all of it."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in fused:
+            fused_name, offset, rows = fused[part]
+            target = ".".join([*parts[:i], fused_name, *parts[i + 1 :]])
+            return (target, params[target].data[offset : offset + rows]) if target in params else None
+    return (name, params[name].data) if name in params else None

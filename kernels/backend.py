@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import moe
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
@@ -89,7 +91,9 @@ class KernelBackend(abc.ABC):
 
     @abc.abstractmethod
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate`` and ``up`` of one shape [..., d] (rows may be strided)."""
+        """``silu(gate) * up`` for ``gate`` and ``up`` of one shape [..., d] (rows may be strided).
+
+        A backend may overwrite ``gate`` (the model passes it fresh from its projection)."""
 
     @abc.abstractmethod
     def write_kv(
@@ -160,6 +164,23 @@ class KernelBackend(abc.ABC):
         """The row counts at which ``linear`` on a prepared weight builds and keeps a kernel of its own, for
         inputs of up to ``max_rows`` rows; empty when it keeps none per row count."""
         return ()
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        """A mixture-of-experts SwiGLU MLP of ``x`` [num_tokens, hidden] (see ``rayturn.kernels.moe``).
+
+        Each token goes to the ``top_k`` experts of highest softmax(``router_logits``) probability, those
+        probabilities rescaled to sum to 1 when ``renormalize``; ``gate_up`` is [num_experts, 2 * intermediate,
+        hidden] (gate rows, then up rows), ``down`` is [num_experts, hidden, intermediate].
+        """
+        return moe.fused_moe(x, router_logits, gate_up, down, top_k, renormalize, self.silu_and_mul)
 
     def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
         """Copy whole pages inside the cache (copy-on-write of shared pages)."""

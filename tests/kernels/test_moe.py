@@ -1,0 +1,114 @@
+"""Mixture-of-experts ops against a naive loop over tokens and their chosen experts, in every CPU backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayturn.kernels import KernelBackend, moe
+from rayturn.kernels.cpu_backend import CpuBackend
+from rayturn.kernels.torch_backend import TorchBackend
+
+HIDDEN = 24
+INTERMEDIATE = 20
+
+
+def naive_moe(
+    x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, renormalize: bool
+) -> torch.Tensor:
+    """Per token: softmax, pick the top_k experts one by one, run each expert's MLP, sum weighted."""
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        probs = torch.softmax(logits[token].double(), dim=-1)
+        chosen = sorted(range(probs.numel()), key=lambda e: -probs[e].item())[:top_k]
+        total = sum(probs[e].item() for e in chosen) if renormalize else 1.0
+        for expert in chosen:
+            gate, up = (gate_up[expert] @ x[token]).chunk(2)
+            out[token] += (probs[expert].item() / total) * (down[expert] @ (F.silu(gate) * up))
+    return out
+
+
+def make_case(
+    num_tokens: int, num_experts: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    logits = torch.randn(num_tokens, num_experts, generator=generator) * 2
+    gate_up = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.2
+    down = torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=generator) * 0.2
+    return x, logits, gate_up, down
+
+
+@pytest.mark.parametrize("backend", [TorchBackend(), CpuBackend()], ids=lambda b: b.name)
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,renormalize",
+    [(37, 4, 2, True), (37, 8, 1, False), (50, 8, 2, False), (3, 8, 2, True), (1, 4, 4, True), (0, 4, 2, True)],
+)
+def test_fused_moe_matches_naive_loop(
+    backend: KernelBackend, num_tokens: int, num_experts: int, top_k: int, renormalize: bool
+) -> None:
+    x, logits, gate_up, down = make_case(num_tokens, num_experts)
+    out = backend.fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    torch.testing.assert_close(out, naive_moe(x, logits, gate_up, down, top_k, renormalize), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_in_bfloat16_stays_close_to_float32() -> None:
+    x, logits, gate_up, down = make_case(40, 8)
+    expected = naive_moe(x, logits, gate_up, down, 2, True)
+    out = TorchBackend().fused_moe(x.bfloat16(), logits.bfloat16(), gate_up.bfloat16(), down.bfloat16(), 2, True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+def test_route_top_k_softmaxes_over_all_experts_then_picks() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.5, -2.0, 0.5]])
+    probs = torch.softmax(logits, dim=-1)
+    weights, expert_ids = moe.route_top_k(logits, 2, renormalize=False)
+    assert expert_ids.tolist() == [[1, 2], [1, 0]]
+    torch.testing.assert_close(weights, probs.gather(1, expert_ids))
+    renormalized, _ = moe.route_top_k(logits, 2, renormalize=True)
+    torch.testing.assert_close(renormalized, weights / weights.sum(-1, keepdim=True))
+    assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_route_top_k_refuses_a_top_k_outside_the_experts(top_k: int) -> None:
+    with pytest.raises(ValueError, match=r"top_k must be in 1\.\.4"):
+        moe.route_top_k(torch.zeros(2, 4), top_k, renormalize=True)
+
+
+def test_permutation_groups_rows_by_expert_without_padding() -> None:
+    expert_ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    permutation = moe.permute_by_expert(expert_ids, num_experts=5)
+    assert permutation.group_sizes == (2, 0, 3, 1, 0)
+    assert permutation.token_index.numel() == expert_ids.numel()  # one row per (token, slot), no padding
+    grouped = expert_ids.reshape(-1)[permutation.slot_index]
+    assert grouped.tolist() == [0, 0, 2, 2, 2, 3]
+    assert permutation.token_index.tolist() == [0, 2, 0, 1, 2, 1]  # token order kept inside a group
+
+
+@pytest.mark.parametrize("one_grouped_mm", [True, False], ids=["grouped-mm", "matmul-per-expert"])
+def test_grouped_expert_mlp_runs_each_expert_on_its_rows_only(
+    one_grouped_mm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, gate_up, down = make_case(0, 3)
+    if one_grouped_mm and not moe._grouped_mm_runs(torch.empty(0), gate_up):
+        pytest.skip("this torch has no F.grouped_mm")
+    monkeypatch.setattr(moe, "_grouped_mm_runs", lambda rows, weight: one_grouped_mm)
+    rows = torch.randn(5, HIDDEN)
+    group_sizes = (2, 0, 3)
+    out = moe.grouped_expert_mlp(rows, group_sizes, gate_up, down, lambda gate, up: F.silu(gate) * up)
+    owners = [0, 0, 2, 2, 2]
+    for row, expert in enumerate(owners):
+        gate, up = (gate_up[expert] @ rows[row]).chunk(2)
+        torch.testing.assert_close(out[row], down[expert] @ (F.silu(gate) * up), rtol=1e-5, atol=1e-5)
+
+
+def test_unpermute_sums_each_tokens_rows_weighted() -> None:
+    expert_ids = torch.tensor([[1, 0], [0, 1]])
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    permutation = moe.permute_by_expert(expert_ids, num_experts=2)
+    expert_out = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])  # rows: (t0, e0), (t1, e0), (t0, e1), (t1, e1)
+    out = moe.unpermute(expert_out, permutation, weights, num_tokens=2)
+    assert out.tolist() == [[0.25 * 1 + 0.75 * 100], [0.5 * 10 + 0.5 * 1000]]
