@@ -157,7 +157,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json or mistral. "
+        help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json, mistral or harmony. "
         "(default: the one its chat template shows)",
     )
     serve.add_argument("--address", default=None, help="Join the Ray cluster at this address instead of starting one.")

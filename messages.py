@@ -82,7 +82,9 @@ class Call:
     page_keys: tuple[str, ...] = ()
     call: CallKind | None = None
     after: NextStep | None = None
-    # The call offered tools, so an answer holding tool calls means the agent will be back.
+    # The answer is split into prose and tool calls: the call offered tools, or the model's tool-call format marks
+    # up every answer (``rayturn.engine.tool_calls.splits_every_answer``). An answer holding calls means the agent
+    # will be back.
     tools: bool = False
     # The client's cache retention contract: keep the prompt's first pages cached this long
     # (``rayturn.engine.prefix_pins``); None: cached as any prompt is, no promise.
@@ -133,7 +135,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: str | None
     stop_reason: str | int | None = None
-    # A call that offered tools: the replica's split of ``text`` into prose and tool calls
+    # A call whose answer is split (``Call.tools``): the replica's split of ``text`` into prose and tool calls
     # (``ToolCallStream.push``), and on the completion's last delta also what was held (``finish``).
     tool_parse: tuple[ToolCallDelta, ...] = ()
 

@@ -16,6 +16,7 @@ from rayturn.engine.tool_calls import (
     ToolCall,
     parse_tool_calls,
     random_tool_call_id,
+    splits_every_answer,
 )
 
 from .protocol import JSON, ChatRequest
@@ -69,6 +70,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, kv
     }
 
 
+def splits_answer(request: ChatRequest, parser: str) -> bool:
+    """Whether a chat call's answer is split into prose and tool calls: it offered tools, or the model's format
+    (``parser``) marks up every answer (``splits_every_answer``)."""
+    return request.prompt_tools is not None or splits_every_answer(parser)
+
+
 def assistant_output(
     text: str,
     request: ChatRequest,
@@ -78,8 +85,8 @@ def assistant_output(
     parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> ParsedToolCalls:
     """A finished completion's text split into content and tool calls, as the request allows; ``parsed``: the
-    decode replica's split of it, when it made one (it does for every call that offered tools)."""
-    if request.prompt_tools is None:
+    decode replica's split of it, when it made one (it does for every call whose answer is split)."""
+    if not splits_answer(request, parser):
         return ParsedToolCalls(content=text, tool_calls=())
     if parsed is None:
         parsed = parse_tool_calls(text, parser=parser, tools=request.prompt_tools, id_factory=id_factory)

@@ -28,7 +28,7 @@ from typing import Any
 from rayturn.engine.guided import Guide, check_guide
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.tokenizer import Tokenizer
-from rayturn.engine.tool_calls import forced_call_grammar
+from rayturn.engine.tool_calls import forced_call_grammar, splits_every_answer
 
 from .errors import invalid_request
 from .protocol import ChatRequest
@@ -36,7 +36,7 @@ from .protocol import ChatRequest
 # Agents send the same tools on every call: their grammars are made and checked once.
 MAX_CACHED_GRAMMARS = 64
 # Formats whose tags are special tokens, which detokenizing drops unless told to keep them.
-SPECIAL_TAG_PARSERS = ("mistral",)
+SPECIAL_TAG_PARSERS = ("mistral", "harmony")
 COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "not")
 
 
@@ -51,13 +51,15 @@ class GuideMaker:
         self._grammars: OrderedDict[tuple[str, bool], Guide] = OrderedDict()
 
     def guided(self, params: SamplingParams, chat: ChatRequest) -> SamplingParams:
-        """``params`` with the guide ``chat`` asks for (unchanged when it asks none); for a call that offers tools
-        to a model whose call tags are special tokens (Mistral's ``[TOOL_CALLS]``), the tags kept in the text so
-        the decode replica's parser sees them."""
+        """``params`` with the guide ``chat`` asks for (unchanged when it asks none); for a call whose answer is
+        split (it offers tools, or the format marks up every answer) by a model whose tags are special tokens
+        (Mistral's ``[TOOL_CALLS]``, harmony's channels), the tags kept in the text so the decode replica's parser
+        sees them."""
         guide = self.guide(chat)
         if guide is not None:
             params = replace(params, guide=guide)
-        if chat.prompt_tools and self.parser in SPECIAL_TAG_PARSERS:
+        split = bool(chat.prompt_tools) or splits_every_answer(self.parser)
+        if split and self.parser in SPECIAL_TAG_PARSERS:
             params = replace(params, skip_special_tokens=False)
         return params
 
@@ -85,8 +87,8 @@ class GuideMaker:
         if guide is not None:
             self._grammars.move_to_end(key)
             return guide
-        # Mistral's tags are special tokens; the other formats' tags match as text.
-        token_id = self.tokenizer.token_to_id if self.parser == "mistral" else None
+        # Mistral's and harmony's tags are special tokens; the other formats' tags match as text.
+        token_id = self.tokenizer.token_to_id if self.parser in SPECIAL_TAG_PARSERS else None
         try:
             closed = [_closed_tool(tool) for tool in tools]
             guide = Guide.lark(forced_call_grammar(self.parser, closed, parallel=parallel, token_id=token_id))

@@ -28,7 +28,7 @@ from rayturn.engine.presets import resolve_model_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
-from rayturn.engine.tool_calls import parser_for_chat_template
+from rayturn.engine.tool_calls import parser_for_chat_template, splits_every_answer
 from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.replica_stats import page_hash_key
 
@@ -278,9 +278,9 @@ class CallPipeline:
         params = self.guides.guided(params, chat)
         retention = await self.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
-        tools = chat.prompt_tools is not None
+        tools = chat.prompt_tools is not None or splits_every_answer(self.guides.parser)
         # Formats that type argument values by schema need the tools on the decode replica too.
-        specs = chat.prompt_tools if tools and self.guides.parser in SCHEMA_TYPED_PARSERS else None
+        specs = chat.prompt_tools if self.guides.parser in SCHEMA_TYPED_PARSERS else None
         return await self.serve_request(
             request_id, prompt_ids, params, tenant, session_id, hints, tools, retention, specs or (), priority
         )

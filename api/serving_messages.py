@@ -33,7 +33,7 @@ from .anthropic_bodies import (
     tool_use_block,
 )
 from .anthropic_request import MessagesRequest, parse_count_tokens_request, parse_messages_request
-from .bodies import assistant_output
+from .bodies import assistant_output, splits_answer
 from .call_result import CompletionState
 from .errors import RETRY_AFTER_S, client_error, outcome
 from .pipeline import CallResult, Steps, chain_steps
@@ -120,7 +120,7 @@ class ServingMessages(HTTPServing):
         stream = MessageStream(message_id(), self.served_model)
         for line in stream.start({**self._usage(result, energy=False), "output_tokens": 0}):
             yield line
-        parse_tools = parsed.chat.prompt_tools is not None
+        parse_tools = splits_answer(parsed.chat, self.pipeline.guides.parser)
         one_call = not parsed.chat.parallel_tool_calls
         finish: tuple[str | None, str | int | None] = (None, None)
         try:

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .bodies import assistant_output
+from .bodies import assistant_output, splits_answer
 from .call_result import CompletionState
 from .errors import APIError, client_error, invalid_request
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps
@@ -156,7 +156,7 @@ class ServingResponses(HTTPServing):
         chat = turn.chat
         stream = ResponsesStream(
             turn.frame,
-            parse_tools=chat.prompt_tools is not None,
+            parse_tools=splits_answer(chat, self.pipeline.guides.parser),
             parallel_tool_calls=chat.parallel_tool_calls,
             parser=self.pipeline.guides.parser,
         )

@@ -13,7 +13,7 @@ from rayturn.engine.tool_calls import (
     random_tool_call_id,
 )
 
-from .bodies import chat_chunk_choice, openai_finish_reason
+from .bodies import chat_chunk_choice, openai_finish_reason, splits_answer
 from .protocol import JSON, ChatRequest
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -27,12 +27,13 @@ def sse(data: JSON) -> str:
 class ChatStreamState:
     """Turns one choice's text deltas into chat chunk choices, with its tool calls pulled out.
 
-    Without tools every delta passes straight through. With tools the text is
-    split by ``rayturn.engine.tool_calls.ToolCallStream``: text that may belong
-    to a ``<tool_call>`` block is held back until the block is decided, so the
-    stream yields the same tool calls and the same (stripped) content as the
-    whole answer would. The decode replica runs that split already (a call
-    that offered tools carries it in its deltas, ``Delta.tool_parse``); given
+    Without tools every delta passes straight through (unless the model's
+    format marks up every answer, ``bodies.splits_answer``). With tools the text
+    is split by ``rayturn.engine.tool_calls.ToolCallStream``: text that may
+    belong to a ``<tool_call>`` block is held back until the block is decided,
+    so the stream yields the same tool calls and the same (stripped) content as
+    the whole answer would. The decode replica runs that split already (a call
+    whose answer is split carries it in its deltas, ``Delta.tool_parse``); given
     here, it is used as is and nothing is parsed twice. Logprob entries given
     with a delta go out with the next chunk this choice emits.
     """
@@ -66,7 +67,7 @@ class ChatStreamState:
     ) -> ChatStreamState:
         return cls(
             index,
-            parse_tools=request.prompt_tools is not None,
+            parse_tools=splits_answer(request, parser),
             parallel_tool_calls=request.parallel_tool_calls,
             id_factory=id_factory,
             parser=parser,

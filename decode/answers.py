@@ -1,8 +1,9 @@
 """A call's answers as they grow: per-step deltas, and the split of their text into prose and tool calls.
 
 The engine reports each completion's whole output so far; ``AnswerTracker``
-sends only what is new since the last step (``Delta``). For a call that
-offered tools it also runs the model's tool-call parser (a
+sends only what is new since the last step (``Delta``). For a call whose
+answer is split (``Call.tools``: it offered tools, or the model's format marks
+up every answer) it also runs the model's tool-call parser (a
 ``rayturn.engine.tool_calls.ToolCallStream`` of its format) over each
 completion's text as it arrives, so the ingress formats the calls without
 parsing them again, and the session planner learns whether the answer called

@@ -1,4 +1,5 @@
-"""Model configuration read from a Hugging Face ``config.json``: dense Llama-family and mixture-of-experts models.
+"""Model configuration read from a Hugging Face ``config.json``: dense Llama-family and mixture-of-experts models
+(Mixtral, Qwen3-MoE, GPT-OSS).
 
 Parsed once, at load time, into a frozen ``ModelConfig``; anything the engine
 cannot run exactly (an unknown architecture, an unsupported RoPE scaling)
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rayturn.kernels.moe import ClampedSwiGLU
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -20,8 +23,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_QUANTIZATION = ("mxfp4",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # scale of cos and sin; None: derived from factor (and mscale)
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +66,7 @@ class ModelConfig:
     o_bias: bool  # bias on the output projection (Llama with attention_bias)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None
+    sliding_window: int | None  # a window the engine does not apply: it caps the context (see max_model_len)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
@@ -62,9 +75,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # rescale the top-k routing probabilities to sum to 1
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture-of-experts MLP rather than a dense one
+    moe_bias: bool = False  # biases on the router and on every expert projection (GPT-OSS)
+    expert_activation: ClampedSwiGLU | None = None  # None: SwiGLU
+    # Per layer: the sliding window its attention applies (a query sees that many keys, itself included), None
+    # for full attention; empty when every layer is full.
+    attention_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # a learned per-head logit in every attention softmax (GPT-OSS)
+    quantization: str | None = None  # how the checkpoint stores weights the engine dequantises at load
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer_index]
+
+    def attention_window(self, layer_index: int) -> int | None:
+        return self.attention_windows[layer_index] if self.attention_windows else None
 
     @property
     def q_size(self) -> int:
@@ -144,13 +167,16 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
             f"'num_key_value_heads' ({num_kv_heads})"
         )
     head_dim = raw.get("head_dim") or hidden_size // num_heads
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = bool(raw.get("attention_bias", model_type == "gpt_oss"))
     use_sliding = raw.get("use_sliding_window", model_type in ("mistral", "mixtral"))
+    if model_type == "gpt_oss":  # its windows are applied per layer (attention_windows), so they cap nothing
+        use_sliding = False
     sliding_window = raw.get("sliding_window") if use_sliding else None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     num_layers = need("num_hidden_layers", int)
     moe = _parse_moe(raw, source, model_type, num_layers)
+    gpt_oss = _parse_gpt_oss(raw, source, num_layers) if model_type == "gpt_oss" else {}
     return ModelConfig(
         architecture=architecture,
         model_type=model_type,
@@ -166,21 +192,23 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         rope=_parse_rope(raw, source),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type in ("llama", "mistral", "qwen3_moe"),
+        o_bias=attention_bias and model_type in ("llama", "mistral", "qwen3_moe", "gpt_oss"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        quantization=_parse_quantization(raw, source),
         **moe,
+        **gpt_oss,
     )
 
 
 def _parse_moe(raw: dict[str, Any], source: str, model_type: str, num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelConfig``; empty for dense models (router loss settings are
     training-only and ignored)."""
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
         return {}
 
     def positive_int(key: str, value: Any) -> int:
@@ -193,6 +221,14 @@ def _parse_moe(raw: dict[str, Any], source: str, model_type: str, num_layers: in
     top_k = positive_int("num_experts_per_tok", raw.get("num_experts_per_tok"))
     if top_k > num_experts:
         raise ValueError(f"{source}: 'num_experts_per_tok' ({top_k}) is more than {experts_key!r} ({num_experts})")
+    if model_type == "gpt_oss":  # top-k of the router's logits, softmaxed among themselves
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": positive_int("intermediate_size", raw.get("intermediate_size")),
+            "norm_topk_prob": True,
+            "moe_layers": (True,) * num_layers,
+        }
     if model_type == "mixtral":
         return {
             "num_experts": num_experts,
@@ -214,6 +250,51 @@ def _parse_moe(raw: dict[str, Any], source: str, model_type: str, num_layers: in
     }
 
 
+def _parse_gpt_oss(raw: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """GPT-OSS's fields of ``ModelConfig``: alternating sliding-window and full attention layers with sinks, and
+    biased experts with a clamped SwiGLU."""
+    # transformers' default: sliding on even layers, full on odd ones.
+    layer_types = raw.get("layer_types") or [LAYER_TYPES[(i + 1) % 2] for i in range(num_layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(kind not in LAYER_TYPES for kind in layer_types)
+    ):
+        raise ValueError(
+            f"{source}: field 'layer_types' must list one of {', '.join(LAYER_TYPES)} per layer "
+            f"({num_layers}), got {layer_types!r}"
+        )
+    window = raw.get("sliding_window")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{source}: field 'sliding_window' must be a positive integer, got {window!r}")
+
+    def number(key: str, default: float) -> float:
+        value = raw.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{source}: field {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    return {
+        "attention_windows": tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+        "attention_sinks": True,
+        "moe_bias": True,
+        "expert_activation": ClampedSwiGLU(alpha=number("swiglu_alpha", 1.702), limit=number("swiglu_limit", 7.0)),
+    }
+
+
+def _parse_quantization(raw: dict[str, Any], source: str) -> str | None:
+    quantization = raw.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"{source}: quantization_config.quant_method {method!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_QUANTIZATION)}"
+        )
+    return str(method)
+
+
 def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
     # transformers >= 5 writes "rope_parameters" (theta inside); older configs
     # and most published checkpoints use "rope_theta" + "rope_scaling".
@@ -229,13 +310,23 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
             f"{source}: rope_scaling.rope_type {rope_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    max_positions = raw.get("max_position_embeddings", 8192)
+    original_max_positions = int(params.get("original_max_position_embeddings") or max_positions)
+    factor = params.get("factor")
+    if factor is None:  # YaRN without a factor (DeepSeek-V3 style): the ratio of the two context lengths
+        factor = max_positions / original_max_positions if rope_type == "yarn" else 1.0
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original_max_positions,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
     )

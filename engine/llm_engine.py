@@ -29,6 +29,7 @@ from rayturn.kernels import KernelBackend, select_backend
 from . import kv_transfer
 from .config import ModelConfig
 from .energy import EnergyLedger
+from .generation_config import end_of_turn_ids
 from .kv_budget import default_num_pages
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector
@@ -104,9 +105,7 @@ class LLMEngine:
         )
         # Queued requests keep their cached prefix referenced until admission (reservations.py).
         self.reservations = PrefixReservations(self.kv_cache.pool)
-        self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        )
+        self.eos_token_ids = end_of_turn_ids(self.config.eos_token_ids, self.tokenizer.eos_token_id, model_dir)
         # Pages missing locally are loaded from here at admission; finished
         # sequences publish their full pages here (prefix caching must be on).
         self.kv_connector = kv_connector if enable_prefix_caching else None

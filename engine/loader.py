@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory: ``config.json`` and ``*.safetensors``.
 
 Accepts one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Every failure names the file and what was
+``model.safetensors.index.json``; MXFP4-quantised experts are dequantised as
+they are read (``mxfp4``). Every failure names the file and what was
 expected, because the person reading it is usually pointing rayturn at a
 directory they downloaded by hand.
 """
@@ -19,6 +20,7 @@ from rayturn.kernels import KernelBackend
 
 from .config import ModelConfig
 from .model import CausalLM
+from .mxfp4 import dequantize_checkpoint
 from .rope import cos_sin_cache
 
 SINGLE_FILE = "model.safetensors"
@@ -100,8 +102,11 @@ def load_model(
             yield from iter_weights([path])
         source[0] = model_dir  # missing tensors are noticed after the last file, so name the checkpoint
 
+    tensors = weights()
+    if config.quantization == "mxfp4":
+        tensors = dequantize_checkpoint(tensors, dtype)
     try:
-        model.load_weights(weights())  # every parameter is checked to be loaded
+        model.load_weights(tensors)  # every parameter is checked to be loaded
     except UnreadableWeightsError:
         raise
     except ValueError as err:  # an unexpected, misshapen or missing tensor

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 3.x, Mistral, Qwen2/2.5, Qwen3; Mixtral and Qwen3-MoE with mixture-of-experts
-MLPs, see ``moe``) over a paged KV cache.
+MLPs, see ``moe``; GPT-OSS with attention sinks, sliding-window layers and its own experts, see ``gpt_oss``) over
+a paged KV cache.
 
 The model sees one flat batch of tokens per step: decode tokens first (one per
 sequence), then prefill chunks packed back to back. ``ForwardBatch`` carries
@@ -18,6 +19,7 @@ from torch import nn
 
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
+from . import gpt_oss
 from .config import ModelConfig
 from .moe import SparseMoeBlock, checkpoint_name, expert_slice
 
@@ -76,6 +78,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, backend)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
+        self.sinks = (
+            nn.Parameter(torch.empty(config.num_heads), requires_grad=False) if config.attention_sinks else None
+        )
+        self.sliding_window = config.attention_window(layer_index)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -97,18 +103,19 @@ class Attention(nn.Module):
         self.backend.write_kv(key, value, key_cache, value_cache, batch.slot_mapping)
 
         num_decode = batch.num_decode_tokens
+        options = (self.scale, self.sinks, self.sliding_window)
         if batch.prefill is None and batch.decode is not None:
-            out = self.backend.decode_attention(query, key_cache, value_cache, batch.decode, self.scale)
+            out = self.backend.decode_attention(query, key_cache, value_cache, batch.decode, *options)
         elif batch.decode is None and batch.prefill is not None:
-            out = self.backend.prefill_attention(query, key_cache, value_cache, batch.prefill, self.scale)
+            out = self.backend.prefill_attention(query, key_cache, value_cache, batch.prefill, *options)
         else:
             assert batch.decode is not None and batch.prefill is not None
             out = torch.empty_like(query)
             out[:num_decode] = self.backend.decode_attention(
-                query[:num_decode], key_cache, value_cache, batch.decode, self.scale
+                query[:num_decode], key_cache, value_cache, batch.decode, *options
             )
             out[num_decode:] = self.backend.prefill_attention(
-                query[num_decode:], key_cache, value_cache, batch.prefill, self.scale
+                query[num_decode:], key_cache, value_cache, batch.prefill, *options
             )
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
@@ -133,8 +140,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index, backend)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_index):
-            router = Linear(config.hidden_size, config.num_experts, False, backend)
-            self.mlp = SparseMoeBlock(config, backend, router)
+            router = Linear(config.hidden_size, config.num_experts, config.moe_bias, backend)
+            block = gpt_oss.GptOssMoeBlock if config.model_type == "gpt_oss" else SparseMoeBlock
+            self.mlp = block(config, backend, router)
         else:
             self.mlp = MLP(config, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
@@ -217,6 +225,8 @@ class CausalLM(nn.Module):
         }
         expected_size: dict[str, int] = {name: p.numel() for name, p in params.items()}
         loaded_size: dict[str, int] = dict.fromkeys(params, 0)
+        if cfg.model_type == "gpt_oss":
+            weights = gpt_oss.checkpoint_tensors(weights)
         for hf_name, tensor in weights:
             name = checkpoint_name(hf_name.removeprefix("model."))
             if cfg.tie_word_embeddings and name == "lm_head.weight":

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE) and its checkpoint names.
+"""The mixture-of-experts MLP block (Mixtral, Qwen3-MoE) and its checkpoint names (GPT-OSS's block: ``gpt_oss``).
 
 A block holds a router (``gate``, a [num_experts, hidden] linear) and every
 expert's weights stacked: ``experts.gate_up_proj`` [num_experts, 2 *
@@ -25,12 +25,16 @@ _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_p
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
+        )
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
 
 
 class SparseMoeBlock(nn.Module):

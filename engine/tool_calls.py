@@ -7,7 +7,12 @@ one (a model's default comes from its chat template,
 - ``hermes`` (default): ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen2.5, Qwen3);
 - ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>value</parameter>...`` (Qwen3-Coder);
 - ``llama3_json``: the answer is ``{"name": ..., "parameters": {...}}`` calls joined by ``;`` (Llama 3.x);
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of calls, or ``NAME[ARGS]{json}`` (Mistral).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of calls, or ``NAME[ARGS]{json}`` (Mistral);
+- ``harmony``: channelled messages, calls addressed ``to=functions.NAME``, reasoning dropped (GPT-OSS).
+
+A format that marks up every answer, not only its calls (``harmony``, whose
+prose sits in channels beside the model's reasoning), is split whether or not
+the call offered tools (``splits_every_answer``).
 
 ``ToolCallStream`` splits text that arrives in pieces (a streamed completion)
 into prose and OpenAI-style tool calls, whose ``arguments`` is a JSON *string*
@@ -49,6 +54,7 @@ __all__ = [
     "parse_tool_calls",
     "parser_for_chat_template",
     "random_tool_call_id",
+    "splits_every_answer",
     "tool_call_parser",
 ]
 
@@ -81,11 +87,21 @@ def _mistral() -> type[ToolCallParser]:
     return MistralParser
 
 
+def _harmony() -> type[ToolCallParser]:
+    from .tool_call_harmony import HarmonyParser
+
+    return HarmonyParser
+
+
 TOOL_CALL_PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser")
 TOOL_CALL_PARSERS.register("hermes", _hermes)
 TOOL_CALL_PARSERS.register("qwen3_coder", _qwen3_coder)
 TOOL_CALL_PARSERS.register("llama3_json", _llama3_json)
 TOOL_CALL_PARSERS.register("mistral", _mistral)
+TOOL_CALL_PARSERS.register("harmony", _harmony)
+
+# Formats that wrap every answer in their markup: their answers are split even when no tools were offered.
+EVERY_ANSWER_PARSERS = ("harmony",)
 
 
 def tool_call_parser(name: str) -> type[ToolCallParser]:
@@ -95,6 +111,8 @@ def tool_call_parser(name: str) -> type[ToolCallParser]:
 
 def parser_for_chat_template(source: str) -> str:
     """The format a model's chat template (its Jinja source) teaches it to call tools in."""
+    if "<|channel|>" in source:
+        return "harmony"
     if "<function=" in source:
         return "qwen3_coder"
     if "[TOOL_CALLS]" in source:
@@ -102,6 +120,11 @@ def parser_for_chat_template(source: str) -> str:
     if "<|python_tag|>" in source or ("<|start_header_id|>" in source and "tools" in source):
         return "llama3_json"
     return DEFAULT_TOOL_CALL_PARSER
+
+
+def splits_every_answer(parser: str) -> bool:
+    """Whether format ``parser`` marks up every answer, so that even one to a call without tools is split."""
+    return parser in EVERY_ANSWER_PARSERS
 
 
 def forced_call_grammar(

@@ -15,6 +15,14 @@ contiguous copy. A layer's view ``kv_cache[:, layer, 0]`` (keys) and
 head_dim]`` with a page stride larger than the view's size; kernels honour
 strides. A token at position ``p`` of a sequence lives in slot
 ``page_table[p // page_size] * page_size + p % page_size``.
+
+Attention options (GPT-OSS uses both):
+
+- ``sinks``: one learned logit per query head ([num_heads], float32) that
+  joins that head's softmax denominator as one more score with no value: it
+  takes probability mass and adds nothing to the output.
+- ``sliding_window`` W: a query at position p sees only keys ``p - W + 1 ..
+  p`` (W keys, itself included); pages wholly before that need not be read.
 """
 
 from __future__ import annotations
@@ -117,10 +125,13 @@ class KernelBackend(abc.ABC):
         value_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its paged cache.
 
         ``query``: [num_seqs, num_heads, head_dim]; returns the same shape.
+        ``sinks`` and ``sliding_window`` as in the module docstring.
         """
 
     @abc.abstractmethod
@@ -131,11 +142,14 @@ class KernelBackend(abc.ABC):
         value_cache: torch.Tensor,
         batch: PrefillBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of packed query chunks over cached context plus themselves.
 
         ``query``: [num_tokens, num_heads, head_dim]; returns the same shape.
-        The chunk's own keys must already be written to the cache.
+        The chunk's own keys must already be written to the cache. ``sinks``
+        and ``sliding_window`` as in the module docstring.
         """
 
     @abc.abstractmethod
@@ -173,14 +187,22 @@ class KernelBackend(abc.ABC):
         down: torch.Tensor,
         top_k: int,
         renormalize: bool,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: moe.ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
         """A mixture-of-experts SwiGLU MLP of ``x`` [num_tokens, hidden] (see ``rayturn.kernels.moe``).
 
         Each token goes to the ``top_k`` experts of highest softmax(``router_logits``) probability, those
         probabilities rescaled to sum to 1 when ``renormalize``; ``gate_up`` is [num_experts, 2 * intermediate,
-        hidden] (gate rows, then up rows), ``down`` is [num_experts, hidden, intermediate].
+        hidden] (gate rows, then up rows), ``down`` is [num_experts, hidden, intermediate], with optional
+        per-expert biases [num_experts, 2 * intermediate] and [num_experts, hidden]. ``activation`` replaces
+        ``silu_and_mul`` (GPT-OSS's clamped SwiGLU).
         """
-        return moe.fused_moe(x, router_logits, gate_up, down, top_k, renormalize, self.silu_and_mul)
+        activation_fn = activation or self.silu_and_mul
+        return moe.fused_moe(
+            x, router_logits, gate_up, down, top_k, renormalize, activation_fn, gate_up_bias, down_bias
+        )
 
     def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
         """Copy whole pages inside the cache (copy-on-write of shared pages)."""

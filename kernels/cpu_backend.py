@@ -19,6 +19,13 @@ kernel converts to an additive float mask and applies to every key block,
 skipping none of the masked-out ones. Float32 RMS norm is PyTorch's fused
 op, and SiLU-and-multiply works in place: both avoid passes over, and fresh
 allocations of, prefill-sized activations.
+
+Sinks and sliding windows: the native decode kernel takes both, starting at
+the window's first token so earlier pages are never read. Windowed prefill
+gathers only the pages from the chunk's first window on and runs one fused
+call with an additive mask (a row's window bounds it on both sides); sinks
+join afterwards through each row's log-sum-exp: the output is scaled by
+``sum / (sum + exp(sink)) = sigmoid(lse - sink)``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 
 from .backend import DecodeBatch, PrefillBatch
 from .native import NativeKernels, load
-from .torch_backend import TorchBackend, _gather_tokens, _pages_for
+from .torch_backend import TorchBackend, _gather_tokens, _pages_for, first_window_key, visible_keys
 
 
 class CpuBackend(TorchBackend):
@@ -49,13 +56,16 @@ class CpuBackend(TorchBackend):
         value_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if not _native_decode_fits(query, key_cache, value_cache, batch):
-            return super().decode_attention(query, key_cache, value_cache, batch, scale)
+        if not _native_decode_fits(query, key_cache, value_cache, batch) or not _native_sinks_fit(sinks, query):
+            return super().decode_attention(query, key_cache, value_cache, batch, scale, sinks, sliding_window)
         num_seqs, num_heads, head_dim = query.shape
         query = query.contiguous()
         page_table = batch.page_table.contiguous()
         seq_lens = batch.seq_lens.contiguous()
+        sinks = None if sinks is None else sinks.contiguous()
         out = torch.empty_like(query)
         status = self.native.paged_decode_attention_f32(
             query.data_ptr(),
@@ -67,6 +77,8 @@ class CpuBackend(TorchBackend):
             page_table.data_ptr(),
             page_table.stride(0),
             seq_lens.data_ptr(),
+            None if sinks is None else sinks.data_ptr(),
+            sliding_window or 0,
             out.data_ptr(),
             num_seqs,
             num_heads,
@@ -97,41 +109,77 @@ class CpuBackend(TorchBackend):
         value_cache: torch.Tensor,
         batch: PrefillBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if query.device.type != "cpu":
-            return super().prefill_attention(query, key_cache, value_cache, batch, scale)
+            return super().prefill_attention(query, key_cache, value_cache, batch, scale, sinks, sliding_window)
         page_size = key_cache.shape[1]
         out = torch.empty_like(query)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
             end = start + query_len
             context_len = seq_len - query_len
-            pages = batch.page_table[i, : _pages_for(seq_len, page_size)].long()
-            keys = _gather_tokens(key_cache, pages[None], seq_len)[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
-            values = _gather_tokens(value_cache, pages[None], seq_len)[0].transpose(0, 1)[None]
+            first_page = first_window_key(context_len, sliding_window) // page_size
+            first_key = first_page * page_size
+            pages = batch.page_table[i, first_page : _pages_for(seq_len, page_size)].long()
+            num_keys = seq_len - first_key
+            keys = _gather_tokens(key_cache, pages[None], num_keys)[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            values = _gather_tokens(value_cache, pages[None], num_keys)[0].transpose(0, 1)[None]
             queries = query[start:end].transpose(0, 1)[None]  # [1, H, Q, D]
-            chunk, chunk_lse = _flash(queries, keys[:, :, context_len:], values[:, :, context_len:], True, scale)
-            if context_len:
-                context, context_lse = _flash(
-                    queries, keys[:, :, :context_len], values[:, :, :context_len], False, scale
-                )
-                total_lse = torch.logaddexp(chunk_lse, context_lse)
-                chunk = chunk * (chunk_lse - total_lse).exp_()[..., None]
-                chunk.addcmul_(context, (context_lse - total_lse).exp_()[..., None])
-            out[start:end] = chunk[0].transpose(0, 1)
+            if sliding_window is None:
+                attn, lse = _causal_over_context(queries, keys, values, context_len, scale)
+            else:
+                # Which keys a row sees depends on the row at both ends: one masked call over the window's pages.
+                key_pos = torch.arange(first_key, seq_len)
+                query_pos = torch.arange(context_len, seq_len)
+                visible = visible_keys(query_pos, key_pos, sliding_window)
+                mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+                attn, lse = _flash(queries, keys, values, False, scale, mask)
+            if sinks is not None:
+                # The sink joins the denominator only: rescale by sum / (sum + exp(sink)).
+                attn = attn * torch.sigmoid(lse - sinks.view(1, -1, 1))[..., None].to(attn.dtype)
+            out[start:end] = attn[0].transpose(0, 1)
             start = end
         return out
 
 
+def _causal_over_context(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a chunk after ``context_len`` cached keys, the context (seen whole) and the chunk
+    (causal) attended apart and merged by their log-sum-exps; returns the output and its log-sum-exp."""
+    chunk, chunk_lse = _flash(queries, keys[:, :, context_len:], values[:, :, context_len:], True, scale)
+    if not context_len:
+        return chunk, chunk_lse
+    context, context_lse = _flash(queries, keys[:, :, :context_len], values[:, :, :context_len], False, scale)
+    total_lse = torch.logaddexp(chunk_lse, context_lse)
+    chunk = chunk * (chunk_lse - total_lse).exp_()[..., None]
+    chunk.addcmul_(context, (context_lse - total_lse).exp_()[..., None])
+    return chunk, total_lse
+
+
 def _flash(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, is_causal: bool, scale: float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused CPU attention ([1, H, Q, D] queries, [1, Hkv, K, D] keys/values; causal means query row r sees
-    keys 0..r): the output [1, H, Q, D] and each row's log-sum-exp of its scaled scores [1, H, Q]."""
+    keys 0..r; ``mask`` [Q, K] is added to the scores): the output [1, H, Q, D] and each row's log-sum-exp of
+    its scaled scores [1, H, Q]."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        queries, keys, values, 0.0, is_causal, scale=scale
+        queries, keys, values, 0.0, is_causal, attn_mask=mask, scale=scale
     )
     return out, lse
+
+
+def _native_sinks_fit(sinks: torch.Tensor | None, query: torch.Tensor) -> bool:
+    return sinks is None or (
+        sinks.device.type == "cpu" and sinks.dtype == torch.float32 and sinks.shape == (query.shape[1],)
+    )
 
 
 def _native_decode_fits(

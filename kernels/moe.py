@@ -11,6 +11,8 @@ Expert weights keep the layout Hugging Face models use in memory:
 ``gate_up`` is [num_experts, 2 * intermediate, hidden] (gate rows first, then
 up rows) and ``down`` is [num_experts, hidden, intermediate]. Groups are as
 long as the tokens routed to them: nothing is padded to the largest expert.
+Experts may carry biases ([num_experts, 2 * intermediate] and [num_experts,
+hidden]) and GPT-OSS's clamped SwiGLU (``ClampedSwiGLU``) in place of SwiGLU.
 """
 
 from __future__ import annotations
@@ -22,7 +24,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SiluAndMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (gate, up) -> activation of the expert's hidden layer
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)``."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +87,24 @@ def grouped_expert_mlp(
     group_sizes: tuple[int, ...],
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    silu_and_mul: SiluAndMul,
+    activation: GatedActivation,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Expert e's ``down @ silu_and_mul(gate, up)`` over its ``group_sizes[e]`` consecutive ``rows``."""
+    """Expert e's ``down @ activation(gate, up) + down_bias`` (gate and up from ``gate_up @ row + gate_up_bias``)
+    over its ``group_sizes[e]`` consecutive ``rows``."""
     intermediate = down.shape[-1]
-    gate_up_rows = _grouped_matmul(rows, gate_up, group_sizes)
-    hidden = silu_and_mul(gate_up_rows[:, :intermediate], gate_up_rows[:, intermediate:])
-    return _grouped_matmul(hidden, down, group_sizes)
+    gate_up_rows = _add_group_bias(_grouped_matmul(rows, gate_up, group_sizes), gate_up_bias, group_sizes)
+    hidden = activation(gate_up_rows[:, :intermediate], gate_up_rows[:, intermediate:])
+    return _add_group_bias(_grouped_matmul(hidden, down, group_sizes), down_bias, group_sizes)
+
+
+def _add_group_bias(out: torch.Tensor, bias: torch.Tensor | None, group_sizes: tuple[int, ...]) -> torch.Tensor:
+    """``out`` with expert e's ``bias[e]`` added to its ``group_sizes[e]`` rows (in place)."""
+    if bias is None:
+        return out
+    sizes = torch.tensor(group_sizes, device=out.device)
+    return out.add_(bias.repeat_interleave(sizes, dim=0, output_size=out.shape[0]))
 
 
 def _grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -117,11 +145,13 @@ def fused_moe(
     down: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    silu_and_mul: SiluAndMul,
+    activation: GatedActivation,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole MoE MLP of ``x`` ([num_tokens, hidden]) given its ``router_logits`` ([num_tokens, num_experts])."""
     weights, expert_ids = route_top_k(router_logits, top_k, renormalize)
     permutation = permute_by_expert(expert_ids, gate_up.shape[0])
     rows = x[permutation.token_index]
-    expert_out = grouped_expert_mlp(rows, permutation.group_sizes, gate_up, down, silu_and_mul)
+    expert_out = grouped_expert_mlp(rows, permutation.group_sizes, gate_up, down, activation, gate_up_bias, down_bias)
     return unpermute(expert_out, permutation, weights, x.shape[0])

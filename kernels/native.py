@@ -45,6 +45,7 @@ class NativeKernels:
             ptr, ptr, ptr,  # q, k_cache, v_cache
             i64, i64, i64,  # page, token and head strides (elements)
             ptr, i64, ptr,  # page_table, its row stride, seq_lens
+            ptr, i64,  # sinks (NULL for none), window (0 for none)
             ptr, i64, i64, i64, i64,  # out, num_seqs, num_heads, num_kv_heads, head_dim
             i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
         ]  # fmt: skip

@@ -8,6 +8,7 @@ of the paged cache, one fused attention call) rather than a loop.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -106,17 +107,20 @@ class TorchBackend(KernelBackend):
         value_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        options = _AttentionOptions(scale, sinks, sliding_window)
         groups = _length_groups(batch.seq_lens_host)
         if len(groups) == 1:
             return _decode_group(
-                query, key_cache, value_cache, batch.page_table, batch.seq_lens, batch.max_seq_len, scale
+                query, key_cache, value_cache, batch.page_table, batch.seq_lens, batch.max_seq_len, options
             )
         out = torch.empty_like(query)
         for rows, max_len in groups:
             index = torch.tensor(rows, device=query.device)
             out[index] = _decode_group(
-                query[index], key_cache, value_cache, batch.page_table[index], batch.seq_lens[index], max_len, scale
+                query[index], key_cache, value_cache, batch.page_table[index], batch.seq_lens[index], max_len, options
             )
         return out
 
@@ -127,6 +131,8 @@ class TorchBackend(KernelBackend):
         value_cache: torch.Tensor,
         batch: PrefillBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         page_size = key_cache.shape[1]
         out = torch.empty_like(query)
@@ -134,22 +140,32 @@ class TorchBackend(KernelBackend):
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
             end = start + query_len
             context_len = seq_len - query_len
-            pages = batch.page_table[i, : _pages_for(seq_len, page_size)].long()
-            keys = _gather_tokens(key_cache, pages[None], seq_len)[0].transpose(0, 1)  # [Hkv, L, D]
-            values = _gather_tokens(value_cache, pages[None], seq_len)[0].transpose(0, 1)
+            # With a window, pages before the first query's window are never read.
+            first_page = first_window_key(context_len, sliding_window) // page_size
+            first_key = first_page * page_size
+            pages = batch.page_table[i, first_page : _pages_for(seq_len, page_size)].long()
+            keys = _gather_tokens(key_cache, pages[None], seq_len - first_key)[0].transpose(0, 1)  # [Hkv, L, D]
+            values = _gather_tokens(value_cache, pages[None], seq_len - first_key)[0].transpose(0, 1)
             queries = query[start:end].transpose(0, 1)  # [H, Q, D]
-            if context_len == 0:
+            if context_len == 0 and sinks is None and sliding_window is None:
                 attn = F.scaled_dot_product_attention(
                     queries[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True
-                )
+                )[0]
             else:
-                key_pos = torch.arange(seq_len, device=query.device)
+                key_pos = torch.arange(first_key, seq_len, device=query.device)
                 query_pos = torch.arange(context_len, seq_len, device=query.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                attn = F.scaled_dot_product_attention(
-                    queries[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[start:end] = attn[0].transpose(0, 1)
+                mask = visible_keys(query_pos, key_pos, sliding_window)
+                if sinks is None:
+                    attn = F.scaled_dot_product_attention(
+                        queries[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
+                    )[0]
+                else:
+                    num_heads, num_kv_heads = queries.shape[0], keys.shape[0]
+                    grouped = queries.view(num_kv_heads, num_heads // num_kv_heads, query_len, -1)
+                    attn = _sink_attention(
+                        grouped, keys[:, None], values[:, None], mask, scale, sinks.view(*grouped.shape[:2], 1, 1)
+                    ).view(num_heads, query_len, -1)
+            out[start:end] = attn.transpose(0, 1)
             start = end
         return out
 
@@ -160,6 +176,26 @@ class TorchBackend(KernelBackend):
         kv_cache.index_copy_(0, page_ids.to(kv_cache.device).long(), src.to(kv_cache.dtype))
 
 
+@dataclass(frozen=True, slots=True)
+class _AttentionOptions:
+    scale: float
+    sinks: torch.Tensor | None  # [num_heads] float32 logits
+    sliding_window: int | None
+
+
+def first_window_key(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` sees."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[queries, keys] bool: causal, and within the window when there is one."""
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    return visible
+
+
 def _decode_group(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -167,7 +203,7 @@ def _decode_group(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_len: int,
-    scale: float,
+    options: _AttentionOptions,
 ) -> torch.Tensor:
     """Decode attention for sequences padded to ``max_len``: one gather, one fused attention call."""
     num_seqs, num_heads, head_dim = query.shape
@@ -175,12 +211,41 @@ def _decode_group(
     pages = page_table[:, : _pages_for(max_len, page_size)].long()
     keys = _gather_tokens(key_cache, pages, max_len).transpose(1, 2)  # [B, Hkv, L, D]
     values = _gather_tokens(value_cache, pages, max_len).transpose(1, 2)
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
+    key_pos = torch.arange(max_len, device=query.device)[None, :]
+    mask = key_pos < seq_lens[:, None]  # [B, L]
+    if options.sliding_window is not None:
+        mask &= key_pos >= seq_lens[:, None] - options.sliding_window
     # The query heads sharing a kv head act as that head's query rows, so
     # keys and values are never repeated per query head (GQA for free).
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    if options.sinks is None:
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask[:, None, None, :], scale=options.scale
+        )
+    else:
+        sinks = options.sinks.view(1, num_kv_heads, num_heads // num_kv_heads, 1)
+        out = _sink_attention(grouped, keys, values, mask[:, None, None, :], options.scale, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _sink_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention, in float32, whose denominator also holds a sink logit per query row (it has no value).
+
+    Shapes broadcast as in ``queries @ keys.T``: queries [..., Q, D], keys and values [..., K, D], ``visible``
+    [..., Q, K] bool, ``sinks`` [..., Q or 1, 1].
+    """
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    with_sinks = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    probs = torch.softmax(with_sinks, dim=-1)[..., :-1]
+    return torch.matmul(probs, values.float()).to(queries.dtype)
 
 
 def _length_groups(seq_lens: tuple[int, ...], max_groups: int = 4) -> list[tuple[list[int], int]]:

@@ -7,6 +7,12 @@ and sum, base 2) and accumulates in float32. Decode runs one program per
 (sequence, kv head), the query heads of a kv head forming one tile; prefill
 runs one program per (sequence, block of query rows, query head).
 
+Attention sinks start each row's online softmax as if one key with score
+``sink`` and a zero value had been seen (running max ``sink``, running sum 1),
+so they take their share of the denominator and add nothing. A sliding window
+starts the key loop at the block's first visible key, so pages wholly before
+the window are never read, and masks keys that fall out of a row's window.
+
 Like ``triton_kernels`` (whose Triton import guard it shares), importing this
 module never fails for lack of Triton; launching a kernel then does.
 """
@@ -72,8 +78,12 @@ def attend_pages(  # type: ignore[no-untyped-def]
     value_cache_ptr,
     page_table_row,
     head_offsets,
+    first_key,
     num_keys,
     query_positions,
+    window,
+    running_max,
+    running_sum,
     page_size,
     cache_page_stride,
     cache_slot_stride,
@@ -82,16 +92,15 @@ def attend_pages(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The query tile [ROWS, HEAD_DIM] attends to keys ``0 .. num_keys`` of one sequence's paged cache,
-    ``BLOCK_KEYS`` at a time; ``CAUSAL``: row r sees only keys up to ``query_positions[r]``. Returns the
-    softmax's (running sum, unnormalised output)."""
-    # A finite initial max keeps exp2(old_max - new_max) free of inf - inf.
-    running_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    running_sum = tl.zeros([ROWS], dtype=tl.float32)
+    """The query tile [ROWS, HEAD_DIM] attends to keys ``first_key .. num_keys`` of one sequence's paged cache,
+    ``BLOCK_KEYS`` at a time, from the softmax state (``running_max``, ``running_sum``); ``CAUSAL``: row r sees
+    only keys up to ``query_positions[r]``; ``WINDOWED``: only keys after ``query_positions[r] - window``.
+    Returns the softmax's (running sum, unnormalised output)."""
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for key_start in range(0, num_keys, BLOCK_KEYS):
+    for key_start in range(first_key, num_keys, BLOCK_KEYS):
         key_positions = key_start + tl.arange(0, BLOCK_KEYS)
         key_mask = key_positions < num_keys
         token_offsets = paged_token_offsets(
@@ -100,6 +109,8 @@ def attend_pages(  # type: ignore[no-untyped-def]
         visible = key_mask[None, :]
         if CAUSAL:
             visible = visible & (key_positions[None, :] <= query_positions[:, None])
+        if WINDOWED:
+            visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
         running_max, running_sum, acc = attend_block(
             query,
             key_cache_ptr,
@@ -117,6 +128,20 @@ def attend_pages(  # type: ignore[no-untyped-def]
 
 
 @jit_if_available
+def softmax_start(sinks_log2_ptr, heads, head_mask, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The online softmax's (running max, running sum) before any key: the sink (its logit in base 2,
+    ``sinks_log2_ptr[head]``) with weight 1, else nothing."""
+    if HAS_SINKS:
+        running_max = tl.load(sinks_log2_ptr + heads, mask=head_mask, other=0.0)
+        running_sum = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        # A finite initial max keeps exp2(old_max - new_max) free of inf - inf.
+        running_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        running_sum = tl.zeros([ROWS], dtype=tl.float32)
+    return running_max, running_sum
+
+
+@jit_if_available
 def decode_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     key_cache_ptr,
@@ -124,6 +149,8 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     page_table_ptr,
     seq_lens_ptr,
+    sinks_log2_ptr,
+    window,
     qk_scale_log2,
     query_seq_stride,
     query_head_stride,
@@ -140,6 +167,8 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: the query heads of one sequence that share one kv head attend to its whole cache.
@@ -163,14 +192,23 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
     )
     head_offsets = kv_head * cache_head_stride + dims[None, :] * cache_dim_stride
 
+    # Every row is the sequence's last position; the window (if any) starts the key loop.
+    first_key = 0
+    if WINDOWED:
+        first_key = tl.maximum(seq_len - window, 0)
+    running_max, running_sum = softmax_start(sinks_log2_ptr, heads, group_mask, BLOCK_GROUP, HAS_SINKS)
     running_sum, acc = attend_pages(
         query,
         key_cache_ptr,
         value_cache_ptr,
         page_table_row,
         head_offsets,
+        first_key,
         seq_len,
         group,
+        window,
+        running_max,
+        running_sum,
         page_size,
         cache_page_stride,
         cache_slot_stride,
@@ -178,6 +216,7 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
         BLOCK_GROUP,
         HEAD_DIM,
         BLOCK_KEYS,
+        False,
         False,
         DOT_PRECISION,
     )
@@ -200,6 +239,8 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
     page_table_ptr,
     query_start_loc_ptr,
     context_lens_ptr,
+    sinks_log2_ptr,
+    window,
     qk_scale_log2,
     query_token_stride,
     query_head_stride,
@@ -216,6 +257,8 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     BLOCK_QUERIES: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_QUERIES`` query rows of one sequence and one head, causal over the paged cache.
@@ -251,16 +294,26 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
     )
     head_offsets = kv_head * cache_head_stride + dims[None, :] * cache_dim_stride
 
-    # Keys past this block's last row are masked for every row: stop there.
+    # Keys past this block's last row are masked for every row: stop there; keys before its first row's
+    # window are masked for every row: start there.
     num_keys = context_len + tl.minimum(first_row + BLOCK_QUERIES, query_len)
+    first_key = 0
+    if WINDOWED:
+        first_key = tl.maximum(context_len + first_row - window + 1, 0)
+    heads = tl.zeros([BLOCK_QUERIES], dtype=tl.int32) + head  # every row belongs to this program's one head
+    running_max, running_sum = softmax_start(sinks_log2_ptr, heads, row_mask, BLOCK_QUERIES, HAS_SINKS)
     running_sum, acc = attend_pages(
         query,
         key_cache_ptr,
         value_cache_ptr,
         page_table_row,
         head_offsets,
+        first_key,
         num_keys,
         query_positions,
+        window,
+        running_max,
+        running_sum,
         page_size,
         cache_page_stride,
         cache_slot_stride,
@@ -269,11 +322,12 @@ def prefill_attention_kernel(  # type: ignore[no-untyped-def]
         HEAD_DIM,
         BLOCK_KEYS,
         True,
+        WINDOWED,
         DOT_PRECISION,
     )
 
-    # Key 0 is visible to every row, so running_sum > 0.
-    out = acc / running_sum[:, None]
+    # A row sees at least its own key, so running_sum > 0; padding rows past the chunk may see none.
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(
         out_ptr + row_offsets[:, None] * out_token_stride + head * out_head_stride + dims[None, :],
         out,

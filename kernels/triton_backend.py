@@ -196,6 +196,8 @@ class TritonBackend(KernelBackend):
         value_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         _check_kv_views(key_cache, value_cache)
         num_seqs, num_heads, head_dim = query.shape
@@ -214,6 +216,8 @@ class TritonBackend(KernelBackend):
             out,
             page_table,
             batch.seq_lens,
+            _sinks_log2(sinks, query),
+            sliding_window or 0,
             scale * ta.LOG2_E,
             *query.stride(),
             out.stride(0),
@@ -225,6 +229,8 @@ class TritonBackend(KernelBackend):
             HEAD_DIM=head_dim,
             BLOCK_GROUP=max(ta.MIN_DOT_SIZE, _next_power_of_2(queries_per_kv)),
             BLOCK_KEYS=64 if on_gpu else 16,
+            HAS_SINKS=sinks is not None,
+            WINDOWED=sliding_window is not None,
             DOT_PRECISION=_dot_precision(query.dtype),
         )
         return out
@@ -236,6 +242,8 @@ class TritonBackend(KernelBackend):
         value_cache: torch.Tensor,
         batch: PrefillBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         _check_kv_views(key_cache, value_cache)
         num_tokens, num_heads, head_dim = query.shape
@@ -257,6 +265,8 @@ class TritonBackend(KernelBackend):
             page_table,
             batch.query_start_loc,
             batch.context_lens,
+            _sinks_log2(sinks, query),
+            sliding_window or 0,
             scale * ta.LOG2_E,
             *query.stride(),
             out.stride(0),
@@ -268,6 +278,8 @@ class TritonBackend(KernelBackend):
             HEAD_DIM=head_dim,
             BLOCK_QUERIES=block_queries,
             BLOCK_KEYS=block_keys,
+            HAS_SINKS=sinks is not None,
+            WINDOWED=sliding_window is not None,
             DOT_PRECISION=_dot_precision(query.dtype),
         )
         return out
@@ -277,6 +289,16 @@ class TritonBackend(KernelBackend):
 
     def scatter_pages(self, src: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
         _copy_pages(tk.scatter_pages_kernel, src, kv_cache, kv_cache, page_ids)
+
+
+def _sinks_log2(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """Sink logits in the kernels' base-2 units, float32 and contiguous; without sinks a placeholder the kernels
+    never read."""
+    if sinks is None:
+        return query
+    if sinks.shape != (query.shape[1],):
+        raise ValueError(f"sinks must be [num_heads] = [{query.shape[1]}], got {tuple(sinks.shape)}")
+    return (sinks.to(device=query.device, dtype=torch.float32) * ta.LOG2_E).contiguous()
 
 
 def _queries_per_kv(num_heads: int, num_kv_heads: int) -> int:

@@ -100,6 +100,16 @@ def test_mistral_keeps_its_special_tags_in_the_text(tokenizer: Tokenizer) -> Non
     assert GuideMaker("mistral", tokenizer).guided(params, chat()) == params
 
 
+def test_harmony_keeps_its_channel_tags_with_or_without_tools(tokenizer: Tokenizer) -> None:
+    params = SamplingParams(max_tokens=4)
+    kept = replace(params, skip_special_tokens=False)
+    maker = GuideMaker("harmony", tokenizer)
+    assert maker.guided(params, chat()) == kept
+    assert maker.guided(params, chat(tools=[TOOL])) == kept
+    forced = maker.guided(params, chat(tools=[TOOL], tool_choice="required"))
+    assert forced.guide is not None and forced.skip_special_tokens is False
+
+
 def test_composed_schemas_stay_open(tokenizer: Tokenizer) -> None:
     """``allOf`` / ``anyOf`` branches add properties to each other: closing any of them would forbid the rest."""
     composed = {

@@ -49,7 +49,7 @@ from rayturn.api.serving_completion import MAX_PROMPT_SCORES, _check_score_size
 from rayturn.api.streaming import SSE_DONE, ChatStreamState, sse
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.sequence import TokenLogprob
-from rayturn.engine.tool_calls import ToolCall
+from rayturn.engine.tool_calls import ParsedToolCalls, ToolCall
 
 MODEL = "qwen-test"
 WEATHER_TOOL: dict[str, Any] = {
@@ -669,6 +669,18 @@ def test_assistant_output_without_tools_keeps_the_text() -> None:
     request = parse_chat_request(_chat_body(tools=[WEATHER_TOOL], tool_choice="none"), MODEL)
     text = ' <tool_call>{"name": "get_weather"}</tool_call> '
     assert assistant_output(text, request).content == text
+
+
+def test_a_harmony_answer_is_split_with_or_without_tools() -> None:
+    text = "<|channel|>analysis<|message|>Greet back.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    for body in (_chat_body(), _chat_body(tools=[WEATHER_TOOL], tool_choice="none")):
+        request = parse_chat_request(body, MODEL)
+        assert assistant_output(text, request, parser="harmony") == ParsedToolCalls(content="Hello!", tool_calls=())
+        state = ChatStreamState.for_request(request, 0, parser="harmony")
+        state.start()
+        pushed = [state.push(piece) for piece in (text[:40], text[40:])]
+        contents = [choice["delta"].get("content", "") for choice in (*pushed, state.finish("stop")) if choice]
+        assert "".join(contents) == "Hello!"
 
 
 def test_assistant_output_single_call_when_not_parallel() -> None:

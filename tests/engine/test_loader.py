@@ -131,12 +131,12 @@ def test_missing_required_field(checkpoint: Path) -> None:
 
 @pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
 def test_unsupported_rope_type(checkpoint: Path, field: str) -> None:
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    longrope = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 256}
     if field == "rope_parameters":
-        edit_config(checkpoint, rope_parameters={**yarn, "rope_theta": 10000.0})
+        edit_config(checkpoint, rope_parameters={**longrope, "rope_theta": 10000.0})
     else:
-        edit_config(checkpoint, rope_parameters=_DELETE, rope_theta=10000.0, rope_scaling=yarn)
-    with pytest.raises(ValueError, match=names(checkpoint / "config.json") + r": .*'yarn' is not supported"):
+        edit_config(checkpoint, rope_parameters=_DELETE, rope_theta=10000.0, rope_scaling=longrope)
+    with pytest.raises(ValueError, match=names(checkpoint / "config.json") + r": .*'longrope' is not supported"):
         load(checkpoint)
 
 

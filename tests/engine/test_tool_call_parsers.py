@@ -160,6 +160,33 @@ RECORDED: dict[str, list[tuple[str, Expected]]] = {
             ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
         ),
     ],
+    "harmony": [
+        (
+            "<|channel|>analysis<|message|>The user wants Paris weather. Use get_weather.<|end|>"
+            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city":"Paris"}',
+            (None, [("get_weather", {"city": "Paris"})]),
+        ),
+        (
+            "<|channel|>analysis<|message|>Simple greeting.<|end|><|start|>assistant<|channel|>final<|message|>"
+            "Hi! How can I help?<|return|>",
+            ("Hi! How can I help?", []),
+        ),
+        (
+            "<|channel|>commentary<|message|>Let me check both.<|end|>"
+            "<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "東京 🌧"}',
+            ("Let me check both.", [("now", {}), ("get_weather", {"city": "東京 🌧"})]),
+        ),
+        (
+            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Par',
+            ('{"city": "Par', []),
+        ),
+        (
+            "<|channel|>analysis<|message|>Thinking about it and getting cut o",
+            (None, []),
+        ),
+    ],
 }
 
 # Raw Qwen3-Coder values without the tools: read as JSON where they are JSON.
@@ -230,6 +257,8 @@ FRAGMENTS = {
     + ["at", "city", "\n", '{"x": 1', "}", '"', "\\", "<"],
     "llama3_json": ["<|python_tag|>", "<|py", "{", "}", '"name": ', '"now"', '"parameters": ', "{}", ";", '"', "\\"],
     "mistral": ["[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[", "]", "{", "}", '"name": ', '"now"', '"arguments": ', "now"],
+    "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+    + ["<|", "|>", "assistant", "analysis", "final", "commentary", " to=functions.now", "{}", "{", "}", " "],
 }
 
 
@@ -268,6 +297,7 @@ def test_prose_streams_out_at_once() -> None:
         "qwen3_coder": ("Hello <tool_call>\n<function=f>", "Hello"),
         "llama3_json": ("Hello {", "Hello {"),
         "mistral": ("Hello [TOOL_C", "Hello"),
+        "harmony": ("<|channel|>final<|message|>Hello <|e", "Hello"),
     }
     for parser, (text, content) in expectations.items():
         assert ToolCallStream(parser).push(text) == ToolCallDelta(content=content, tool_calls=()), parser
@@ -277,13 +307,13 @@ def test_prose_streams_out_at_once() -> None:
 
 
 def test_registry_names_and_default() -> None:
-    assert list(TOOL_CALL_PARSERS) == ["hermes", "qwen3_coder", "llama3_json", "mistral"]
+    assert list(TOOL_CALL_PARSERS) == ["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"]
     assert DEFAULT_TOOL_CALL_PARSER == "hermes"
     text = RECORDED["hermes"][0][0]
     assert ToolCallStream(id_factory=_sequential_ids()).push(text) == ToolCallStream(
         "hermes", id_factory=_sequential_ids()
     ).push(text)
-    with pytest.raises(ValueError, match="unknown tool-call parser 'pythonic'; known: hermes, llama3_json"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'pythonic'; known: harmony, hermes, llama3_json"):
         ToolCallStream("pythonic")
 
 
@@ -292,10 +322,12 @@ def test_parser_for_chat_template() -> None:
     llama31 = "<|start_header_id|>ipython<|end_header_id|>{{- '<|python_tag|>' + tool_call.name }}"
     llama32 = "{{- '<|start_header_id|>assistant<|end_header_id|>' }}{%- if tools is not none %}{{- tools }}"
     mistral = "{%- if message.tool_calls %}{{- '[TOOL_CALLS]' }}{%- for tool in tools %}"
+    harmony = "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' }}"
     assert parser_for_chat_template(qwen3_coder) == "qwen3_coder"
     assert parser_for_chat_template(llama31) == "llama3_json"
     assert parser_for_chat_template(llama32) == "llama3_json"
     assert parser_for_chat_template(mistral) == "mistral"
+    assert parser_for_chat_template(harmony) == "harmony"
     assert parser_for_chat_template(CHATML_TOOLS_TEMPLATE) == "hermes"
     assert parser_for_chat_template("<|start_header_id|>user<|end_header_id|>{{ content }}") == "hermes"
 
@@ -354,6 +386,10 @@ def _mistral(calls: Sequence[tuple[str, str]]) -> str:
     return "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
 
 
+def _harmony(name: str, arguments: str) -> str:
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}"
+
+
 PARIS = ("get_weather", {"city": "Paris", "days": 3})
 ACCEPTED: dict[str, list[tuple[str, list[tuple[str, dict[str, Any]]]]]] = {
     "hermes": [
@@ -387,13 +423,20 @@ ACCEPTED: dict[str, list[tuple[str, list[tuple[str, dict[str, Any]]]]]] = {
         (_mistral([("get_weather", '{"city": "Paris", "days": 3}')]), [PARIS]),
         (_mistral([("now", "{}")]), [("now", {})]),
     ],
+    "harmony": [
+        (_harmony("get_weather", '{"city": "Paris", "days": 3}'), [PARIS]),
+        (_harmony("now", "{}"), [("now", {})]),
+    ],
 }
 PARALLEL = {  # two calls, as each format joins them
     "hermes": _hermes("now", "{}") + "\n" + _hermes("get_weather", '{"city": "Paris"}'),
     "qwen3_coder": _qwen3_coder("now", "") + "\n" + _qwen3_coder("get_weather", _qwen3_parameter("city", "x")),
     "llama3_json": _llama("now", "{}") + "; " + _llama("get_weather", '{"city": "Paris"}'),
     "mistral": _mistral([("now", "{}"), ("get_weather", '{"city": "Paris"}')]),
+    # A harmony turn ends at its call's <|call|>: a forced answer is one call, parallel or not.
+    "harmony": _harmony("now", "{}") + "<|end|><|start|>assistant" + _harmony("get_weather", '{"city": "Paris"}'),
 }
+ONE_CALL_PER_ANSWER = ("harmony",)
 REJECTED: dict[str, list[str]] = {
     "hermes": [
         _hermes("get_wether", '{"city": "Paris"}'),
@@ -422,6 +465,12 @@ REJECTED: dict[str, list[str]] = {
         _mistral([("get_weather", '{"city": null}')]),
         _mistral([]),
     ],
+    "harmony": [
+        _harmony("get_wether", '{"city": "Paris"}'),
+        _harmony("get_weather", '{"city": "Paris", "days": "3"}'),
+        "<|channel|>final<|message|>Paris",
+        "<|channel|>commentary<|message|>" + '{"city": "Paris"}',
+    ],
 }
 
 
@@ -437,8 +486,9 @@ def test_forced_call_grammar_accepts_only_valid_calls(byte_tokenizer: llguidance
         for text in REJECTED[parser]:
             assert not _accepts(byte_tokenizer, grammar, text), (parser, text)
         two_calls = PARALLEL[parser]
-        assert _accepts(byte_tokenizer, grammar, two_calls) is parallel, (parser, parallel)
-        if parallel:
+        many = parallel and parser not in ONE_CALL_PER_ANSWER
+        assert _accepts(byte_tokenizer, grammar, two_calls) is many, (parser, parallel)
+        if many:
             assert [name for name, _ in _calls(_parse(two_calls, parser))] == ["now", "get_weather"]
 
 
@@ -504,6 +554,6 @@ def test_random_strings_of_the_grammar_parse_as_valid_calls(
         for answer in answers:
             parsed = _parse(answer, parser)
             assert parsed.content is None and parsed.tool_calls, answer
-            assert parallel or len(parsed.tool_calls) == 1
+            assert (parallel and parser not in ONE_CALL_PER_ANSWER) or len(parsed.tool_calls) == 1
             for call in parsed.tool_calls:
                 jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -74,6 +74,28 @@ def test_prefill_attention(backend: TritonBackend, spec: CacheSpec, num_heads: i
     check_prefill_attention(backend, spec, num_heads, context_lens, query_lens, dtype, DEVICE)
 
 
+GPT_OSS = CacheSpec(page_size=16, num_kv_heads=8, head_dim=64)  # 64 query heads: 8 per kv head
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_sinks,window", [(True, None), (True, 128), (False, 100)], ids=str)
+def test_decode_attention_with_sinks_and_window(
+    backend: TritonBackend, with_sinks: bool, window: int | None, dtype: torch.dtype
+) -> None:
+    seq_lens = [1, 16, 17, 128, 511, 2000]
+    check_decode_attention(backend, GPT_OSS, 64, seq_lens, dtype, DEVICE, 0, with_sinks, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_sinks,window", [(True, None), (True, 128), (False, 100)], ids=str)
+def test_prefill_attention_with_sinks_and_window(
+    backend: TritonBackend, with_sinks: bool, window: int | None, dtype: torch.dtype
+) -> None:
+    context_lens = [0, 0, 512, 1000, 33]
+    query_lens = [1, 700, 513, 1000, 64]
+    check_prefill_attention(backend, GPT_OSS, 64, context_lens, query_lens, dtype, DEVICE, 0, with_sinks, window)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gather_scatter_pages(backend: TritonBackend, dtype: torch.dtype) -> None:
     spec = CacheSpec(page_size=16, num_kv_heads=8, head_dim=128, num_layers=4, layer=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,3 +114,53 @@ def test_unpermute_sums_each_tokens_rows_weighted() -> None:
     expert_out = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])  # rows: (t0, e0), (t1, e0), (t0, e1), (t1, e1)
     out = moe.unpermute(expert_out, permutation, weights, num_tokens=2)
     assert out.tolist() == [[0.25 * 1 + 0.75 * 100], [0.5 * 10 + 0.5 * 1000]]
+
+
+def naive_gpt_oss_moe(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_bias: torch.Tensor,
+    top_k: int,
+    activation: moe.ClampedSwiGLU,
+) -> torch.Tensor:
+    """GPT-OSS's routing as it is written: top-k of the raw logits, softmax among those; biased experts."""
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        top_logits, chosen = torch.topk(logits[token], top_k)
+        for weight, expert in zip(torch.softmax(top_logits, dim=0), chosen.tolist()):
+            gate, up = (gate_up[expert] @ x[token] + gate_up_bias[expert]).chunk(2)
+            gate, up = gate.clamp(max=activation.limit), up.clamp(-activation.limit, activation.limit)
+            hidden = (up + 1) * gate * torch.sigmoid(activation.alpha * gate)
+            out[token] += weight * (down[expert] @ hidden + down_bias[expert])
+    return out
+
+
+@pytest.mark.parametrize("backend", [TorchBackend(), CpuBackend()], ids=lambda b: b.name)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(37, 4, 2), (20, 8, 3), (1, 4, 4), (0, 4, 2)])
+def test_biased_experts_with_clamped_swiglu_match_naive_loop(
+    backend: KernelBackend, num_tokens: int, num_experts: int, top_k: int
+) -> None:
+    x, logits, gate_up, down = make_case(num_tokens, num_experts)
+    generator = torch.Generator().manual_seed(1)
+    gate_up_bias = torch.randn(num_experts, 2 * INTERMEDIATE, generator=generator)
+    down_bias = torch.randn(num_experts, HIDDEN, generator=generator)
+    activation = moe.ClampedSwiGLU(alpha=1.702, limit=0.8)  # low enough that both clamps bite
+    out = backend.fused_moe(x, logits, gate_up, down, top_k, True, gate_up_bias, down_bias, activation)
+    expected = naive_gpt_oss_moe(x, logits, gate_up, down, gate_up_bias, down_bias, top_k, activation)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_clamped_swiglu_clamps_gate_above_and_up_on_both_sides() -> None:
+    activation = moe.ClampedSwiGLU(alpha=1.0, limit=2.0)
+    gate = torch.tensor([5.0, -5.0, 1.0])
+    up = torch.tensor([-9.0, 9.0, 0.5])
+
+    def glu(g: float) -> float:
+        return g / (1 + math.exp(-g))
+
+    # gate 5 -> 2 and up -9 -> -2; gate -5 stays (no lower clamp) and up 9 -> 2; nothing clamped.
+    expected = torch.tensor([(-2 + 1) * glu(2.0), (2 + 1) * glu(-5.0), (0.5 + 1) * glu(1.0)])
+    torch.testing.assert_close(activation(gate, up), expected)

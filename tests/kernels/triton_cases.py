@@ -271,12 +271,20 @@ def check_decode_attention(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    with_sinks: bool = False,
+    sliding_window: int | None = None,
 ) -> None:
     case, batch = make_decode_case(spec, num_heads, seq_lens, dtype, device, seed)
     key_cache, value_cache = layer_views(case.kv_cache, case.layer)
-    actual = backend.decode_attention(case.query, key_cache, value_cache, batch, case.scale)
-    expected = REFERENCE.decode_attention(case.query, key_cache, value_cache, batch, case.scale)
+    sinks = make_sinks(num_heads, device, seed) if with_sinks else None
+    actual = backend.decode_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
+    expected = REFERENCE.decode_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
     assert_matches(actual, expected)
+
+
+def make_sinks(num_heads: int, device: str, seed: int = 0) -> torch.Tensor:
+    """Float32 sink logits per head, large enough to take a visible share of each softmax."""
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(device)
 
 
 def check_prefill_attention(
@@ -288,9 +296,12 @@ def check_prefill_attention(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    with_sinks: bool = False,
+    sliding_window: int | None = None,
 ) -> None:
     case, batch = make_prefill_case(spec, num_heads, context_lens, query_lens, dtype, device, seed)
     key_cache, value_cache = layer_views(case.kv_cache, case.layer)
-    actual = backend.prefill_attention(case.query, key_cache, value_cache, batch, case.scale)
-    expected = REFERENCE.prefill_attention(case.query, key_cache, value_cache, batch, case.scale)
+    sinks = make_sinks(num_heads, device, seed) if with_sinks else None
+    actual = backend.prefill_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
+    expected = REFERENCE.prefill_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
     assert_matches(actual, expected)
