@@ -2,8 +2,10 @@
 
 Each op is a small wrapper that checks shapes, reads strides, picks block
 sizes and launches one kernel from ``triton_kernels`` (attention:
-``triton_attention``). Runs natively on CUDA and ROCm, and on CPU tensors
-under the Triton interpreter (``TRITON_INTERPRET=1``, set before import).
+``triton_attention``; the mixture-of-experts MLP: ``triton_moe``). Runs
+natively on CUDA and ROCm, and on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before import); ``fused_moe`` falls back on the
+torch reference on tensors its kernels cannot take.
 float32 matmuls use ``input_precision="ieee"``: TF32 would lose the agreement
 with the reference backend that the tests check. Constructing ``TritonBackend`` without Triton
 raises a clear ``RuntimeError``.
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import moe, triton_moe
 from . import triton_attention as ta
 from . import triton_kernels as tk
 from .backend import DecodeBatch, KernelBackend, PrefillBatch
@@ -283,6 +286,26 @@ class TritonBackend(KernelBackend):
             DOT_PRECISION=_dot_precision(query.dtype),
         )
         return out
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: moe.ClampedSwiGLU | None = None,
+    ) -> torch.Tensor:
+        if not triton_moe.kernels_run_on(x.device):
+            return super().fused_moe(
+                x, router_logits, gate_up, down, top_k, renormalize, gate_up_bias, down_bias, activation
+            )
+        return triton_moe.fused_moe(
+            x, router_logits, gate_up, down, top_k, renormalize, gate_up_bias, down_bias, activation
+        )
 
     def gather_pages(self, kv_cache: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         _copy_pages(tk.gather_pages_kernel, kv_cache, out, kv_cache, page_ids)

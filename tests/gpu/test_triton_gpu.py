@@ -2,7 +2,9 @@
 
 The same checks as ``tests/kernels/test_triton_backend.py`` (shared through
 ``tests/kernels/triton_cases.py``) with head_dim 128, page_size 16, sequences
-of up to ~2000 tokens, in bfloat16 and float32. Skipped without a GPU.
+of up to ~2000 tokens, in bfloat16 and float32; and the mixture-of-experts
+MLP (``tests/kernels/test_triton_moe.py``) at Qwen3-MoE and GPT-OSS expert
+sizes. Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ pytest.importorskip("triton")
 
 from triton_cases import (
     CacheSpec,
+    MoeSpec,
     check_decode_attention,
+    check_fused_moe,
     check_gather_scatter_pages,
     check_prefill_attention,
     check_rms_norm,
@@ -100,3 +104,21 @@ def test_prefill_attention_with_sinks_and_window(
 def test_gather_scatter_pages(backend: TritonBackend, dtype: torch.dtype) -> None:
     spec = CacheSpec(page_size=16, num_kv_heads=8, head_dim=128, num_layers=4, layer=3)
     check_gather_scatter_pages(backend, spec, [40, 3, 17, 0, 99, 12], dtype, DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("spec", "dtype"),
+    [
+        # Qwen3-MoE's experts (fewer of them): decode, a mid batch, and a prefill of 256 rows per expert.
+        (MoeSpec(1, 2048, 768, 64, 8), torch.bfloat16),
+        (MoeSpec(300, 2048, 768, 64, 8, idle_expert=5), torch.bfloat16),
+        (MoeSpec(2048, 2048, 768, 64, 8), torch.bfloat16),
+        # GPT-OSS's experts (fewer of them): biased, clamped SwiGLU.
+        (MoeSpec(257, 2880, 2880, 16, 4, biased=True, clamped_swiglu=True), torch.bfloat16),
+        (MoeSpec(200, 1024, 512, 16, 2, renormalize=False, biased=True), torch.float32),
+        (MoeSpec(33, 1024, 500, 16, 2, transposed_weights=True), torch.float16),
+    ],
+    ids=lambda value: value.label if isinstance(value, MoeSpec) else str(value),
+)
+def test_fused_moe(backend: TritonBackend, spec: MoeSpec, dtype: torch.dtype) -> None:
+    check_fused_moe(backend, spec, dtype, DEVICE)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayturn.kernels import moe
 from rayturn.kernels.backend import DecodeBatch, KernelBackend, PrefillBatch
 from rayturn.kernels.torch_backend import TorchBackend
 
@@ -305,3 +306,125 @@ def check_prefill_attention(
     actual = backend.prefill_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
     expected = REFERENCE.prefill_attention(case.query, key_cache, value_cache, batch, case.scale, sinks, sliding_window)
     assert_matches(actual, expected)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One mixture-of-experts case; ``idle_expert`` gets no token (its router logit is far below the rest)."""
+
+    num_tokens: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    renormalize: bool = True
+    biased: bool = False
+    clamped_swiglu: bool = False
+    idle_expert: int | None = None
+    # Weights stored [experts, in, out] and passed as transposed views: kernels must honour their strides.
+    transposed_weights: bool = False
+
+    @property
+    def label(self) -> str:
+        """A short test id: tokens x hidden x intermediate, experts, top-k and the options set."""
+        options = [
+            name
+            for name, on in (
+                ("plain-topk", not self.renormalize),
+                ("bias", self.biased),
+                ("clamped", self.clamped_swiglu),
+                (f"idle{self.idle_expert}", self.idle_expert is not None),
+                ("transposed", self.transposed_weights),
+            )
+            if on
+        ]
+        shape = f"{self.num_tokens}x{self.hidden_size}x{self.intermediate_size}-e{self.num_experts}-top{self.top_k}"
+        return "-".join([shape, *options])
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    """``fused_moe``'s tensors for one ``MoeSpec``."""
+
+    x: torch.Tensor
+    router_logits: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    activation: moe.ClampedSwiGLU | None
+
+    def run(self, backend: KernelBackend, spec: MoeSpec) -> torch.Tensor:
+        return backend.fused_moe(
+            self.x,
+            self.router_logits,
+            self.gate_up,
+            self.down,
+            spec.top_k,
+            spec.renormalize,
+            self.gate_up_bias,
+            self.down_bias,
+            self.activation,
+        )
+
+    def upcast(self) -> MoeCase:
+        """The same values in float32."""
+
+        def up(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.float()
+
+        return MoeCase(
+            self.x.float(),
+            self.router_logits.float(),
+            self.gate_up.float(),
+            self.down.float(),
+            up(self.gate_up_bias),
+            up(self.down_bias),
+            self.activation,
+        )
+
+
+def make_moe_case(spec: MoeSpec, dtype: torch.dtype, device: str, generator: torch.Generator) -> MoeCase:
+    """Random tensors for ``spec``, weights scaled so every layer's outputs stay near unit size."""
+    experts, hidden, intermediate = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    x = randn((spec.num_tokens, hidden), dtype, device, generator)
+    logits = randn((spec.num_tokens, experts), torch.float32, device, generator) * 2
+    if spec.idle_expert is not None:
+        logits[:, spec.idle_expert] = -1e4
+    if spec.transposed_weights:
+        gate_up = randn((experts, hidden, 2 * intermediate), dtype, device, generator).transpose(1, 2)
+        down = randn((experts, intermediate, hidden), dtype, device, generator).transpose(1, 2)
+    else:
+        gate_up = randn((experts, 2 * intermediate, hidden), dtype, device, generator)
+        down = randn((experts, hidden, intermediate), dtype, device, generator)
+    biases = (
+        (
+            randn((experts, 2 * intermediate), dtype, device, generator) * 0.5,
+            randn((experts, hidden), dtype, device, generator) * 0.5,
+        )
+        if spec.biased
+        else (None, None)
+    )
+    # A limit low enough that both of its clamps bite.
+    activation = moe.ClampedSwiGLU(alpha=1.702, limit=0.8) if spec.clamped_swiglu else None
+    return MoeCase(
+        x, logits.to(dtype), gate_up / math.sqrt(hidden), down / math.sqrt(intermediate), *biases, activation
+    )
+
+
+def check_fused_moe(backend: KernelBackend, spec: MoeSpec, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    """float32 against the reference at 1e-4; 16-bit types against the reference run in float32 on the same
+    (rounded) inputs, since the reference rounds its intermediates to 16 bits at other points."""
+    case = make_moe_case(spec, dtype, device, torch.Generator().manual_seed(seed))
+    reference_case = case.upcast()
+    if spec.idle_expert is not None:
+        _, expert_ids = moe.route_top_k(reference_case.router_logits, spec.top_k, spec.renormalize)
+        assert not (expert_ids == spec.idle_expert).any()
+    actual, expected = case.run(backend, spec), reference_case.run(REFERENCE, spec)
+    assert actual.shape == expected.shape
+    assert actual.dtype == dtype
+    rtol = 1e-4 if dtype == torch.float32 else tolerance(dtype)
+    torch.testing.assert_close(actual.float(), expected, rtol=rtol, atol=rtol)
