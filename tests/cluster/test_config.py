@@ -113,7 +113,8 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"model": {"dtype": "fp8"}}, r"model\.dtype must be one of float32, bfloat16, float16, got 'fp8'"),
         (
             {"model": {"tool_call_parser": "pythonic"}},
-            r"model\.tool_call_parser must be one of hermes, qwen3_coder, llama3_json, mistral, got 'pythonic'",
+            r"model\.tool_call_parser must be one of hermes, qwen3_coder, llama3_json, mistral, harmony, "
+            r"got 'pythonic'",
         ),
         # pool replicas and resources
         ({"decode": {"min_replicas": -1}}, r"decode\.min_replicas must be >= 0, got -1"),

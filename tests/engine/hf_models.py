@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.engine.byte_tokenizer import CHATML_TOOLS_TEMPLATE, save_byte_tokenizer
 
 VOCAB_SIZE = 300
@@ -83,3 +84,31 @@ def make_hf_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
     return directory
+
+
+def check_greedy_parity(
+    path: Path,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    backend: str,
+    prefix_caching: bool,
+    max_batched: int,
+    max_new_tokens: int,
+) -> None:
+    """The engine on ``path`` generates ``expected`` (transformers' greedy tokens) for ``prompts``, and again
+    with the prompts' full pages served from its prefix cache when that is on."""
+    engine = LLMEngine.from_pretrained(
+        str(path),
+        backend=backend,
+        dtype="float32",
+        page_size=16,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=max_batched,
+    )
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    assert [list(o.token_ids) for o in engine.generate(prompts, params)] == expected
+    # Same prompts again: now the prefix cache serves all but the last page, outputs unchanged.
+    again = engine.generate(prompts, params)
+    assert [list(o.token_ids) for o in again] == expected
+    cached = [o.num_cached_prompt_tokens for o in again]
+    assert cached == ([(len(p) - 1) // 16 * 16 for p in prompts] if prefix_caching else [0] * len(prompts))

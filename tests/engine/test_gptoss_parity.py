@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import VOCAB_SIZE
+from hf_models import VOCAB_SIZE, check_greedy_parity
 from moe_models import GPT_OSS_ARCHITECTURES, make_moe_model
 from safetensors.torch import load_file, save_file
 
@@ -98,21 +98,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     _, path = checkpoint
     expected, _ = reference
-    engine = LLMEngine.from_pretrained(
-        str(path),
-        backend=backend,
-        dtype="float32",
-        page_size=16,
-        enable_prefix_caching=prefix_caching,
-        max_num_batched_tokens=max_batched,
-    )
-    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = make_prompts()
-    assert [list(o.token_ids) for o in engine.generate(prompts, params)] == expected
-    again = engine.generate(prompts, params)
-    assert [list(o.token_ids) for o in again] == expected
-    cached = [o.num_cached_prompt_tokens for o in again]
-    assert cached == ([((len(p) - 1) // 16) * 16 for p in prompts] if prefix_caching else [0] * len(prompts))
+    check_greedy_parity(path, make_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
 
 
 def prompt_logits(path: Path, backend: str = "torch") -> list[torch.Tensor]:

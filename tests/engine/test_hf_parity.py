@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import ARCHITECTURES, VOCAB_SIZE, make_hf_checkpoint
+from hf_models import ARCHITECTURES, VOCAB_SIZE, check_greedy_parity, make_hf_checkpoint
 
 from rayturn.engine import LLMEngine, SamplingParams
 
@@ -68,26 +68,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     _, path = checkpoint
     expected, _ = reference
-    engine = LLMEngine.from_pretrained(
-        str(path),
-        backend=backend,
-        dtype="float32",
-        page_size=16,
-        enable_prefix_caching=prefix_caching,
-        max_num_batched_tokens=max_batched,
-    )
-    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = make_prompts()
-    outs = engine.generate(prompts, params)
-    assert [list(o.token_ids) for o in outs] == expected
-    # Same prompts again: now the prefix cache serves all but the last page, outputs unchanged.
-    again = engine.generate(prompts, params)
-    assert [list(o.token_ids) for o in again] == expected
-    cached = [o.num_cached_prompt_tokens for o in again]
-    if prefix_caching:
-        assert cached == [((len(p) - 1) // 16) * 16 for p in prompts]
-    else:
-        assert cached == [0] * len(prompts)
+    check_greedy_parity(path, make_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
 
 
 def test_prompt_logits_match_transformers(
