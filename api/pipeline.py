@@ -28,10 +28,11 @@ from rayturn.engine.presets import resolve_model_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Message, Tokenizer, Tool
-from rayturn.engine.tool_calls import parser_for_chat_template, splits_every_answer
+from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.replica_stats import page_hash_key
 
+from .bodies import splits_answer
 from .call_result import CallResult
 from .energy import EnergyAccounts
 from .errors import client_error, invalid_request, replica_unavailable, server_error
@@ -278,7 +279,7 @@ class CallPipeline:
         params = self.guides.guided(params, chat)
         retention = await self.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
-        tools = chat.prompt_tools is not None or splits_every_answer(self.guides.parser)
+        tools = splits_answer(chat, self.guides.parser)
         # Formats that type argument values by schema need the tools on the decode replica too.
         specs = chat.prompt_tools if self.guides.parser in SCHEMA_TYPED_PARSERS else None
         return await self.serve_request(

@@ -155,6 +155,34 @@ def in_fresh_process(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str
         return pool.submit(run, *args).result()
 
 
+def versus_transformers(
+    workload: Workload, ours_runs: list[dict[str, Any]], theirs_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The figures of rayturn's runs against transformers' on ``workload``: median times, tokens per second,
+    the speedup, whether the first rounds' greedy tokens match, peak memory."""
+    ours, theirs = ours_runs[0], theirs_runs[0]
+    mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
+    ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
+    theirs_s = statistics.median(r["elapsed_s"] for r in theirs_runs)
+    return {
+        "backend": ours["backend"],
+        "requests": len(workload.prompts),
+        "useful_output_tokens": workload.useful_tokens,
+        "rounds": len(ours_runs),
+        "rayturn_s": round(ours_s, 3),
+        "hf_s": round(theirs_s, 3),
+        "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
+        "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
+        "rayturn_tok_s": round(workload.useful_tokens / ours_s, 1),
+        "hf_tok_s": round(workload.useful_tokens / theirs_s, 1),
+        "speedup_vs_hf": round(theirs_s / ours_s, 3),
+        "outputs_match": not mismatched,
+        "mismatched_requests": mismatched,
+        "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
+        "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 shorter requests; finishes within a minute")
@@ -193,32 +221,12 @@ def main() -> None:
             theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
             if server is not None:
                 vllm_runs.append(run_vllm(server, workload))
-    ours, theirs = ours_runs[0], theirs_runs[0]
-    mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
-    ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
-    theirs_s = statistics.median(r["elapsed_s"] for r in theirs_runs)
-    ours_tok_s = workload.useful_tokens / ours_s
-    theirs_tok_s = workload.useful_tokens / theirs_s
     peer = vllm_figures(workload, ours_runs, vllm_runs) if vllm_runs else {}
     result = {
         "bench": "engine_throughput",
         "quick": args.quick,
         "model": args.model,
-        "backend": ours["backend"],
-        "requests": len(workload.prompts),
-        "useful_output_tokens": workload.useful_tokens,
-        "rounds": rounds,
-        "rayturn_s": round(ours_s, 3),
-        "hf_s": round(theirs_s, 3),
-        "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
-        "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
-        "rayturn_tok_s": round(ours_tok_s, 1),
-        "hf_tok_s": round(theirs_tok_s, 1),
-        "speedup_vs_hf": round(ours_tok_s / theirs_tok_s, 3),
-        "outputs_match": not mismatched,
-        "mismatched_requests": mismatched,
-        "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
-        "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
+        **versus_transformers(workload, ours_runs, theirs_runs),
         "machine": machine(),
         "loadavg_1m_before_after": [load_before, load_average()],
         **peer,

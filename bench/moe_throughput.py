@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from _common import load_average
-from engine_throughput import in_fresh_process, make_workload, run_rayturn, run_transformers
+from engine_throughput import in_fresh_process, make_workload, run_rayturn, run_transformers, versus_transformers
 
 from rayturn.replay.harness import add_out_argument, emit, machine
 
@@ -82,29 +81,11 @@ def main() -> None:
     for _ in range(rounds):
         ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))
         theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
-    ours, theirs = ours_runs[0], theirs_runs[0]
-    mismatched = [i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b]
-    ours_s = statistics.median(r["elapsed_s"] for r in ours_runs)
-    theirs_s = statistics.median(r["elapsed_s"] for r in theirs_runs)
     result = {
         "bench": "moe_throughput",
         "quick": args.quick,
         "model": {"architecture": "Qwen3MoeForCausalLM", **PRESET},
-        "backend": ours["backend"],
-        "requests": len(workload.prompts),
-        "useful_output_tokens": workload.useful_tokens,
-        "rounds": rounds,
-        "rayturn_s": round(ours_s, 3),
-        "hf_s": round(theirs_s, 3),
-        "rayturn_s_each": [round(r["elapsed_s"], 3) for r in ours_runs],
-        "hf_s_each": [round(r["elapsed_s"], 3) for r in theirs_runs],
-        "rayturn_tok_s": round(workload.useful_tokens / ours_s, 1),
-        "hf_tok_s": round(workload.useful_tokens / theirs_s, 1),
-        "speedup_vs_hf": round(theirs_s / ours_s, 3),
-        "outputs_match": not mismatched,
-        "mismatched_requests": mismatched,
-        "rayturn_peak_rss_mb": round(ours["peak_rss_mb"], 1),
-        "hf_peak_rss_mb": round(theirs["peak_rss_mb"], 1),
+        **versus_transformers(workload, ours_runs, theirs_runs),
         "load_average": load_average(),
         "machine": machine(),
     }

@@ -35,7 +35,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_checkpoint(ARCH, tmp_path_factory.mktemp("gpt-oss") / ARCH)
+    _, path = make_moe_checkpoint(ARCH, tmp_path_factory.mktemp("gpt-oss") / ARCH)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,35 @@ def check_greedy_parity(
     assert [list(o.token_ids) for o in again] == expected
     cached = [o.num_cached_prompt_tokens for o in again]
     assert cached == ([(len(p) - 1) // 16 * 16 for p in prompts] if prefix_caching else [0] * len(prompts))
+
+
+def parity_prompts(seed: int = 0) -> list[list[int]]:
+    """11 prompts of 1-300 tokens; two share long prefixes with others (250 tokens, and 3 full pages)."""
+    rng = random.Random(seed)
+    lengths = [1, 7, 16, 33, 64, 100, 150, 213, 300]
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    prompts.append(prompts[-1][:250] + [rng.randrange(VOCAB_SIZE) for _ in range(20)])
+    prompts.append(prompts[4][:48] + [5, 6, 7])
+    return prompts
+
+
+def transformers_reference(
+    model: Any, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """``model``'s (a transformers model's) greedy continuations and last-position prompt logits, one prompt at
+    a time (no padding)."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            logits.append(model(ids).logits[0, -1])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            tokens.append(out[0, len(prompt) :].tolist())
+    return tokens, logits

@@ -136,8 +136,10 @@ def make_moe_model(arch: str, seed: int = 0) -> Any:
     return model.eval()
 
 
-def make_moe_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
-    """``make_moe_model(arch, seed)`` saved with ``save_pretrained``, plus a byte tokenizer."""
-    make_moe_model(arch, seed).save_pretrained(directory)
+def make_moe_checkpoint(arch: str, directory: Path, seed: int = 0) -> tuple[Any, Path]:
+    """``make_moe_model(arch, seed)`` saved with ``save_pretrained``, plus a byte tokenizer: (the model, the
+    directory)."""
+    model = make_moe_model(arch, seed)
+    model.save_pretrained(directory)
     save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
-    return directory
+    return model, directory

@@ -9,14 +9,13 @@ SwiGLU limit low enough that the clamps change activations.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hf_models import VOCAB_SIZE, check_greedy_parity
-from moe_models import GPT_OSS_ARCHITECTURES, make_moe_model
+from hf_models import check_greedy_parity, parity_prompts, transformers_reference
+from moe_models import GPT_OSS_ARCHITECTURES, make_moe_checkpoint, make_moe_model
 from safetensors.torch import load_file, save_file
 
 from rayturn.engine import LLMEngine, SamplingParams, mxfp4
@@ -28,23 +27,9 @@ mxfp4_integration = pytest.importorskip("transformers.integrations.mxfp4")
 MAX_NEW_TOKENS = 8
 
 
-def make_prompts(seed: int = 1) -> list[list[int]]:
-    """11 prompts of 1-300 tokens, most longer than the windows; two share long prefixes with others."""
-    rng = random.Random(seed)
-    lengths = [1, 7, 16, 33, 64, 100, 150, 213, 300]
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
-    prompts.append(prompts[-1][:250] + [rng.randrange(VOCAB_SIZE) for _ in range(20)])
-    prompts.append(prompts[4][:48] + [5, 6, 7])
-    return prompts
-
-
 @pytest.fixture(scope="module", params=sorted(GPT_OSS_ARCHITECTURES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    model = make_moe_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    save_byte_tokenizer(path, CHATML_TOOLS_TEMPLATE)
-    return model, path
+    return make_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +37,7 @@ def reference(checkpoint: tuple[Any, Path]) -> tuple[list[list[int]], list[torch
     """transformers' greedy continuations and last-position prompt logits (its first step's), one prompt at a
     time."""
     model, _ = checkpoint
-    tokens, logits = [], []
-    with torch.no_grad():
-        for prompt in make_prompts():
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logits.append(out.logits[0][0])
-    return tokens, logits
+    return transformers_reference(model, parity_prompts(1), MAX_NEW_TOKENS)
 
 
 def test_checkpoint_has_sinks_windows_and_yarn(checkpoint: tuple[Any, Path]) -> None:
@@ -98,13 +67,13 @@ def test_greedy_matches_transformers(
 ) -> None:
     _, path = checkpoint
     expected, _ = reference
-    check_greedy_parity(path, make_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
+    check_greedy_parity(path, parity_prompts(1), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
 
 
 def prompt_logits(path: Path, backend: str = "torch") -> list[torch.Tensor]:
     """The engine's last-position logits of every prompt, all prompts in one batched step."""
     engine = LLMEngine.from_pretrained(str(path), backend=backend, dtype="float32")
-    prompts = make_prompts()
+    prompts = parity_prompts(1)
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     step = engine.scheduler.schedule()
@@ -193,7 +162,7 @@ def test_mxfp4_checkpoint_loads_as_the_dequantised_one(mxfp4_checkpoints: tuple[
     for ours, dequantised in zip(prompt_logits(quantized), prompt_logits(plain), strict=True):
         torch.testing.assert_close(ours, dequantised, rtol=0, atol=0)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = make_prompts()[:4]
+    prompts = parity_prompts(1)[:4]
     outputs = [
         [list(o.token_ids) for o in LLMEngine.from_pretrained(str(path), dtype="float32").generate(prompts, params)]
         for path in (quantized, plain)

@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import ARCHITECTURES, VOCAB_SIZE, check_greedy_parity, make_hf_checkpoint
+from hf_models import (
+    ARCHITECTURES,
+    check_greedy_parity,
+    make_hf_checkpoint,
+    parity_prompts,
+    transformers_reference,
+)
 
 from rayturn.engine import LLMEngine, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 MAX_NEW_TOKENS = 8
-
-
-def make_prompts(seed: int = 0) -> list[list[int]]:
-    """10 prompts of 1-300 tokens; some share long prefixes with each other."""
-    rng = random.Random(seed)
-    lengths = [1, 7, 16, 33, 64, 100, 150, 213, 300]
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
-    prompts.append(prompts[-1][:250] + [rng.randrange(VOCAB_SIZE) for _ in range(20)])  # shares 250 tokens
-    prompts.append(prompts[4][:48] + [5, 6, 7])  # shares 3 full pages
-    return prompts
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -37,21 +32,7 @@ def reference(checkpoint: tuple[str, Path]) -> tuple[list[list[int]], list[torch
     """HF greedy continuations and last-position prompt logits, one prompt at a time (no padding)."""
     _, path = checkpoint
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    tokens, logits = [], []
-    with torch.no_grad():
-        for prompt in make_prompts():
-            ids = torch.tensor([prompt])
-            logits.append(model(ids).logits[0, -1])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return tokens, logits
+    return transformers_reference(model, parity_prompts(), MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +49,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     _, path = checkpoint
     expected, _ = reference
-    check_greedy_parity(path, make_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
+    check_greedy_parity(path, parity_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
 
 
 def test_prompt_logits_match_transformers(
@@ -77,7 +58,7 @@ def test_prompt_logits_match_transformers(
     _, path = checkpoint
     _, expected_logits = reference
     engine = LLMEngine.from_pretrained(str(path), backend="torch", dtype="float32")
-    for prompt in make_prompts():
+    for prompt in parity_prompts():
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     step = engine.scheduler.schedule()  # one batched step covers every prompt
     out = engine.runner.run(step.chunks)

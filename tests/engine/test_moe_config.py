@@ -98,7 +98,8 @@ def test_unknown_architecture_names_it_and_the_supported_ones() -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_checkpoint("qwen3moe-e4-top1-dense0", tmp_path_factory.mktemp("qwen3moe"))
+    _, path = make_moe_checkpoint("qwen3moe-e4-top1-dense0", tmp_path_factory.mktemp("qwen3moe"))
+    return path
 
 
 def test_loaded_model_has_a_sparse_block_only_where_the_config_says(qwen3_moe_dir: Path) -> None:

@@ -7,63 +7,33 @@ saved in the stacked-experts layout transformers keeps in memory.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hf_models import VOCAB_SIZE, check_greedy_parity
-from moe_models import MOE_ARCHITECTURES, make_moe_model
+from hf_models import check_greedy_parity, parity_prompts, transformers_reference
+from moe_models import MOE_ARCHITECTURES, make_moe_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.byte_tokenizer import CHATML_TOOLS_TEMPLATE, save_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 MAX_NEW_TOKENS = 8
 
 
-def make_prompts(seed: int = 0) -> list[list[int]]:
-    """10 prompts of 1-300 tokens; two share long prefixes with others."""
-    rng = random.Random(seed)
-    lengths = [1, 7, 16, 33, 64, 100, 150, 213, 300]
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
-    prompts.append(prompts[-1][:250] + [rng.randrange(VOCAB_SIZE) for _ in range(20)])
-    prompts.append(prompts[4][:48] + [5, 6, 7])
-    return prompts
-
-
 @pytest.fixture(scope="module", params=sorted(MOE_ARCHITECTURES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    model = make_moe_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    save_byte_tokenizer(path, CHATML_TOOLS_TEMPLATE)
-    return model, path
+    return make_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: tuple[Any, Path]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers' greedy continuations and last-position prompt logits, one prompt at a time."""
     model, _ = checkpoint
-    tokens, logits = [], []
-    with torch.no_grad():
-        for prompt in make_prompts():
-            ids = torch.tensor([prompt])
-            logits.append(model(ids).logits[0, -1])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return tokens, logits
+    return transformers_reference(model, parity_prompts(), MAX_NEW_TOKENS)
 
 
 def test_checkpoint_stores_one_tensor_per_expert(checkpoint: tuple[Any, Path]) -> None:
@@ -88,13 +58,13 @@ def test_greedy_matches_transformers(
 ) -> None:
     _, path = checkpoint
     expected, _ = reference
-    check_greedy_parity(path, make_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
+    check_greedy_parity(path, parity_prompts(), expected, backend, prefix_caching, max_batched, MAX_NEW_TOKENS)
 
 
 def prompt_logits(path: Path) -> list[torch.Tensor]:
     """The engine's last-position logits of every prompt, all prompts in one batched step."""
     engine = LLMEngine.from_pretrained(str(path), backend="torch", dtype="float32")
-    prompts = make_prompts()
+    prompts = parity_prompts()
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     step = engine.scheduler.schedule()
