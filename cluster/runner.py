@@ -158,8 +158,15 @@ def _shut_down_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S) -> None:
     context._set_global_client(None)  # the client ``serve.start`` kept, for the controller now gone
 
 
-class _StopDuringStartup(Exception):
-    """A stop signal came before the cluster served: abandon the start-up and tear down what started."""
+class _StopDuringStartup(KeyboardInterrupt):
+    """A stop signal came before the cluster served: abandon the start-up and tear down what started.
+
+    A ``KeyboardInterrupt``: Ray's blocking calls (``ray.get`` and the waits inside ``serve.run``)
+    check for signals and end early on a ``KeyboardInterrupt`` only. Any other exception raised by
+    a signal handler there is held until the call returns, which for a start-up waiting on a
+    resource nobody has is never. Ray re-raises a plain ``KeyboardInterrupt``, so the subclass is
+    what arrives only when the signal lands in Python code; ``serve_forever`` goes by ``stop``.
+    """
 
 
 def serve_forever(config: ClusterConfig, address: str | None = None, log_level: int = logging.INFO) -> int:
@@ -177,17 +184,24 @@ def serve_forever(config: ClusterConfig, address: str | None = None, log_level: 
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with contextlib.suppress(_StopDuringStartup), running_cluster(config, address, log_level) as endpoints:
-            serving.set()
-            print(
-                f"rayturn is serving {config.model.model_name!r}\n"
-                f"  OpenAI HTTP: {endpoints.http}/v1  (health: {endpoints.http}/health)\n"
-                f"    chat: /v1/chat/completions  Anthropic Messages: /v1/messages  Responses: /v1/responses\n"
-                f"  gRPC:        {endpoints.grpc}  (service rayturn.v1.RayTurn)\n"
-                "Ctrl-C stops it.",
-                flush=True,
-            )
-            stop.wait()
+        try:
+            with running_cluster(config, address, log_level) as endpoints:
+                serving.set()
+                print(
+                    f"rayturn is serving {config.model.model_name!r}\n"
+                    f"  OpenAI HTTP: {endpoints.http}/v1  (health: {endpoints.http}/health)\n"
+                    f"    chat: /v1/chat/completions  Anthropic Messages: /v1/messages  Responses: /v1/responses\n"
+                    f"  gRPC:        {endpoints.grpc}  (service rayturn.v1.RayTurn)\n"
+                    "Ctrl-C stops it.",
+                    flush=True,
+                )
+                stop.wait()
+        except KeyboardInterrupt:
+            # ``_StopDuringStartup`` as raised, or the plain ``KeyboardInterrupt`` Ray turns it into;
+            # one that no stop signal caused (a ``KeyboardInterrupt`` raised by hand) goes on up.
+            if not stop.is_set() or serving.is_set():
+                raise
+            logger.info("start-up abandoned")
         print("rayturn stopped.", flush=True)
         return 0
     finally:

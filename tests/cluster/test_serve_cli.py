@@ -211,7 +211,11 @@ def stop_and_check_nothing_is_left(process: subprocess.Popen[bytes], log: Path) 
     started = descendants(process.pid)  # Ray's GCS, raylet and every worker (the replicas among them)
     assert len(started) >= 2
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=SHUTDOWN_TIMEOUT_S) == 0, log.read_text()
+    try:
+        returncode = process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rayturn serve still runs {SHUTDOWN_TIMEOUT_S:.0f} s after SIGTERM:\n{log.read_text()}")
+    assert returncode == 0, log.read_text()
     assert "rayturn stopped" in log.read_text()
 
     deadline = time.monotonic() + 30.0
