@@ -15,8 +15,9 @@ the pure-PyTorch reference instead. rayturn builds its per-row-count matmul kern
 first, outside the timing, as a serving engine does when it starts.
 
 ``--peer vllm`` adds vLLM (set up by ``bench/peers/setup_vllm.sh``): its
-OpenAI server on the same model directory, float32, every request sent at
-once, in each round after rayturn's. rayturn is measured as an engine and
+OpenAI server on the same model directory, float32, prefix caching off as
+on rayturn's side (the rounds repeat the same prompts), every request sent
+at once, in each round after rayturn's. rayturn is measured as an engine and
 vLLM through its server: vLLM's server is its engine (the engine core runs in
 a process of its own, fed over a socket), and a rayturn server adds Ray's
 replica hops, which this benchmark is not about. The server's start-up is
@@ -214,7 +215,11 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         server = None
         if args.peer == "vllm":
-            server = stack.enter_context(VllmServer(model_dir, args.out / "vllm_server.log"))
+            # Prefix caching off, as on rayturn's side: every round sends the same 32 prompts, and vLLM
+            # (caching on as it ships) would serve rounds after the first from its cache.
+            server = stack.enter_context(
+                VllmServer(model_dir, args.out / "vllm_server.log", extra_args=("--no-enable-prefix-caching",))
+            )
             server.complete([1, 2, 3], 2)  # warm-up
         for _ in range(rounds):
             ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))

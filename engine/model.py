@@ -131,6 +131,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.backend.mlp_chunk_rows(x)
+        if rows is None or x.shape[0] <= rows:
+            return self._forward(x)
+        return torch.cat([self._forward(part) for part in x.split(rows)])
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -179,6 +179,14 @@ class KernelBackend(abc.ABC):
         inputs of up to ``max_rows`` rows; empty when it keeps none per row count."""
         return ()
 
+    def mlp_chunk_rows(self, x: torch.Tensor) -> int | None:
+        """Rows of ``x`` the dense MLP takes per pass, or None for all at once.
+
+        A prefill-sized MLP's intermediate activations (rows x 2 x intermediate) outgrow a CPU's cache;
+        in passes of a few hundred rows they stay in it, and each row's result is the same either way.
+        """
+        return None
+
     def fused_moe(
         self,
         x: torch.Tensor,

@@ -14,6 +14,228 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* Sixteen floats as one value: one AVX-512 register, two AVX ones, four SSE or NEON ones. The
+ * compiler lowers the arithmetic to whatever vector width the host has (-march=native). */
+#define LANES 16
+/* How many tokens ahead the value loop asks for the next row, and the score loop for the next block. */
+#define PREFETCH_AHEAD 8
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vf load(const float *p)
+{
+    vf v;
+    memcpy(&v, p, sizeof v); /* an unaligned vector load */
+    return v;
+}
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* Lane i of the result is the sum of the lanes of x[i]: sixteen horizontal sums in 15 adds. */
+static inline vf sum_lanes16(const vf x[LANES])
+{
+    vf h[8], q[4], e[2];
+    for (int i = 0; i < 8; ++i) /* [x lanes 0-7 + 8-15 | y lanes 0-7 + 8-15] */
+        h[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i) /* four items of four partial sums */
+        q[i] = SHUFFLE(h[2 * i], h[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(h[2 * i], h[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i) /* eight items of two */
+        e[i] = SHUFFLE(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* exp(x) lane by lane, float32, within 2 ulp: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial in r) in vector arithmetic. Below -87 it gives exp(-87) (1.6e-38), not a denormal or zero:
+ * a softmax weight that small is lost against the row's largest, which is 1. */
+static inline vf vexp(vf x)
+{
+    const vf low = x - x - 87.0f, high = x - x + 88.0f;
+    vi below = x < low, above = x > high;
+    x = (vf)(((vi)x & ~below) | ((vi)low & below));
+    x = (vf)(((vi)x & ~above) | ((vi)high & above));
+    /* n = round(x / ln2): adding and taking away 1.5 * 2^23 rounds to the nearest integer. */
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
+    return p * (vf)exponent;
+}
+
+static inline float lane_max(vf v)
+{
+    float lanes[LANES], m;
+    memcpy(lanes, &v, sizeof v);
+    m = lanes[0];
+    for (int i = 1; i < LANES; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+}
+
+static inline float lane_sum(vf v)
+{
+    float lanes[LANES], s = 0.f;
+    memcpy(lanes, &v, sizeof v);
+    for (int i = 0; i < LANES; ++i) s += lanes[i];
+    return s;
+}
+
+/* The softmax numerators of a row in place, rows padded to whole vectors (padding lanes end as 0);
+ * ``maximum`` is at least the row's largest. Returns the sum of the row's numerators. */
+static inline float exp_row(float *row, int64_t len, float maximum)
+{
+    vf total = {0};
+    for (int64_t t = 0; t < len; t += LANES) {
+        vf e = vexp(load(row + t) - maximum);
+        if (len - t < LANES) {
+            vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            e = (vf)((vi)e & (lane < (int32_t)(len - t)));
+        }
+        memcpy(row + t, &e, sizeof e);
+        total += e;
+    }
+    return lane_sum(total);
+}
+
+/* Scores of one query head against LANES tokens (their key rows at keys[i]); vectors = head_dim / LANES.
+ * Inlined with a constant ``vectors`` so the query row stays in registers. */
+static inline __attribute__((always_inline)) vf scores16(const float *qg, const float *const *keys, int vectors)
+{
+    vf dots[LANES];
+    for (int i = 0; i < LANES; ++i) {
+        vf acc = load(qg) * load(keys[i]);
+        for (int b = 1; b < vectors; ++b) acc += load(qg + b * LANES) * load(keys[i] + b * LANES);
+        dots[i] = acc;
+    }
+    return sum_lanes16(dots);
+}
+
+/* For ``heads`` query heads at once (rows of out and of weights, head_dim and weights_stride apart):
+ * out_row[h] = scale[h] * sum over t of weights[h][t] * values(t), values(t) = v_cache + offsets[t].
+ * Each value row is read once for all the heads; inlined with constant ``heads`` and ``vectors`` so the
+ * heads * vectors sums stay in registers. */
+static inline __attribute__((always_inline)) void weighted_sum(
+    float *out, int64_t head_dim, const float *weights, int64_t weights_stride, const float *scale,
+    const float *v_cache, const int64_t *offsets, int64_t len, int heads, int vectors)
+{
+    vf acc[4][8];
+    for (int h = 0; h < heads; ++h)
+        for (int b = 0; b < vectors; ++b) acc[h][b] = (vf){0};
+    for (int64_t t = 0; t < len; ++t) {
+        const float *value = v_cache + offsets[t];
+        if (t + PREFETCH_AHEAD < len)
+            for (int b = 0; b < vectors; ++b) /* a vector is one 64-byte cache line */
+                __builtin_prefetch(v_cache + offsets[t + PREFETCH_AHEAD] + b * LANES);
+        for (int b = 0; b < vectors; ++b) {
+            const vf v = load(value + b * LANES);
+            for (int h = 0; h < heads; ++h) acc[h][b] += weights[h * weights_stride + t] * v;
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int b = 0; b < vectors; ++b) {
+            const vf scaled = acc[h][b] * scale[h];
+            memcpy(out + h * head_dim + b * LANES, &scaled, sizeof(vf));
+        }
+}
+
+/* One (sequence, kv head) item, head_dim = vectors * LANES (vectors 1-8): the group's scores sixteen
+ * tokens at a time, a softmax per query head, then the weighted values. offsets[t]: where token t's
+ * key (and value) row starts; scores: group rows of len floats rounded up to whole vectors. */
+static inline __attribute__((always_inline)) void attend_vectorised(
+    const float *q_group, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
+    const float *sinks, int64_t group, float scale, float *scores, float *out_group, int vectors)
+{
+    const int64_t head_dim = (int64_t)vectors * LANES;
+    const int64_t stride = (len + LANES - 1) / LANES * LANES; /* scores of one head: whole vectors */
+    float *inverses = scores + group * stride;
+    for (int64_t t0 = 0; t0 < len; t0 += LANES) {
+        const int64_t n = len - t0 < LANES ? len - t0 : LANES;
+        const float *keys[LANES];
+        for (int64_t i = 0; i < LANES; ++i) keys[i] = k_cache + offsets[t0 + (i < n ? i : 0)];
+        for (int64_t i = t0 + LANES; i < t0 + 2 * LANES && i < len; ++i)
+            for (int b = 0; b < vectors; ++b) __builtin_prefetch(k_cache + offsets[i] + b * LANES);
+        /* All sixteen lanes are stored: past the row's end they repeat a real score, so the maximum holds. */
+        for (int64_t g = 0; g < group; ++g) {
+            const vf s = scores16(q_group + g * head_dim, keys, vectors) * scale;
+            memcpy(scores + g * stride + t0, &s, sizeof s);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *weights = scores + g * stride;
+        vf maxima = load(weights);
+        for (int64_t t = LANES; t < stride; t += LANES) {
+            const vf row = load(weights + t);
+            const vi greater = row > maxima;
+            maxima = (vf)(((vi)row & greater) | ((vi)maxima & ~greater));
+        }
+        float maximum = lane_max(maxima);
+        if (sinks && sinks[g] > maximum) maximum = sinks[g];
+        float total = exp_row(weights, len, maximum);
+        if (sinks) total += expf(sinks[g] - maximum);
+        inverses[g] = 1.f / total;
+    }
+    /* Four heads per pass over the values (two for head dims over 64): their sums fill the registers. */
+    const int per_pass = vectors <= 4 ? 4 : 2;
+    int64_t g = 0;
+    for (; g + per_pass <= group; g += per_pass) {
+        if (per_pass == 4)
+            weighted_sum(out_group + g * head_dim, head_dim, scores + g * stride, stride, inverses + g, v_cache,
+                         offsets, len, 4, vectors);
+        else
+            weighted_sum(out_group + g * head_dim, head_dim, scores + g * stride, stride, inverses + g, v_cache,
+                         offsets, len, 2, vectors);
+    }
+    for (; g < group; ++g)
+        weighted_sum(out_group + g * head_dim, head_dim, scores + g * stride, stride, inverses + g, v_cache, offsets,
+                     len, 1, vectors);
+}
+
+/* Any head_dim: one dot product per (query head, token), the scalar way. */
+static void attend_generic(
+    const float *q_group, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
+    const float *sinks, int64_t group, int64_t head_dim, float scale, float *scores, float *out_group)
+{
+    for (int64_t g = 0; g < group; ++g) {
+        const float *qg = q_group + g * head_dim;
+        float *weights = scores + g * len;
+        float maximum = sinks ? sinks[g] : -INFINITY;
+        for (int64_t t = 0; t < len; ++t) {
+            const float *key = k_cache + offsets[t];
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
+            weights[t] = dot * scale;
+            maximum = weights[t] > maximum ? weights[t] : maximum;
+        }
+        float total = sinks ? expf(sinks[g] - maximum) : 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+            weights[t] = expf(weights[t] - maximum);
+            total += weights[t];
+        }
+        const float inverse = 1.f / total;
+        float *og = out_group + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) og[d] = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+            const float *value = v_cache + offsets[t];
+            const float weight = weights[t] * inverse;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) og[d] += weight * value[d];
+        }
+    }
+}
 
 /* Attention of one query token per sequence over its paged cache, float32.
  *
@@ -24,7 +246,9 @@
  * recent tokens each query sees (pages before them are not read).
  * The query heads that share a kv head are handled together, so each key and
  * value is read from the cache once per sequence and kv head, in place: no
- * gathered copy of the cache is made. Returns 0, or -1 when out of memory.
+ * gathered copy of the cache is made. Head dims that are a multiple of 16 up
+ * to 128 take the vectorised path (sixteen dot products reduced at once, a
+ * vectorised exp); others the scalar one. Returns 0, or -1 when out of memory.
  */
 int paged_decode_attention_f32(
     const float *q, const float *k_cache, const float *v_cache,
@@ -36,6 +260,7 @@ int paged_decode_attention_f32(
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = num_seqs * num_kv_heads;
+    const int vectors = head_dim % LANES == 0 && head_dim <= 8 * LANES ? (int)(head_dim / LANES) : 0;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(|| : failed)
     for (int64_t item = 0; item < items; ++item) {
@@ -44,54 +269,41 @@ int paged_decode_attention_f32(
         const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
         const int64_t len = seq_len - first;
         const int32_t *pages = page_table + seq * table_stride;
-        const float *q_group = q + (seq * num_heads + kv_head * group) * head_dim;
-        float *out_group = out + (seq * num_heads + kv_head * group) * head_dim;
         /* scores[g * len + t]: query head g of the group against token t; then its softmax weight. */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * len + group));
-        if (scores == NULL) {
+        const int64_t padded = (len + LANES - 1) / LANES * LANES;
+        int64_t *offsets =
+            (int64_t *)malloc(sizeof(int64_t) * (size_t)len + sizeof(float) * (size_t)(group * padded + group));
+        if (offsets == NULL) {
             failed = 1;
             continue;
         }
-        float *maxima = scores + group * len;
-        for (int64_t g = 0; g < group; ++g) maxima[g] = sinks ? sinks[kv_head * group + g] : -INFINITY;
-        for (int64_t t = 0; t < len; ++t) {
-            const int64_t pos = first + t;
-            const float *key = k_cache + pages[pos / page_size] * page_stride + (pos % page_size) * token_stride +
-                               kv_head * head_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = q_group + g * head_dim;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
-                dot *= scale;
-                scores[g * len + t] = dot;
-                if (dot > maxima[g]) maxima[g] = dot;
+        float *scores = (float *)(offsets + len);
+        for (int64_t t = 0, page = first / page_size, slot = first % page_size; t < len; ++t) {
+            offsets[t] = pages[page] * page_stride + slot * token_stride + kv_head * head_stride;
+            if (++slot == page_size) {
+                slot = 0;
+                ++page;
             }
         }
-        for (int64_t g = 0; g < group; ++g) {
-            float *weights = scores + g * len;
-            float total = sinks ? expf(sinks[kv_head * group + g] - maxima[g]) : 0.f;
-            for (int64_t t = 0; t < len; ++t) {
-                weights[t] = expf(weights[t] - maxima[g]);
-                total += weights[t];
-            }
-            const float inverse = 1.f / total;
-            for (int64_t t = 0; t < len; ++t) weights[t] *= inverse;
-            float *og = out_group + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) og[d] = 0.f;
+        const float *q_group = q + (seq * num_heads + kv_head * group) * head_dim;
+        float *out_group = out + (seq * num_heads + kv_head * group) * head_dim;
+        const float *group_sinks = sinks ? sinks + kv_head * group : NULL;
+        switch (vectors) {
+        case 4:
+            attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group, 4);
+            break;
+        case 8:
+            attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group, 8);
+            break;
+        case 0:
+            attend_generic(q_group, k_cache, v_cache, offsets, len, group_sinks, group, head_dim, scale, scores,
+                           out_group);
+            break;
+        default:
+            attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group,
+                              vectors);
         }
-        for (int64_t t = 0; t < len; ++t) {
-            const int64_t pos = first + t;
-            const float *value = v_cache + pages[pos / page_size] * page_stride + (pos % page_size) * token_stride +
-                                 kv_head * head_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float weight = scores[g * len + t];
-                float *og = out_group + g * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) og[d] += weight * value[d];
-            }
-        }
-        free(scores);
+        free(offsets);
     }
     return failed ? -1 : 0;
 }

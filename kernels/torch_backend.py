@@ -23,6 +23,8 @@ def _pages_for(num_tokens: int, page_size: int) -> int:
 # Packed weights are laid out for this many rows per matmul; any row count
 # works, and decode batches (tens of rows) gain the most.
 _PACKING_ROWS_HINT = 32
+# Rows per pass of a dense MLP on a CPU (``mlp_chunk_rows``).
+_MLP_CHUNK_ROWS = 512
 
 
 def _packed_linear_available() -> bool:
@@ -63,6 +65,10 @@ class TorchBackend(KernelBackend):
         if not _packed_linear_available():
             return ()
         return tuple(sorted({_padded_rows(num_rows) for num_rows in range(1, max_rows + 1)}))
+
+    def mlp_chunk_rows(self, x: torch.Tensor) -> int | None:
+        # 2,048 rows of `small`'s MLP: 1.4x faster in passes of 512 (its 11.5 MB of gate and up fit in L3).
+        return _MLP_CHUNK_ROWS if x.device.type == "cpu" else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         input_dtype = x.dtype
