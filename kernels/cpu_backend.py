@@ -114,6 +114,8 @@ class CpuBackend(TorchBackend):
     ) -> torch.Tensor:
         if query.device.type != "cpu":
             return super().prefill_attention(query, key_cache, value_cache, batch, scale, sinks, sliding_window)
+        if sliding_window is None and _native_prefill_fits(query, key_cache, value_cache, batch, sinks):
+            return self._native_prefill(query, key_cache, value_cache, batch, scale, sinks)
         page_size = key_cache.shape[1]
         out = torch.empty_like(query)
         start = 0
@@ -140,6 +142,51 @@ class CpuBackend(TorchBackend):
                 # The sink joins the denominator only: rescale by sum / (sum + exp(sink)).
                 attn = attn * torch.sigmoid(lse - sinks.view(1, -1, 1))[..., None].to(attn.dtype)
             out[start:end] = attn[0].transpose(0, 1)
+            start = end
+        return out
+
+    def _native_prefill(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: PrefillBatch,
+        scale: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Each sequence's chunk through the native kernel, keys and values read from their pages in place."""
+        query = query.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        page_table = batch.page_table.contiguous()
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
+            end = start + query_len
+            lse = None if sinks is None else torch.empty(num_heads, query_len, dtype=torch.float32)
+            status = self.native.paged_prefill_attention_f32(
+                query[start:end].data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                page_table[i].data_ptr(),
+                seq_len - query_len,
+                query_len,
+                out[start:end].data_ptr(),
+                None if lse is None else lse.data_ptr(),
+                num_heads,
+                key_cache.shape[2],
+                head_dim,
+                key_cache.shape[1],
+                scale,
+                torch.get_num_threads(),
+            )
+            if status != 0:
+                raise MemoryError(f"native prefill attention could not allocate its buffers ({seq_len} keys)")
+            if sinks is not None and lse is not None:
+                # The sink joins the denominator only: rescale by sum / (sum + exp(sink)).
+                out[start:end] *= torch.sigmoid(lse - sinks.view(-1, 1)).t()[..., None]
             start = end
         return out
 
@@ -179,6 +226,37 @@ def _flash(
 def _native_sinks_fit(sinks: torch.Tensor | None, query: torch.Tensor) -> bool:
     return sinks is None or (
         sinks.device.type == "cpu" and sinks.dtype == torch.float32 and sinks.shape == (query.shape[1],)
+    )
+
+
+def _native_prefill_fits(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    batch: PrefillBatch,
+    sinks: torch.Tensor | None,
+) -> bool:
+    # As for decode, plus the kernel's head dims: multiples of 16 up to 128.
+    tensors = (query, key_cache, value_cache)
+    page_table = batch.page_table
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and query.dim() == 3
+        and key_cache.dim() == 4
+        and key_cache.shape == value_cache.shape
+        and key_cache.stride() == value_cache.stride()
+        and key_cache.stride(-1) == 1
+        and query.shape[2] == key_cache.shape[3]
+        and query.shape[2] % 16 == 0
+        and query.shape[2] <= 128
+        and query.shape[1] % key_cache.shape[2] == 0
+        and page_table.device.type == "cpu"
+        and page_table.dtype == torch.int32
+        and page_table.dim() == 2
+        and page_table.shape[0] == len(batch.query_lens_host)
+        and sum(batch.query_lens_host) == query.shape[0]
+        and max(batch.seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
+        and _native_sinks_fit(sinks, query)
     )
 
 

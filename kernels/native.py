@@ -51,6 +51,15 @@ class NativeKernels:
             i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
         ]  # fmt: skip
         self.paged_decode_attention_f32.restype = ctypes.c_int
+        self.paged_prefill_attention_f32 = library.paged_prefill_attention_f32
+        self.paged_prefill_attention_f32.argtypes = [
+            ptr, ptr, ptr,  # q, k_cache, v_cache
+            i64, i64, i64,  # page, token and head strides (elements)
+            ptr, i64, i64,  # the sequence's pages, context_len, query_len
+            ptr, ptr, i64, i64, i64,  # out, lse (NULL for none), num_heads, num_kv_heads, head_dim
+            i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
+        ]  # fmt: skip
+        self.paged_prefill_attention_f32.restype = ctypes.c_int
 
 
 def cache_dir() -> Path:

@@ -59,7 +59,7 @@ static inline vf sum_lanes16(const vf x[LANES])
  * a softmax weight that small is lost against the row's largest, which is 1. */
 static inline vf vexp(vf x)
 {
-    const vf low = x - x - 87.0f, high = x - x + 88.0f;
+    const vf low = (vf){0} - 87.0f, high = (vf){0} + 88.0f;
     vi below = x < low, above = x > high;
     x = (vf)(((vi)x & ~below) | ((vi)low & below));
     x = (vf)(((vi)x & ~above) | ((vi)high & above));
@@ -306,4 +306,160 @@ int paged_decode_attention_f32(
         free(offsets);
     }
     return failed ? -1 : 0;
+}
+
+/* Causal prefill attention of ROWS query rows (the heads of a GQA group at a few positions) over the
+ * same kv head: keys transposed (kt[d * kt_stride + key]), values in place (v_cache + offsets[key]).
+ * Row r is query q[r], sees keys 0 .. visible[r] - 1 and writes out[r] (and lse[r] unless NULL).
+ * Online softmax over blocks of LANES keys; every key block's loads serve all the rows. Inlined with
+ * constant ``vectors`` (head_dim / LANES). */
+#define ROWS 16
+static inline __attribute__((always_inline)) void prefill_rows(
+    const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kt,
+    int64_t kt_stride, const float *v_cache, const int64_t *offsets, float scale, int vectors)
+{
+    const int64_t head_dim = (int64_t)vectors * LANES;
+    vf acc[ROWS][8];
+    float maxima[ROWS], totals[ROWS], weights[ROWS][LANES];
+    int64_t last = 0;
+    for (int r = 0; r < ROWS; ++r) {
+        maxima[r] = -INFINITY;
+        totals[r] = 0.f;
+        for (int b = 0; b < vectors; ++b) acc[r][b] = (vf){0};
+        last = visible[r] > last ? visible[r] : last;
+    }
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t k0 = 0; k0 < last; k0 += LANES) {
+        vf s[ROWS];
+        for (int r = 0; r < ROWS; ++r) s[r] = (vf){0};
+        const float *column = kt + k0;
+        for (int64_t d = 0; d < head_dim; ++d, column += kt_stride) {
+            const vf k = load(column);
+            for (int r = 0; r < ROWS; ++r) s[r] += q[r][d] * k;
+        }
+        float old_max[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t left = visible[r] - k0;
+            const vi seen = lane < (int32_t)(left < 0 ? 0 : (left < LANES ? left : LANES));
+            const vf scores = s[r] * scale;
+            const vf unseen = (vf){0} - INFINITY;
+            const float block_max = lane_max((vf)(((vi)scores & seen) | ((vi)unseen & ~seen)));
+            old_max[r] = maxima[r];
+            if (block_max > maxima[r]) maxima[r] = block_max;
+            const vf e = (vf)((vi)vexp(scores - maxima[r]) & seen);
+            memcpy(weights[r], &e, sizeof e);
+            s[r] = e;
+        }
+        vf previous, current;
+        memcpy(&previous, old_max, sizeof previous);
+        memcpy(&current, maxima, sizeof current);
+        /* exp(old - new maximum) per row; before a row's first block, -inf: vexp gives ~1e-38 times zero. */
+        float corrections[ROWS];
+        const vf c = vexp(previous - current);
+        memcpy(corrections, &c, sizeof c);
+        for (int r = 0; r < ROWS; ++r) totals[r] = totals[r] * corrections[r] + lane_sum(s[r]);
+        const int64_t block = last - k0 < LANES ? last - k0 : LANES;
+        for (int b = 0; b < vectors; ++b) {
+            vf sums[ROWS];
+            for (int r = 0; r < ROWS; ++r) sums[r] = acc[r][b] * corrections[r];
+            for (int64_t j = 0; j < block; ++j) {
+                const vf v = load(v_cache + offsets[k0 + j] + b * LANES);
+                for (int r = 0; r < ROWS; ++r) sums[r] += weights[r][j] * v;
+            }
+            for (int r = 0; r < ROWS; ++r) acc[r][b] = sums[r];
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        const float inverse = 1.f / totals[r];
+        for (int b = 0; b < vectors; ++b) {
+            const vf scaled = acc[r][b] * inverse;
+            memcpy(out[r] + b * LANES, &scaled, sizeof(vf));
+        }
+        if (lse[r]) *lse[r] = maxima[r] + logf(totals[r]);
+    }
+}
+
+/* Causal attention of one sequence's chunk of query_len queries after context_len cached keys, float32,
+ * keys and values read from the paged cache (the chunk's own already written there).
+ *
+ * q, out: [query_len, num_heads, head_dim], contiguous; pages: the sequence's page ids (int32).
+ * lse: NULL, or [num_heads, query_len]: each row's log-sum-exp of its scaled scores.
+ * head_dim must be a multiple of 16 up to 128 (returns -2 otherwise). The keys are first copied
+ * transposed per kv head (head_dim x keys), so a block of keys' scores for a query row is head_dim
+ * vector multiply-adds; the query heads of a GQA group at one position share those loads and the
+ * value rows, which are read in place. Returns 0, -1 when out of memory, -2 for a head_dim it does
+ * not take. */
+int paged_prefill_attention_f32(
+    const float *q, const float *k_cache, const float *v_cache,
+    int64_t page_stride, int64_t token_stride, int64_t head_stride,
+    const int32_t *pages, int64_t context_len, int64_t query_len,
+    float *out, float *lse, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t page_size, float scale, int num_threads)
+{
+    if (head_dim % LANES != 0 || head_dim > 8 * LANES) return -2;
+    const int vectors = (int)(head_dim / LANES);
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t num_keys = context_len + query_len;
+    /* Whole blocks of LANES keys: a block's loads never leave the buffer. */
+    const int64_t kt_stride = (num_keys + LANES - 1) / LANES * LANES;
+    float *kt = (float *)calloc((size_t)(num_kv_heads * head_dim * kt_stride), sizeof(float));
+    int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_kv_heads * num_keys));
+    if (kt == NULL || offsets == NULL) {
+        free(kt);
+        free(offsets);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) collapse(2)
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+        for (int64_t key = 0; key < num_keys; ++key) {
+            const int64_t offset =
+                pages[key / page_size] * page_stride + (key % page_size) * token_stride + kv_head * head_stride;
+            offsets[kv_head * num_keys + key] = offset;
+            float *column = kt + kv_head * head_dim * kt_stride + key;
+            for (int64_t d = 0; d < head_dim; ++d) column[d * kt_stride] = k_cache[offset + d];
+        }
+    /* A work item: ROWS rows, the group's heads (up to four) at ROWS / heads consecutive positions.
+     * Later positions see more keys: items are dealt out last first. */
+    const int64_t heads = group < 4 ? group : 4;
+    const int64_t positions = ROWS / heads;
+    const int64_t position_blocks = (query_len + positions - 1) / positions;
+    const int64_t head_blocks = (group + heads - 1) / heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) collapse(2)
+    for (int64_t i = 0; i < position_blocks; ++i)
+        for (int64_t item = 0; item < num_kv_heads * head_blocks; ++item) {
+            const int64_t kv_head = item / head_blocks, first_head = kv_head * group + item % head_blocks * heads;
+            const int64_t first_position = (position_blocks - 1 - i) * positions;
+            const float *q_rows[ROWS];
+            float *out_rows[ROWS], *lse_rows[ROWS], spare[ROWS][8 * LANES], spare_lse[ROWS];
+            int64_t visible[ROWS];
+            for (int r = 0; r < ROWS; ++r) {
+                /* Rows past the chunk's end or the group's last head repeat a real row into spare space. */
+                int64_t position = first_position + r / heads, head = first_head + r % heads;
+                const int real = r < positions * heads && position < query_len && head < (kv_head + 1) * group;
+                if (!real) {
+                    position = first_position;
+                    head = first_head;
+                }
+                q_rows[r] = q + (position * num_heads + head) * head_dim;
+                out_rows[r] = real ? out + (position * num_heads + head) * head_dim : spare[r];
+                lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
+                visible[r] = context_len + position + 1;
+            }
+            const float *kt_head = kt + kv_head * head_dim * kt_stride;
+            const int64_t *head_offsets = offsets + kv_head * num_keys;
+            switch (vectors) {
+            case 4:
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale, 4);
+                break;
+            case 8:
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale, 8);
+                break;
+            default:
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale,
+                             vectors);
+            }
+        }
+    free(kt);
+    free(offsets);
+    return 0;
 }

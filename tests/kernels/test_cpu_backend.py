@@ -21,7 +21,14 @@ from rayturn.kernels import DecodeBatch, native, select_backend
 from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
-from .triton_cases import CacheSpec, check_decode_attention, check_prefill_attention, layer_views, make_decode_case
+from .triton_cases import (
+    CacheSpec,
+    check_decode_attention,
+    check_prefill_attention,
+    layer_views,
+    make_decode_case,
+    make_prefill_case,
+)
 
 BACKEND = CpuBackend()
 
@@ -82,6 +89,85 @@ def test_prefill_attention_matches_reference(
 ) -> None:
     spec = CacheSpec(page_size=4, num_kv_heads=2, head_dim=8)
     check_prefill_attention(BACKEND, spec, 4, context_lens, query_lens, dtype, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("spec", "num_heads", "context_lens", "query_lens", "with_sinks"),
+    [
+        # The small preset's shape; chunks after long contexts, a chunk of one, blocks of 32 keys cut mid-way.
+        (CacheSpec(page_size=16, num_kv_heads=2, head_dim=64), 8, [0, 100, 33, 0], [70, 1, 64, 31], False),
+        (CacheSpec(page_size=16, num_kv_heads=2, head_dim=64), 8, [0, 47], [300, 90], True),
+        # GQA groups of 3 (a pass of two heads, then one), 8 (two passes of four) and 1; head dims 48 and 128.
+        (CacheSpec(page_size=8, num_kv_heads=2, head_dim=48), 6, [5, 0], [40, 17], False),
+        (CacheSpec(page_size=4, num_kv_heads=1, head_dim=128, num_layers=3, layer=2), 8, [9, 0], [23, 2], True),
+        (CacheSpec(page_size=1, num_kv_heads=4, head_dim=16), 4, [3, 0], [5, 33], False),
+    ],
+    ids=["small-preset", "small-preset-sinks", "group3-dim48", "group8-dim128-sinks", "mha-page1-dim16"],
+)
+def test_native_prefill_attention_matches_reference(
+    spec: CacheSpec,
+    num_heads: int,
+    context_lens: list[int],
+    query_lens: list[int],
+    with_sinks: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    kernel = BACKEND.native.paged_prefill_attention_f32
+
+    def counted(*args: object) -> int:
+        calls.append(args)
+        return int(kernel(*args))
+
+    monkeypatch.setattr(BACKEND.native, "paged_prefill_attention_f32", counted)
+    check_prefill_attention(BACKEND, spec, num_heads, context_lens, query_lens, torch.float32, "cpu", 1, with_sinks)
+    assert len(calls) == len(query_lens)  # the native kernel ran, once per sequence
+
+
+def test_native_kernels_hold_rows_whose_every_score_is_far_below_zero() -> None:
+    """Scores near -250 (queries pointing away from every key): the softmax still shifts by the row's own
+    maximum, never by a floor, so its weights are the reference's and not a uniform average (exp of a
+    score shifted by a floor of, say, -87 would underflow to the same tiny value for every key)."""
+    spec = CacheSpec(page_size=16, num_kv_heads=2, head_dim=64)
+    case, prefill = make_prefill_case(spec, 8, [40, 0], [30, 50], torch.float32, "cpu", seed=5)
+    keys, values = layer_views(case.kv_cache, case.layer)
+    direction = torch.ones(64) / 8.0  # unit length
+    keys.copy_(keys * 0.5 + direction * 20.0)  # every key close to +20 along one direction
+    query = case.query * 0.5 - direction * 100.0  # every query far the other way: scores near -250
+    scores = query[:, 0] @ keys[prefill.page_table[0, 0].long(), 0, 0] * case.scale
+    assert scores.max() < -180.0
+    # Scores of magnitude 250 carry ~3e-5 of float32 rounding each, so the two sides differ by that much;
+    # a softmax shifted by a floor instead of the maximum would be off by tenths.
+    torch.testing.assert_close(
+        BACKEND.prefill_attention(query, keys, values, prefill, case.scale),
+        TorchBackend().prefill_attention(query, keys, values, prefill, case.scale),
+        atol=1e-4,
+        rtol=1e-3,
+    )
+    decode_case, decode = make_decode_case(spec, 8, [70, 5], torch.float32, "cpu", seed=6)
+    keys, values = layer_views(decode_case.kv_cache, decode_case.layer)
+    keys.copy_(keys * 0.5 + direction * 20.0)
+    query = decode_case.query * 0.5 - direction * 100.0
+    torch.testing.assert_close(
+        BACKEND.decode_attention(query, keys, values, decode, decode_case.scale),
+        TorchBackend().decode_attention(query, keys, values, decode, decode_case.scale),
+        atol=1e-4,
+        rtol=1e-3,
+    )
+
+
+def test_native_prefill_refuses_a_head_dim_it_does_not_take() -> None:
+    """Head dims other than multiples of 16 up to 128 take the torch path; the kernel itself says -2."""
+    spec = CacheSpec(page_size=4, num_kv_heads=2, head_dim=24)
+    check_prefill_attention(BACKEND, spec, 4, [3], [5], torch.float32, "cpu")
+    query = torch.zeros(1, 2, 24)
+    cache = torch.zeros(1, 4, 2, 24)
+    pages = torch.zeros(1, dtype=torch.int32)
+    status = BACKEND.native.paged_prefill_attention_f32(
+        query.data_ptr(), cache.data_ptr(), cache.data_ptr(), *cache.stride()[:3], pages.data_ptr(), 0, 1,
+        query.data_ptr(), None, 2, 2, 24, 4, 1.0, 1,
+    )  # fmt: skip
+    assert status == -2
 
 
 def test_silu_and_mul_matches_reference() -> None:
