@@ -13,7 +13,9 @@ ships): each repeat's cold and extended prompts are sent to it right after
 rayturn's, and its first tokens must equal rayturn's (exit status 1
 otherwise). vLLM's TTFT is timed at the client, so it includes one local
 HTTP round trip (a few milliseconds) that rayturn's in-process engine does not
-pay; its start-up is outside the timing.
+pay; its start-up is outside the timing. vLLM's OpenMP threads spin on for
+about a second after each request, so the next repeat waits until its
+processes are idle (``VllmServer.wait_idle``) rather than share the cores.
 
     python bench/prefix_ttft.py [--quick] [--backend NAME] [--peer vllm]
 
@@ -86,6 +88,7 @@ def main() -> None:
         if args.peer == "vllm":
             server = stack.enter_context(VllmServer(str(resolve_model_dir(args.model)), args.out / "vllm_server.log"))
             server.complete([1, 2, 3], 1)  # warm-up
+            server.wait_idle()
 
         cached_engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype="float32")
         plain_engine = LLMEngine.from_pretrained(
@@ -112,6 +115,7 @@ def main() -> None:
             uncached.append(ttft_s(plain_engine, extended))
             if server is not None:
                 peer_cold, peer_cached = server.complete(prompt, 1), server.complete(extended, 1)
+                server.wait_idle()  # its threads spin on after a request: the next timing must not share the cores
                 vllm_runs.append((peer_cold.elapsed_s, peer_cached.elapsed_s))
                 first_tokens_match &= peer_cold.token_ids == [cold_token] and peer_cached.token_ids == out.token_ids
             progress.advance()

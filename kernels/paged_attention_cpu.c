@@ -76,21 +76,31 @@ static inline vf vexp(vf x)
     return p * (vf)exponent;
 }
 
+/* The largest and the sum of a vector's lanes, halving it four times. */
 static inline float lane_max(vf v)
 {
-    float lanes[LANES], m;
-    memcpy(lanes, &v, sizeof v);
-    m = lanes[0];
-    for (int i = 1; i < LANES; ++i) m = lanes[i] > m ? lanes[i] : m;
-    return m;
+    vf w = SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    vi greater = w > v;
+    v = (vf)(((vi)w & greater) | ((vi)v & ~greater));
+    w = SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    greater = w > v;
+    v = (vf)(((vi)w & greater) | ((vi)v & ~greater));
+    w = SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    greater = w > v;
+    v = (vf)(((vi)w & greater) | ((vi)v & ~greater));
+    w = SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    greater = w > v;
+    v = (vf)(((vi)w & greater) | ((vi)v & ~greater));
+    return v[0];
 }
 
 static inline float lane_sum(vf v)
 {
-    float lanes[LANES], s = 0.f;
-    memcpy(lanes, &v, sizeof v);
-    for (int i = 0; i < LANES; ++i) s += lanes[i];
-    return s;
+    v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
 }
 
 /* The softmax numerators of a row in place, rows padded to whole vectors (padding lanes end as 0);

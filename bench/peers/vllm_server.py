@@ -16,6 +16,7 @@ tokenizer is on the measured path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -154,6 +155,33 @@ class VllmServer:
             payload = json.loads(response.read())
         elapsed_s = time.perf_counter() - start
         return Completion(list(payload["choices"][0]["token_ids"]), elapsed_s)
+
+    def wait_idle(self, timeout_s: float = 10.0, window_s: float = 0.2, busy_share: float = 0.05) -> float:
+        """Wait until the server's processes use under ``busy_share`` of a core over ``window_s``; the seconds
+        waited. After each request vLLM's OpenMP threads keep spinning for about a second (a core's worth on
+        this host): whatever runs next would share the cores with them, so a measurement waits first."""
+        import psutil
+
+        assert self.process is not None
+        root = psutil.Process(self.process.pid)
+        start = time.perf_counter()
+
+        def cpu_s() -> float:
+            total = 0.0
+            for process in (root, *root.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    times = process.cpu_times()
+                    total += times.user + times.system
+            return total
+
+        before = cpu_s()
+        while time.perf_counter() - start < timeout_s:
+            time.sleep(window_s)
+            now = cpu_s()
+            if now - before < busy_share * window_s:
+                break
+            before = now
+        return time.perf_counter() - start
 
     def complete_all(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], float]:
         """Send every request at once (the server batches them); outputs in order and the wall time."""
