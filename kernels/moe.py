@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 # (gate, up) -> activation of the expert's hidden layer
 GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (rows, weight [num_experts, out, in], group sizes) -> rows @ weight[e].T for each expert's rows
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +92,15 @@ def grouped_expert_mlp(
     activation: GatedActivation,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    matmul: GroupedMatmul | None = None,
 ) -> torch.Tensor:
     """Expert e's ``down @ activation(gate, up) + down_bias`` (gate and up from ``gate_up @ row + gate_up_bias``)
-    over its ``group_sizes[e]`` consecutive ``rows``."""
+    over its ``group_sizes[e]`` consecutive ``rows``; ``matmul`` replaces ``grouped_matmul`` (a backend's own)."""
+    matmul = matmul or grouped_matmul
     intermediate = down.shape[-1]
-    gate_up_rows = _add_group_bias(_grouped_matmul(rows, gate_up, group_sizes), gate_up_bias, group_sizes)
+    gate_up_rows = _add_group_bias(matmul(rows, gate_up, group_sizes), gate_up_bias, group_sizes)
     hidden = activation(gate_up_rows[:, :intermediate], gate_up_rows[:, intermediate:])
-    return _add_group_bias(_grouped_matmul(hidden, down, group_sizes), down_bias, group_sizes)
+    return _add_group_bias(matmul(hidden, down, group_sizes), down_bias, group_sizes)
 
 
 def _add_group_bias(out: torch.Tensor, bias: torch.Tensor | None, group_sizes: tuple[int, ...]) -> torch.Tensor:
@@ -114,7 +118,7 @@ def _grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and rows.device.type == "cpu" and aligned
 
 
-def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
+def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
     """``rows @ weight[e].T`` for each expert's rows: one ``F.grouped_mm`` where it runs, else a matmul per expert."""
     if _grouped_mm_runs(rows, weight):
         ends = torch.tensor(list(itertools.accumulate(group_sizes)), dtype=torch.int32, device=rows.device)
@@ -148,10 +152,13 @@ def fused_moe(
     activation: GatedActivation,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    matmul: GroupedMatmul | None = None,
 ) -> torch.Tensor:
     """The whole MoE MLP of ``x`` ([num_tokens, hidden]) given its ``router_logits`` ([num_tokens, num_experts])."""
     weights, expert_ids = route_top_k(router_logits, top_k, renormalize)
     permutation = permute_by_expert(expert_ids, gate_up.shape[0])
     rows = x[permutation.token_index]
-    expert_out = grouped_expert_mlp(rows, permutation.group_sizes, gate_up, down, activation, gate_up_bias, down_bias)
+    expert_out = grouped_expert_mlp(
+        rows, permutation.group_sizes, gate_up, down, activation, gate_up_bias, down_bias, matmul
+    )
     return unpermute(expert_out, permutation, weights, x.shape[0])

@@ -60,6 +60,12 @@ class NativeKernels:
             i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
         ]  # fmt: skip
         self.paged_prefill_attention_f32.restype = ctypes.c_int
+        self.grouped_matmul_f32 = library.grouped_matmul_f32
+        self.grouped_matmul_f32.argtypes = [
+            ptr, ptr, ptr, ptr,  # rows, weight, group_ends (int64), out
+            i64, i64, i64, ctypes.c_int,  # num_experts, out_features, in_features, num_threads
+        ]  # fmt: skip
+        self.grouped_matmul_f32.restype = ctypes.c_int
 
 
 def cache_dir() -> Path:

@@ -473,3 +473,45 @@ int paged_prefill_attention_f32(
     free(offsets);
     return 0;
 }
+
+/* out[r] = rows[r] @ weight[e]^T for each expert e's rows (group_ends[e - 1] .. group_ends[e] - 1), float32.
+ *
+ * rows: [num_rows, in_features]; weight: [num_experts, out_features, in_features]; out: [num_rows,
+ * out_features]; all contiguous, in_features a multiple of 16 (returns -2 otherwise). Made for the few
+ * rows per expert of a decode step: an expert with no rows is not read, and one with a handful reads its
+ * weight once, sixteen outputs at a time (sixteen dot products reduced together), the work split over
+ * (expert, block of outputs). Returns 0. */
+int grouped_matmul_f32(const float *rows, const float *weight, const int64_t *group_ends, float *out,
+                       int64_t num_experts, int64_t out_features, int64_t in_features, int num_threads)
+{
+    if (in_features % LANES != 0) return -2;
+    const int64_t vectors = in_features / LANES;
+    const int64_t per_item = 4 * LANES; /* outputs per work item */
+    const int64_t blocks = (out_features + per_item - 1) / per_item;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) collapse(2)
+    for (int64_t expert = 0; expert < num_experts; ++expert)
+        for (int64_t block = 0; block < blocks; ++block) {
+            const int64_t first_row = expert ? group_ends[expert - 1] : 0, end_row = group_ends[expert];
+            if (first_row == end_row) continue;
+            const float *w = weight + expert * out_features * in_features;
+            const int64_t first = block * per_item;
+            const int64_t end = first + per_item < out_features ? first + per_item : out_features;
+            for (int64_t o0 = first; o0 < end; o0 += LANES) {
+                const int64_t n = end - o0 < LANES ? end - o0 : LANES;
+                const float *w_rows[LANES];
+                for (int64_t i = 0; i < LANES; ++i) w_rows[i] = w + (o0 + (i < n ? i : 0)) * in_features;
+                for (int64_t r = first_row; r < end_row; ++r) {
+                    const float *row = rows + r * in_features;
+                    vf dots[LANES];
+                    for (int i = 0; i < LANES; ++i) {
+                        vf acc = load(row) * load(w_rows[i]);
+                        for (int64_t b = 1; b < vectors; ++b) acc += load(row + b * LANES) * load(w_rows[i] + b * LANES);
+                        dots[i] = acc;
+                    }
+                    const vf sums = sum_lanes16(dots);
+                    memcpy(out + r * out_features + o0, &sums, sizeof(float) * (size_t)n);
+                }
+            }
+        }
+    return 0;
+}

@@ -164,3 +164,59 @@ def test_clamped_swiglu_clamps_gate_above_and_up_on_both_sides() -> None:
     # gate 5 -> 2 and up -9 -> -2; gate -5 stays (no lower clamp) and up 9 -> 2; nothing clamped.
     expected = torch.tensor([(-2 + 1) * glu(2.0), (2 + 1) * glu(-5.0), (0.5 + 1) * glu(1.0)])
     torch.testing.assert_close(activation(gate, up), expected)
+
+
+@pytest.mark.parametrize(
+    ("group_sizes", "out_features", "in_features"),
+    [
+        ((3, 0, 5, 1), 40, 32),  # an expert with no rows; outputs not a multiple of 16
+        ((4,) * 16, 512, 256),  # a decode step of the MoE benchmark's shape
+        ((0, 0, 2), 17, 48),
+        ((1,), 1, 16),
+    ],
+)
+def test_native_grouped_matmul_matches_torchs(
+    group_sizes: tuple[int, ...], out_features: int, in_features: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = CpuBackend()
+    calls = []
+    kernel = backend.native.grouped_matmul_f32
+
+    def counted(*args: object) -> int:
+        calls.append(args)
+        return int(kernel(*args))
+
+    monkeypatch.setattr(backend.native, "grouped_matmul_f32", counted)
+    generator = torch.Generator().manual_seed(len(group_sizes))
+    rows = torch.randn(sum(group_sizes), in_features, generator=generator)
+    weight = torch.randn(len(group_sizes), out_features, in_features, generator=generator)
+    out = backend._grouped_matmul(rows, weight, group_sizes)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, moe.grouped_matmul(rows, weight, group_sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_native_grouped_matmul_serves_decode_steps_and_leaves_prefill_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole MoE MLP on the cpu backend equals the naive loop both ways: few rows per expert through the
+    native kernel, prefill-sized groups (over 32 rows per expert on average) through torch's."""
+    backend = CpuBackend()
+    calls = []
+    kernel = backend.native.grouped_matmul_f32
+
+    def counted(*args: object) -> int:
+        calls.append(args)
+        return int(kernel(*args))
+
+    monkeypatch.setattr(backend.native, "grouped_matmul_f32", counted)
+    generator = torch.Generator().manual_seed(7)
+    hidden, intermediate, num_experts = 32, 48, 4
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.2
+    down = torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.2
+    for num_tokens, native_calls in ((9, 2), (200, 0)):  # 18 rows over 4 experts; 400 rows
+        calls.clear()
+        x = torch.randn(num_tokens, hidden, generator=generator)
+        logits = torch.randn(num_tokens, num_experts, generator=generator) * 2
+        out = backend.fused_moe(x, logits, gate_up, down, 2, True)
+        assert len(calls) == native_calls  # gate-up and down
+        torch.testing.assert_close(out, naive_moe(x, logits, gate_up, down, 2, True), rtol=1e-5, atol=1e-5)
