@@ -1,7 +1,7 @@
 """Native CPU kernels: built once per host with the system C compiler, loaded with ctypes.
 
 The source (``paged_attention_cpu.c``) needs no Python or PyTorch headers, so
-a build takes well under a second. The library is cached under
+a build takes a second or two. The library is cached under
 ``$RAYTURN_CACHE_DIR/kernels`` (default ``~/.cache/rayturn/kernels``), keyed
 by the source, the compiler, its flags and the CPU, so a host with another
 CPU (a Kubernetes pod moved to another node type) builds its own. Concurrent
