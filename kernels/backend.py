@@ -209,8 +209,14 @@ class KernelBackend(abc.ABC):
         """
         activation_fn = activation or self.silu_and_mul
         return moe.fused_moe(
-            x, router_logits, gate_up, down, top_k, renormalize, activation_fn, gate_up_bias, down_bias
-        )
+            x, router_logits, gate_up, down, top_k, renormalize, activation_fn, gate_up_bias, down_bias,
+            matmul=self.grouped_matmul,
+        )  # fmt: skip
+
+    def grouped_matmul(self, rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
+        """``rows @ weight[e].T`` for each expert e's ``group_sizes[e]`` consecutive rows (``weight``: [num_experts,
+        out, in]): the experts' matmuls inside ``fused_moe``."""
+        return moe.grouped_matmul(rows, weight, group_sizes)
 
     def copy_pages(self, kv_cache: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
         """Copy whole pages inside the cache (copy-on-write of shared pages)."""

@@ -107,25 +107,7 @@ class CpuBackend(TorchBackend):
             raise MemoryError(f"native decode attention could not allocate its scores ({num_seqs} sequences)")
         return out
 
-    def fused_moe(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        gate_up_bias: torch.Tensor | None = None,
-        down_bias: torch.Tensor | None = None,
-        activation: moe.ClampedSwiGLU | None = None,
-    ) -> torch.Tensor:
-        activation_fn = activation or self.silu_and_mul
-        return moe.fused_moe(
-            x, router_logits, gate_up, down, top_k, renormalize, activation_fn, gate_up_bias, down_bias,
-            matmul=self._grouped_matmul,
-        )  # fmt: skip
-
-    def _grouped_matmul(self, rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
+    def grouped_matmul(self, rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
         """The native kernel where experts meet few rows each (a decode step: each expert's weight read once,
         not once per matmul call), torch's grouped matmul otherwise."""
         num_experts, out_features, in_features = weight.shape
@@ -303,25 +285,11 @@ def _native_prefill_fits(
     sinks: torch.Tensor | None,
 ) -> bool:
     # As for decode, plus the kernel's head dims: multiples of 16 up to 128.
-    tensors = (query, key_cache, value_cache)
-    page_table = batch.page_table
     return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and query.dim() == 3
-        and key_cache.dim() == 4
-        and key_cache.shape == value_cache.shape
-        and key_cache.stride() == value_cache.stride()
-        and key_cache.stride(-1) == 1
-        and query.shape[2] == key_cache.shape[3]
+        _native_cache_fits(query, key_cache, value_cache, batch.page_table, batch.seq_lens_host)
         and query.shape[2] % 16 == 0
         and query.shape[2] <= 128
-        and query.shape[1] % key_cache.shape[2] == 0
-        and page_table.device.type == "cpu"
-        and page_table.dtype == torch.int32
-        and page_table.dim() == 2
-        and page_table.shape[0] == len(batch.query_lens_host)
         and sum(batch.query_lens_host) == query.shape[0]
-        and max(batch.seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
         and _native_sinks_fit(sinks, query)
     )
 
@@ -329,9 +297,27 @@ def _native_prefill_fits(
 def _native_decode_fits(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: DecodeBatch
 ) -> bool:
-    # The C kernel trusts its arguments: anything it cannot read safely takes the torch path.
+    seq_lens = batch.seq_lens
+    return (
+        _native_cache_fits(query, key_cache, value_cache, batch.page_table, batch.seq_lens_host)
+        and seq_lens.device.type == "cpu"
+        and seq_lens.dtype == torch.int32
+        and seq_lens.shape == (query.shape[0],)
+        and len(batch.seq_lens_host) == query.shape[0]
+    )
+
+
+def _native_cache_fits(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens_host: tuple[int, ...],
+) -> bool:
+    """What both native attention kernels need: they trust their arguments, so anything they cannot read safely
+    takes the torch path (float32 CPU tensors, one page layout for keys and values, unit head-dim stride, whole
+    GQA groups, an int32 page table on the CPU with a row per sequence and room for every sequence)."""
     tensors = (query, key_cache, value_cache)
-    page_table, seq_lens = batch.page_table, batch.seq_lens
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and query.dim() == 3
@@ -342,11 +328,8 @@ def _native_decode_fits(
         and query.shape[2] == key_cache.shape[3]
         and query.shape[1] % key_cache.shape[2] == 0
         and page_table.device.type == "cpu"
-        and seq_lens.device.type == "cpu"
         and page_table.dtype == torch.int32
-        and seq_lens.dtype == torch.int32
         and page_table.dim() == 2
-        and seq_lens.shape == (query.shape[0],)
-        and page_table.shape[0] == query.shape[0]
-        and max(batch.seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
+        and page_table.shape[0] == len(seq_lens_host)
+        and max(seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
     )

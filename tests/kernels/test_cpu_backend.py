@@ -25,6 +25,7 @@ from .triton_cases import (
     CacheSpec,
     check_decode_attention,
     check_prefill_attention,
+    count_native_calls,
     layer_views,
     make_decode_case,
     make_prefill_case,
@@ -112,14 +113,7 @@ def test_native_prefill_attention_matches_reference(
     with_sinks: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = []
-    kernel = BACKEND.native.paged_prefill_attention_f32
-
-    def counted(*args: object) -> int:
-        calls.append(args)
-        return int(kernel(*args))
-
-    monkeypatch.setattr(BACKEND.native, "paged_prefill_attention_f32", counted)
+    calls = count_native_calls(BACKEND, "paged_prefill_attention_f32", monkeypatch)
     check_prefill_attention(BACKEND, spec, num_heads, context_lens, query_lens, torch.float32, "cpu", 1, with_sinks)
     assert len(calls) == len(query_lens)  # the native kernel ran, once per sequence
 

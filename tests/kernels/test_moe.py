@@ -12,6 +12,8 @@ from rayturn.kernels import KernelBackend, moe
 from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
+from .triton_cases import count_native_calls
+
 HIDDEN = 24
 INTERMEDIATE = 20
 
@@ -179,18 +181,11 @@ def test_native_grouped_matmul_matches_torchs(
     group_sizes: tuple[int, ...], out_features: int, in_features: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = CpuBackend()
-    calls = []
-    kernel = backend.native.grouped_matmul_f32
-
-    def counted(*args: object) -> int:
-        calls.append(args)
-        return int(kernel(*args))
-
-    monkeypatch.setattr(backend.native, "grouped_matmul_f32", counted)
+    calls = count_native_calls(backend, "grouped_matmul_f32", monkeypatch)
     generator = torch.Generator().manual_seed(len(group_sizes))
     rows = torch.randn(sum(group_sizes), in_features, generator=generator)
     weight = torch.randn(len(group_sizes), out_features, in_features, generator=generator)
-    out = backend._grouped_matmul(rows, weight, group_sizes)
+    out = backend.grouped_matmul(rows, weight, group_sizes)
     assert len(calls) == 1
     torch.testing.assert_close(out, moe.grouped_matmul(rows, weight, group_sizes), rtol=1e-5, atol=1e-4)
 
@@ -201,14 +196,7 @@ def test_native_grouped_matmul_serves_decode_steps_and_leaves_prefill_to_torch(
     """A whole MoE MLP on the cpu backend equals the naive loop both ways: few rows per expert through the
     native kernel, prefill-sized groups (over 32 rows per expert on average) through torch's."""
     backend = CpuBackend()
-    calls = []
-    kernel = backend.native.grouped_matmul_f32
-
-    def counted(*args: object) -> int:
-        calls.append(args)
-        return int(kernel(*args))
-
-    monkeypatch.setattr(backend.native, "grouped_matmul_f32", counted)
+    calls = count_native_calls(backend, "grouped_matmul_f32", monkeypatch)
     generator = torch.Generator().manual_seed(7)
     hidden, intermediate, num_experts = 32, 48, 4
     gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.2

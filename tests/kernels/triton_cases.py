@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from rayturn.kernels import moe
 from rayturn.kernels.backend import DecodeBatch, KernelBackend, PrefillBatch
+from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
 REFERENCE = TorchBackend()
@@ -428,3 +430,22 @@ def check_fused_moe(backend: KernelBackend, spec: MoeSpec, dtype: torch.dtype, d
     assert actual.dtype == dtype
     rtol = 1e-4 if dtype == torch.float32 else tolerance(dtype)
     torch.testing.assert_close(actual.float(), expected, rtol=rtol, atol=rtol)
+
+
+# --------------------------------------------------------------------------- native kernels
+
+
+def count_native_calls(
+    backend: CpuBackend, kernel_name: str, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[object, ...]]:
+    """Each call of the cpu backend's native ``kernel_name`` from now on, recorded (its arguments) and passed on:
+    a test can then tell the native path ran rather than the torch fallback."""
+    kernel = getattr(backend.native, kernel_name)
+    calls: list[tuple[object, ...]] = []
+
+    def counted(*args: object) -> int:
+        calls.append(args)
+        return int(kernel(*args))
+
+    monkeypatch.setattr(backend.native, kernel_name, counted)
+    return calls
