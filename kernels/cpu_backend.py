@@ -140,6 +140,38 @@ class CpuBackend(TorchBackend):
             raise ValueError(f"native grouped matmul refused in_features={in_features}")
         return out
 
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One pass per tensor, where the torch backend's takes six (and their temporaries).
+        if not _native_rotary_fits(positions, query, key, cos_sin_cache):
+            return super().rotary_embedding(positions, query, key, cos_sin_cache)
+        positions = positions.to(torch.int64).contiguous()
+        return self._rotate(query, positions, cos_sin_cache), self._rotate(key, positions, cos_sin_cache)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        status = self.native.rotary_neox_f32(
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            out.data_ptr(),
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            cos_sin_cache.shape[0],
+            x.shape[0],
+            x.shape[1],
+            x.shape[2],
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise IndexError(f"a position outside the rotary cache's {cos_sin_cache.shape[0]} positions")
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or weight.dtype != torch.float32:
             return super().rms_norm(x, weight, eps)
@@ -274,6 +306,23 @@ def _flash(
 def _native_sinks_fit(sinks: torch.Tensor | None, query: torch.Tensor) -> bool:
     return sinks is None or (
         sinks.device.type == "cpu" and sinks.dtype == torch.float32 and sinks.shape == (query.shape[1],)
+    )
+
+
+def _native_rotary_fits(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> bool:
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key, cos_sin_cache))
+        and positions.device.type == "cpu"
+        and not positions.is_floating_point()
+        and query.dim() == key.dim() == 3
+        and query.shape[0] == key.shape[0] == positions.numel()
+        and query.shape[2] == key.shape[2] == cos_sin_cache.shape[-1]
+        and query.shape[2] % 2 == 0
+        and query.stride(-1) == key.stride(-1) == 1
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.is_contiguous()
     )
 
 

@@ -66,6 +66,13 @@ class NativeKernels:
             i64, i64, i64, ctypes.c_int,  # num_experts, out_features, in_features, num_threads
         ]  # fmt: skip
         self.grouped_matmul_f32.restype = ctypes.c_int
+        self.rotary_neox_f32 = library.rotary_neox_f32
+        self.rotary_neox_f32.argtypes = [
+            ptr, i64, i64, ptr, ptr,  # x, its token and head strides, out, positions (int64)
+            ptr, i64,  # cos_sin, max_positions
+            i64, i64, i64, ctypes.c_int,  # num_tokens, num_heads, head_dim, num_threads
+        ]  # fmt: skip
+        self.rotary_neox_f32.restype = ctypes.c_int
 
 
 def cache_dir() -> Path:

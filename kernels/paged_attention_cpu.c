@@ -515,3 +515,37 @@ int grouped_matmul_f32(const float *rows, const float *weight, const int64_t *gr
         }
     return 0;
 }
+
+/* Neox-style rotary embedding (rotate halves) of one tensor into a new contiguous one, float32:
+ * out[t, h, i] = x1 * cos - x2 * sin and out[t, h, i + half] = x2 * cos + x1 * sin, with x1 = x[t, h, i],
+ * x2 = x[t, h, i + half], cos = cos_sin[p, i], sin = cos_sin[p, half + i], p = positions[t].
+ * x: [num_tokens, num_heads, head_dim] with the given token and head strides and a unit stride along
+ * head_dim; cos_sin: [max_positions, head_dim] contiguous. Returns 0, or -1 for a position outside
+ * 0 .. max_positions - 1 (nothing is read from it). */
+int rotary_neox_f32(const float *x, int64_t token_stride, int64_t head_stride, float *out, const int64_t *positions,
+                    const float *cos_sin, int64_t max_positions, int64_t num_tokens, int64_t num_heads,
+                    int64_t head_dim, int num_threads)
+{
+    const int64_t half = head_dim / 2;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(|| : failed)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t position = positions[t];
+        if (position < 0 || position >= max_positions) {
+            failed = 1;
+            continue;
+        }
+        const float *cos_row = cos_sin + position * head_dim, *sin_row = cos_row + half;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            const float *row = x + t * token_stride + h * head_stride;
+            float *dst = out + (t * num_heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = row[i], x2 = row[half + i];
+                dst[i] = x1 * cos_row[i] - x2 * sin_row[i];
+                dst[half + i] = x2 * cos_row[i] + x1 * sin_row[i];
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}

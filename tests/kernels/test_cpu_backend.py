@@ -25,8 +25,10 @@ from .triton_cases import (
     CacheSpec,
     check_decode_attention,
     check_prefill_attention,
+    check_rotary_embedding,
     count_native_calls,
     layer_views,
+    make_cos_sin_cache,
     make_decode_case,
     make_prefill_case,
 )
@@ -162,6 +164,27 @@ def test_native_prefill_refuses_a_head_dim_it_does_not_take() -> None:
         query.data_ptr(), None, 2, 2, 24, 4, 1.0, 1,
     )  # fmt: skip
     assert status == -2
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_heads", "num_kv_heads", "head_dim"), [(7, 8, 2, 64), (1, 4, 4, 8), (33, 6, 1, 12), (0, 2, 1, 4)]
+)
+def test_native_rotary_embedding_matches_reference(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = count_native_calls(BACKEND, "rotary_neox_f32", monkeypatch)
+    # Query and key strided views of one fused projection, as the model passes them.
+    check_rotary_embedding(BACKEND, num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, "cpu")
+    assert len(calls) == 2  # query and key, natively
+
+
+def test_native_rotary_refuses_a_position_past_its_cache() -> None:
+    cache = make_cos_sin_cache(8, 16, "cpu")
+    query, key = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    with pytest.raises(IndexError, match="8 positions"):
+        BACKEND.rotary_embedding(torch.tensor([3, 8]), query, key, cache)
+    with pytest.raises(IndexError, match="8 positions"):
+        BACKEND.rotary_embedding(torch.tensor([-1, 0]), query, key, cache)
 
 
 def test_silu_and_mul_matches_reference() -> None:
