@@ -31,6 +31,9 @@ static inline vf load(const float *p)
     return v;
 }
 
+/* Lane i holds i: compared with a count, it masks the lanes past a row's end. */
+static const vi LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -110,24 +113,21 @@ static inline float exp_row(float *row, int64_t len, float maximum)
     vf total = {0};
     for (int64_t t = 0; t < len; t += LANES) {
         vf e = vexp(load(row + t) - maximum);
-        if (len - t < LANES) {
-            vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-            e = (vf)((vi)e & (lane < (int32_t)(len - t)));
-        }
+        if (len - t < LANES) e = (vf)((vi)e & (LANE_INDEX < (int32_t)(len - t)));
         memcpy(row + t, &e, sizeof e);
         total += e;
     }
     return lane_sum(total);
 }
 
-/* Scores of one query head against LANES tokens (their key rows at keys[i]); vectors = head_dim / LANES.
- * Inlined with a constant ``vectors`` so the query row stays in registers. */
-static inline __attribute__((always_inline)) vf scores16(const float *qg, const float *const *keys, int vectors)
+/* Lane i: the dot product of x with y[i], both vectors * LANES long (a query row against LANES key rows,
+ * an input row against LANES weight rows). Inlined with a constant ``vectors`` so x stays in registers. */
+static inline __attribute__((always_inline)) vf dots16(const float *x, const float *const *y, int vectors)
 {
     vf dots[LANES];
     for (int i = 0; i < LANES; ++i) {
-        vf acc = load(qg) * load(keys[i]);
-        for (int b = 1; b < vectors; ++b) acc += load(qg + b * LANES) * load(keys[i] + b * LANES);
+        vf acc = load(x) * load(y[i]);
+        for (int b = 1; b < vectors; ++b) acc += load(x + b * LANES) * load(y[i] + b * LANES);
         dots[i] = acc;
     }
     return sum_lanes16(dots);
@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void attend_vectorised(
             for (int b = 0; b < vectors; ++b) __builtin_prefetch(k_cache + offsets[i] + b * LANES);
         /* All sixteen lanes are stored: past the row's end they repeat a real score, so the maximum holds. */
         for (int64_t g = 0; g < group; ++g) {
-            const vf s = scores16(q_group + g * head_dim, keys, vectors) * scale;
+            const vf s = dots16(q_group + g * head_dim, keys, vectors) * scale;
             memcpy(scores + g * stride + t0, &s, sizeof s);
         }
     }
@@ -324,6 +324,8 @@ int paged_decode_attention_f32(
  * Online softmax over blocks of LANES keys; every key block's loads serve all the rows. Inlined with
  * constant ``vectors`` (head_dim / LANES). */
 #define ROWS 16
+/* The rows' maxima and corrections go through one vector (the vexp of a whole block's corrections). */
+_Static_assert(ROWS == LANES, "prefill_rows keeps one lane per row");
 static inline __attribute__((always_inline)) void prefill_rows(
     const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kt,
     int64_t kt_stride, const float *v_cache, const int64_t *offsets, float scale, int vectors)
@@ -338,7 +340,6 @@ static inline __attribute__((always_inline)) void prefill_rows(
         for (int b = 0; b < vectors; ++b) acc[r][b] = (vf){0};
         last = visible[r] > last ? visible[r] : last;
     }
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t k0 = 0; k0 < last; k0 += LANES) {
         vf s[ROWS];
         for (int r = 0; r < ROWS; ++r) s[r] = (vf){0};
@@ -350,7 +351,7 @@ static inline __attribute__((always_inline)) void prefill_rows(
         float old_max[ROWS];
         for (int r = 0; r < ROWS; ++r) {
             const int64_t left = visible[r] - k0;
-            const vi seen = lane < (int32_t)(left < 0 ? 0 : (left < LANES ? left : LANES));
+            const vi seen = LANE_INDEX < (int32_t)(left < 0 ? 0 : (left < LANES ? left : LANES));
             const vf scores = s[r] * scale;
             const vf unseen = (vf){0} - INFINITY;
             const float block_max = lane_max((vf)(((vi)scores & seen) | ((vi)unseen & ~seen)));
@@ -485,7 +486,7 @@ int grouped_matmul_f32(const float *rows, const float *weight, const int64_t *gr
                        int64_t num_experts, int64_t out_features, int64_t in_features, int num_threads)
 {
     if (in_features % LANES != 0) return -2;
-    const int64_t vectors = in_features / LANES;
+    const int vectors = (int)(in_features / LANES);
     const int64_t per_item = 4 * LANES; /* outputs per work item */
     const int64_t blocks = (out_features + per_item - 1) / per_item;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) collapse(2)
@@ -501,14 +502,7 @@ int grouped_matmul_f32(const float *rows, const float *weight, const int64_t *gr
                 const float *w_rows[LANES];
                 for (int64_t i = 0; i < LANES; ++i) w_rows[i] = w + (o0 + (i < n ? i : 0)) * in_features;
                 for (int64_t r = first_row; r < end_row; ++r) {
-                    const float *row = rows + r * in_features;
-                    vf dots[LANES];
-                    for (int i = 0; i < LANES; ++i) {
-                        vf acc = load(row) * load(w_rows[i]);
-                        for (int64_t b = 1; b < vectors; ++b) acc += load(row + b * LANES) * load(w_rows[i] + b * LANES);
-                        dots[i] = acc;
-                    }
-                    const vf sums = sum_lanes16(dots);
+                    const vf sums = dots16(rows + r * in_features, w_rows, vectors);
                     memcpy(out + r * out_features + o0, &sums, sizeof(float) * (size_t)n);
                 }
             }
