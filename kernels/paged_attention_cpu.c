@@ -57,15 +57,31 @@ static inline vf sum_lanes16(const vf x[LANES])
            SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* The larger (smaller) of a and b, lane by lane; b where either is NaN. One instruction on AVX-512, a compare
+ * and a blend elsewhere. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+#else
+static inline vf vmax(vf a, vf b)
+{
+    const vi greater = a > b;
+    return (vf)(((vi)a & greater) | ((vi)b & ~greater));
+}
+static inline vf vmin(vf a, vf b)
+{
+    const vi less = a < b;
+    return (vf)(((vi)a & less) | ((vi)b & ~less));
+}
+#endif
+
 /* exp(x) lane by lane, float32, within 2 ulp: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
  * polynomial in r) in vector arithmetic. Below -87 it gives exp(-87) (1.6e-38), not a denormal or zero:
  * a softmax weight that small is lost against the row's largest, which is 1. */
 static inline vf vexp(vf x)
 {
-    const vf low = (vf){0} - 87.0f, high = (vf){0} + 88.0f;
-    vi below = x < low, above = x > high;
-    x = (vf)(((vi)x & ~below) | ((vi)low & below));
-    x = (vf)(((vi)x & ~above) | ((vi)high & above));
+    x = vmin(vmax(x, (vf){0} - 87.0f), (vf){0} + 88.0f);
     /* n = round(x / ln2): adding and taking away 1.5 * 2^23 rounds to the nearest integer. */
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -319,74 +335,95 @@ int paged_decode_attention_f32(
 }
 
 /* Causal prefill attention of ROWS query rows (the heads of a GQA group at a few positions) over the
- * same kv head: keys transposed (kt[d * kt_stride + key]), values in place (v_cache + offsets[key]).
- * Row r is query q[r], sees keys 0 .. visible[r] - 1 and writes out[r] (and lse[r] unless NULL).
- * Online softmax over blocks of LANES keys; every key block's loads serve all the rows. Inlined with
- * constant ``vectors`` (head_dim / LANES). */
+ * same kv head: keys copied key-major and padded to whole blocks (kc[key * head_dim + d]), values in place
+ * (v_cache + offsets[key]). Row r is query q[r], sees keys 0 .. visible[r] - 1 and writes out[r] (and
+ * lse[r] unless NULL). Online softmax over blocks of LANES keys, with the scores kept transposed: s[j]
+ * holds key k0 + j's score for every row (lane r: row r), so a block's maxima, corrections and sums are
+ * lane-wise operations with no horizontal reduction, and the scaled queries (transposed once into
+ * qt[d], lane r: row r) are read from one local array. Every key block's loads serve all the rows.
+ * Inlined with constant ``vectors`` (head_dim / LANES). */
 #define ROWS 16
-/* The rows' maxima and corrections go through one vector (the vexp of a whole block's corrections). */
+/* One lane per row: a block's transposed scores, maxima and corrections are single vectors. */
 _Static_assert(ROWS == LANES, "prefill_rows keeps one lane per row");
 static inline __attribute__((always_inline)) void prefill_rows(
-    const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kt,
-    int64_t kt_stride, const float *v_cache, const int64_t *offsets, float scale, int vectors)
+    const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kc,
+    const float *v_cache, const int64_t *offsets, float scale, int vectors)
 {
     const int64_t head_dim = (int64_t)vectors * LANES;
+    float qt[8 * LANES * ROWS] __attribute__((aligned(64)));
+    float weights[LANES][ROWS] __attribute__((aligned(64)));
+    float corrections[ROWS] __attribute__((aligned(64)));
+    int32_t visible_lanes[ROWS];
     vf acc[ROWS][8];
-    float maxima[ROWS], totals[ROWS], weights[ROWS][LANES];
-    int64_t last = 0;
+    int64_t last = 0, first_partial = INT64_MAX;
     for (int r = 0; r < ROWS; ++r) {
-        maxima[r] = -INFINITY;
-        totals[r] = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) qt[d * ROWS + r] = q[r][d] * scale;
         for (int b = 0; b < vectors; ++b) acc[r][b] = (vf){0};
+        visible_lanes[r] = (int32_t)visible[r];
         last = visible[r] > last ? visible[r] : last;
+        first_partial = visible[r] < first_partial ? visible[r] : first_partial;
     }
+    vi seen_before;
+    memcpy(&seen_before, visible_lanes, sizeof seen_before);
+    const vf unseen = (vf){0} - INFINITY;
+    vf maxima = unseen, totals = {0};
     for (int64_t k0 = 0; k0 < last; k0 += LANES) {
-        vf s[ROWS];
-        for (int r = 0; r < ROWS; ++r) s[r] = (vf){0};
-        const float *column = kt + k0;
-        for (int64_t d = 0; d < head_dim; ++d, column += kt_stride) {
-            const vf k = load(column);
-            for (int r = 0; r < ROWS; ++r) s[r] += q[r][d] * k;
+        vf s[LANES];
+        for (int j = 0; j < LANES; ++j) s[j] = (vf){0};
+        const float *block = kc + k0 * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const vf qd = load(qt + d * ROWS);
+#pragma GCC unroll 16
+            for (int j = 0; j < LANES; ++j) s[j] += qd * block[j * head_dim + d];
         }
-        float old_max[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-            const int64_t left = visible[r] - k0;
-            const vi seen = LANE_INDEX < (int32_t)(left < 0 ? 0 : (left < LANES ? left : LANES));
-            const vf scores = s[r] * scale;
-            const vf unseen = (vf){0} - INFINITY;
-            const float block_max = lane_max((vf)(((vi)scores & seen) | ((vi)unseen & ~seen)));
-            old_max[r] = maxima[r];
-            if (block_max > maxima[r]) maxima[r] = block_max;
-            const vf e = (vf)((vi)vexp(scores - maxima[r]) & seen);
-            memcpy(weights[r], &e, sizeof e);
-            s[r] = e;
+        /* Blocks that reach past some row's last visible key (the diagonal, the padding) are masked. */
+        const int partial = k0 + LANES > first_partial;
+        if (partial)
+            for (int j = 0; j < LANES; ++j) {
+                const vi seen = ((vi){0} + (int32_t)(k0 + j)) < seen_before;
+                s[j] = (vf)(((vi)s[j] & seen) | ((vi)unseen & ~seen));
+            }
+        /* The block's maxima as a tree (four dependent steps, not fifteen). */
+        vf halves[LANES / 2];
+        for (int j = 0; j < LANES / 2; ++j) halves[j] = vmax(s[j], s[j + LANES / 2]);
+        for (int width = LANES / 4; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) halves[j] = vmax(halves[j], halves[j + width]);
+        const vf block_max = halves[0];
+        /* Every row sees key 0, so after the first block every maximum is finite; before it the
+         * correction is vexp(-inf), ~1e-38, times sums of zero. */
+        const vf current = vmax(maxima, block_max);
+        const vf correction = vexp(maxima - current);
+        maxima = current;
+        vf sum = {0};
+        for (int j = 0; j < LANES; ++j) {
+            vf e = vexp(s[j] - current);
+            if (partial) e = (vf)((vi)e & (((vi){0} + (int32_t)(k0 + j)) < seen_before));
+            sum += e;
+            memcpy(weights[j], &e, sizeof e);
         }
-        vf previous, current;
-        memcpy(&previous, old_max, sizeof previous);
-        memcpy(&current, maxima, sizeof current);
-        /* exp(old - new maximum) per row; before a row's first block, -inf: vexp gives ~1e-38 times zero. */
-        float corrections[ROWS];
-        const vf c = vexp(previous - current);
-        memcpy(corrections, &c, sizeof c);
-        for (int r = 0; r < ROWS; ++r) totals[r] = totals[r] * corrections[r] + lane_sum(s[r]);
-        const int64_t block = last - k0 < LANES ? last - k0 : LANES;
+        totals = totals * correction + sum;
+        memcpy(corrections, &correction, sizeof correction);
+        const int64_t keys = last - k0 < LANES ? last - k0 : LANES;
         for (int b = 0; b < vectors; ++b) {
             vf sums[ROWS];
             for (int r = 0; r < ROWS; ++r) sums[r] = acc[r][b] * corrections[r];
-            for (int64_t j = 0; j < block; ++j) {
+            for (int64_t j = 0; j < keys; ++j) {
                 const vf v = load(v_cache + offsets[k0 + j] + b * LANES);
-                for (int r = 0; r < ROWS; ++r) sums[r] += weights[r][j] * v;
+                for (int r = 0; r < ROWS; ++r) sums[r] += weights[j][r] * v;
             }
             for (int r = 0; r < ROWS; ++r) acc[r][b] = sums[r];
         }
     }
+    float row_totals[ROWS], row_maxima[ROWS];
+    memcpy(row_totals, &totals, sizeof totals);
+    memcpy(row_maxima, &maxima, sizeof maxima);
     for (int r = 0; r < ROWS; ++r) {
-        const float inverse = 1.f / totals[r];
+        const float inverse = 1.f / row_totals[r];
         for (int b = 0; b < vectors; ++b) {
             const vf scaled = acc[r][b] * inverse;
             memcpy(out[r] + b * LANES, &scaled, sizeof(vf));
         }
-        if (lse[r]) *lse[r] = maxima[r] + logf(totals[r]);
+        if (lse[r]) *lse[r] = row_maxima[r] + logf(row_totals[r]);
     }
 }
 
@@ -396,10 +433,10 @@ static inline __attribute__((always_inline)) void prefill_rows(
  * q, out: [query_len, num_heads, head_dim], contiguous; pages: the sequence's page ids (int32).
  * lse: NULL, or [num_heads, query_len]: each row's log-sum-exp of its scaled scores.
  * head_dim must be a multiple of 16 up to 128 (returns -2 otherwise). The keys are first copied
- * transposed per kv head (head_dim x keys), so a block of keys' scores for a query row is head_dim
- * vector multiply-adds; the query heads of a GQA group at one position share those loads and the
- * value rows, which are read in place. Returns 0, -1 when out of memory, -2 for a head_dim it does
- * not take. */
+ * per kv head into one contiguous block of rows, so a block of sixteen keys' scores for sixteen query
+ * rows is head_dim vector multiply-adds with the keys' elements broadcast; the query heads of a GQA group
+ * at consecutive positions share those loads and the value rows, which are read in place. Returns 0,
+ * -1 when out of memory, -2 for a head_dim it does not take. */
 int paged_prefill_attention_f32(
     const float *q, const float *k_cache, const float *v_cache,
     int64_t page_stride, int64_t token_stride, int64_t head_stride,
@@ -411,12 +448,12 @@ int paged_prefill_attention_f32(
     const int vectors = (int)(head_dim / LANES);
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_keys = context_len + query_len;
-    /* Whole blocks of LANES keys: a block's loads never leave the buffer. */
-    const int64_t kt_stride = (num_keys + LANES - 1) / LANES * LANES;
-    float *kt = (float *)calloc((size_t)(num_kv_heads * head_dim * kt_stride), sizeof(float));
+    /* Whole blocks of LANES keys: a block's loads never leave the buffer (the padding keys are zeros). */
+    const int64_t kc_rows = (num_keys + LANES - 1) / LANES * LANES;
+    float *kc = (float *)calloc((size_t)(num_kv_heads * kc_rows * head_dim), sizeof(float));
     int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_kv_heads * num_keys));
-    if (kt == NULL || offsets == NULL) {
-        free(kt);
+    if (kc == NULL || offsets == NULL) {
+        free(kc);
         free(offsets);
         return -1;
     }
@@ -426,8 +463,7 @@ int paged_prefill_attention_f32(
             const int64_t offset =
                 pages[key / page_size] * page_stride + (key % page_size) * token_stride + kv_head * head_stride;
             offsets[kv_head * num_keys + key] = offset;
-            float *column = kt + kv_head * head_dim * kt_stride + key;
-            for (int64_t d = 0; d < head_dim; ++d) column[d * kt_stride] = k_cache[offset + d];
+            memcpy(kc + (kv_head * kc_rows + key) * head_dim, k_cache + offset, sizeof(float) * (size_t)head_dim);
         }
     /* A work item: ROWS rows, the group's heads (up to four) at ROWS / heads consecutive positions.
      * Later positions see more keys: items are dealt out last first. */
@@ -456,21 +492,20 @@ int paged_prefill_attention_f32(
                 lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
                 visible[r] = context_len + position + 1;
             }
-            const float *kt_head = kt + kv_head * head_dim * kt_stride;
+            const float *kc_head = kc + kv_head * kc_rows * head_dim;
             const int64_t *head_offsets = offsets + kv_head * num_keys;
             switch (vectors) {
             case 4:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale, 4);
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 4);
                 break;
             case 8:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale, 8);
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 8);
                 break;
             default:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kt_head, kt_stride, v_cache, head_offsets, scale,
-                             vectors);
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, vectors);
             }
         }
-    free(kt);
+    free(kc);
     free(offsets);
     return 0;
 }

@@ -32,7 +32,7 @@ class OnlineCalibrator:
         self,
         defaults: CostCoefficients,
         window_steps: int = 2048,
-        refit_every: int = 128,
+        refit_every: int = 512,
         min_steps: int = 32,
         knees_tokens: Seq[int] = KNEES_TOKENS,
     ) -> None:
@@ -44,8 +44,9 @@ class OnlineCalibrator:
         self.refit_every = refit_every
         self.min_steps = min_steps
         self.knees_tokens = np.array(sorted(knees_tokens), dtype=np.float64)
-        # Columns: ``step_totals``, then the measured joules.
-        self._window = np.zeros((window_steps, 6))
+        # A ring of rows: ``step_totals``, then the measured joules (Python tuples: a row is written every
+        # step, the array built only when fitting).
+        self._window: list[tuple[float, ...]] = [(0.0,) * 6] * window_steps
         self._num_observed = 0
         self.num_fits = 0
 
@@ -64,22 +65,31 @@ class OnlineCalibrator:
 
     def refit(self) -> None:
         """Fit the coefficients and the knee to the steps in the window."""
-        rows = self._window[: self.num_steps]
+        rows = np.array(self._window[: self.num_steps], dtype=np.float64)
         energy_j = rows[:, -1]
-        # (knees, steps, parameters): the regressors under each knee, each column scaled to at most 1.
-        features = np.empty((len(self.knees_tokens), len(rows), NUM_PARAMETERS))
-        features[:, :, 0] = 1.0
-        features[:, :, 1] = np.maximum(self.knees_tokens[:, None], rows[None, :, 0])
-        features[:, :, 2:] = rows[None, :, 1:5]
-        scale = np.abs(features).max(axis=1, keepdims=True)
+        # The regressors: column 1 (the dense layers' tokens, max(knee, T)) is the only one that depends on
+        # the knee, so the Gram matrix is shared but for its row and column 1. Each column is scaled to at most 1.
+        regressors = np.empty((len(rows), NUM_PARAMETERS))
+        regressors[:, 0] = 1.0
+        regressors[:, 1] = 0.0
+        regressors[:, 2:] = rows[:, 1:5]
+        dense = np.maximum(self.knees_tokens[:, None], rows[None, :, 0])  # (knees, steps)
+        gram = np.repeat((regressors.T @ regressors)[None], len(self.knees_tokens), axis=0)
+        cross = dense @ regressors
+        gram[:, 1, :] = cross
+        gram[:, :, 1] = cross
+        gram[:, 1, 1] = np.einsum("ks,ks->k", dense, dense)
+        moment = np.repeat((regressors.T @ energy_j)[None], len(self.knees_tokens), axis=0)
+        moment[:, 1] = dense @ energy_j
+        scale = np.repeat(np.abs(regressors).max(axis=0)[None], len(self.knees_tokens), axis=0)
+        scale[:, 1] = dense.max(axis=1)  # regressors are >= 0
         scale[scale == 0] = 1.0
-        features = features / scale
-        gram = np.einsum("ksp,ksq->kpq", features, features)
-        moment = np.einsum("ksp,s->kp", features, energy_j)
+        gram /= scale[:, :, None] * scale[:, None, :]
+        moment /= scale
         parameters, residual = _nnls_by_support(gram, moment, float(energy_j @ energy_j))
         best = int(np.argmin(residual))  # argmin keeps the first (smallest knee) of equal fits
         self.coefficients = self.coefficients.with_parameters(
-            parameters[best] / scale[best, 0], int(self.knees_tokens[best])
+            parameters[best] / scale[best], int(self.knees_tokens[best])
         )
         self.num_fits += 1
 

@@ -109,10 +109,10 @@ PARAMETERS = ("fixed_j", "token_j", "request_j", "context_j", "attention_j", "pa
 
 def step_totals(works: Seq[RequestWork]) -> tuple[int, int, int, int, int]:
     """The step's new tokens, requests, KV tokens read, tokens attended and pages moved."""
-    return (
-        sum(work.new_tokens for work in works),
-        len(works),
-        sum(work.context_tokens for work in works),
-        sum(work.attended_tokens for work in works),
-        sum(work.pages_moved for work in works),
-    )
+    new_tokens = context_tokens = attended_tokens = pages_moved = 0
+    for work in works:  # one pass: this runs every engine step
+        new_tokens += work.new_tokens
+        context_tokens += work.context_tokens
+        attended_tokens += work.attended_tokens
+        pages_moved += work.pages_moved
+    return new_tokens, len(works), context_tokens, attended_tokens, pages_moved

@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,31 +115,30 @@ class EnergyLedger:
         return self._sessions.get(session_id, 0.0)
 
     def annotate(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The outputs with each request's joules so far; finished requests' accounts are dropped."""
+        """The outputs, fresh from this step, with each request's joules so far; finished requests' accounts are
+        dropped."""
         start_s = time.perf_counter()
-        annotated = []
+        meter_name = self.meter.name
         for output in outputs:
             account = self._requests.get(output.request_id)
             if output.finished:
                 self._requests.pop(output.request_id, None)
-            energy_j = account.shapley_j if account is not None else 0.0
-            annotated.append(dataclasses.replace(output, energy_j=energy_j, energy_meter=self.meter.name))
+            # Set in place: the engine made these outputs this step and nobody holds them yet (a copy of each,
+            # through dataclasses.replace, was a tenth of the step's accounting).
+            object.__setattr__(output, "energy_j", account.shapley_j if account is not None else 0.0)
+            object.__setattr__(output, "energy_meter", meter_name)
         self.accounting_s += time.perf_counter() - start_s
-        return annotated
+        return outputs
 
     # -- steps --------------------------------------------------------------
 
-    @contextmanager
-    def step(self, chunks: Seq[ScheduledChunk]) -> Iterator[None]:
-        """Measure the model run of one step (entered before the chunks advance) and split it."""
+    def step(self, chunks: Seq[ScheduledChunk]) -> _StepMeasurement:
+        """Measure the model run of one step (entered before the chunks advance) and split it; a step that raises
+        is not recorded."""
         start_s = time.perf_counter()
         works = [self._work(chunk) for chunk in chunks]
-        run_start_s = time.perf_counter()
-        start_j = self.meter.read_j()
-        yield
-        energy_j = self.meter.read_j() - start_j
-        self.accounting_s += run_start_s - start_s
-        self.record(works, energy_j, time.perf_counter() - run_start_s)
+        self.accounting_s += time.perf_counter() - start_s
+        return _StepMeasurement(self, works)
 
     def record(self, works: Seq[RequestWork], energy_j: float, step_s: float) -> StepAttribution:
         """Split one step's measured joules among its works, add them to the accounts, calibrate."""
@@ -150,8 +148,11 @@ class EnergyLedger:
         proportional_j = proportional_split(works, energy_j)
         scale = energy_j / modelled_j if modelled_j > 0 else 0.0
         shapley_j = [value * scale for value in split.values_j] if modelled_j > 0 else proportional_j
+        requests = self._requests
         for work, shapley, proportional in zip(works, shapley_j, proportional_j):
-            account = self._requests.setdefault(work.request_id, RequestEnergy(None))
+            account = requests.get(work.request_id)
+            if account is None:
+                account = requests[work.request_id] = RequestEnergy(None)
             account.shapley_j += shapley
             account.proportional_j += proportional
             if account.session_id is not None:
@@ -198,3 +199,26 @@ class EnergyLedger:
         self._sessions.move_to_end(session_id)
         if len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
+
+
+class _StepMeasurement:
+    """``with ledger.step(chunks):`` around a model run: the meter read on entry and exit, then the split."""
+
+    __slots__ = ("_ledger", "_run_start_s", "_start_j", "_works")
+
+    def __init__(self, ledger: EnergyLedger, works: list[RequestWork]) -> None:
+        self._ledger = ledger
+        self._works = works
+        self._run_start_s = 0.0
+        self._start_j = 0.0
+
+    def __enter__(self) -> None:
+        self._run_start_s = time.perf_counter()
+        self._start_j = self._ledger.meter.read_j()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            energy_j = self._ledger.meter.read_j() - self._start_j
+            self._ledger.record(self._works, energy_j, time.perf_counter() - self._run_start_s)

@@ -11,10 +11,12 @@ in closed form, and one that is not:
 - the dense layers, ``token_j * max(knee, T(S))``, depend on the coalition
   only through its token total. A step of at most ``knee`` tokens shares the
   weights' read evenly; one whose every request has ``knee`` tokens or more
-  is additive. Otherwise requests with the same token count are
+  is additive; one whose requests all have the same token count splits it
+  evenly. Otherwise requests with the same token count are
   interchangeable, so the exact value enumerates how many of each kind
   joined before (a decode batch with two prefill chunks: ``(n_decodes + 1) *
-  2 * 2`` coalitions, not ``2^n``). When a step has more such coalitions than
+  2 * 2`` coalitions, not ``2^n``), remembered per composition (a decode
+  batch's recurs from step to step). When a step has more such coalitions than
   ``max_exact_coalitions``, the value is estimated from
   ``num_permutations`` random join orders and their reverses; each order's
   marginals add up to the step's cost, so the estimate does too.
@@ -22,7 +24,9 @@ in closed form, and one that is not:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -59,6 +63,8 @@ def shapley_split(
     The closed forms run in plain Python: most steps take them, and they must cost little next to the step.
     """
     num_players = len(works)
+    if num_players == 1:  # alone in its step: it pays all of it
+        return Split([coefficients.cost_j(works)], exact=True)
     fixed_share_j = coefficients.fixed_j / num_players if num_players else 0.0
     own_j = [coefficients.own_cost_j(work) + fixed_share_j for work in works]
     tokens = [work.new_tokens for work in works]
@@ -69,13 +75,17 @@ def shapley_split(
         return Split([own + token_j * knee / num_players for own in own_j], exact=True)
     if min(tokens) >= knee:  # every coalition is compute bound: each pays its own tokens
         return Split([own + token_j * count for own, count in zip(own_j, tokens)], exact=True)
-    token_counts = np.array(tokens)
-    kinds, kind_of, counts = np.unique(token_counts, return_inverse=True, return_counts=True)
-    num_coalitions = math.prod(int(count) + 1 for count in counts)
+    by_kind = Counter(tokens)
+    if len(by_kind) == 1:  # every request alike: they share the dense layers evenly
+        dense_share_j = token_j * max(knee, sum(tokens)) / num_players
+        return Split([own + dense_share_j for own in own_j], exact=True)
+    kinds = tuple(sorted(by_kind))
+    counts = tuple(by_kind[kind] for kind in kinds)
+    num_coalitions = math.prod(count + 1 for count in counts)
     if num_coalitions <= max_exact_coalitions and num_players <= MAX_EXACT_PLAYERS:
-        dense_j = _dense_by_kind(kinds, counts, coefficients)[kind_of]
-        return Split((np.array(own_j) + dense_j).tolist(), exact=True)
-    dense_j = _dense_sampled(token_counts, coefficients, rng, num_permutations)
+        share_of_kind = dict(zip(kinds, _dense_by_kind_cached(kinds, counts, coefficients)))
+        return Split([own + share_of_kind[count] for own, count in zip(own_j, tokens)], exact=True)
+    dense_j = _dense_sampled(np.array(tokens), coefficients, rng, num_permutations)
     return Split((np.array(own_j) + dense_j).tolist(), exact=False)
 
 
@@ -104,6 +114,14 @@ def exact_shapley(value: Callable[[Seq[int]], float], num_players: int) -> np.nd
         without = masks[(masks >> i & 1) == 0]
         values[i] = float(np.sum(weights[sizes[without]] * (costs[without | 1 << i] - costs[without])))
     return values
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_by_kind_cached(
+    kinds: tuple[int, ...], counts: tuple[int, ...], coefficients: CostCoefficients
+) -> tuple[float, ...]:
+    """``_dense_by_kind`` remembered: a decode batch's composition recurs from step to step until it changes."""
+    return tuple(_dense_by_kind(np.array(kinds), np.array(counts), coefficients).tolist())
 
 
 def _dense_by_kind(kinds: np.ndarray, counts: np.ndarray, coefficients: CostCoefficients) -> np.ndarray:

@@ -67,13 +67,26 @@ def test_exact_split_equals_enumeration_and_adds_up_to_the_step(seed: int) -> No
 
 
 @pytest.mark.parametrize(
-    "tokens", [[1, 1, 1, 1], [100, 200, 70], [1, 3, 5, 7], [64, 1, 1]], ids=["memory", "compute", "mixed", "at-knee"]
+    "tokens",
+    [[1, 1, 1, 1], [100, 200, 70], [1, 3, 5, 7], [64, 1, 1], [40, 40, 40], [30]],
+    ids=["memory", "compute", "mixed", "at-knee", "alike-past-knee", "alone"],
 )
 def test_every_regime_matches_enumeration(tokens: list[int]) -> None:
     works = [RequestWork.chunk(str(i), 50 * i, count) for i, count in enumerate(tokens)]
     np.testing.assert_allclose(
         shapley_split(works, MODEL, np.random.default_rng(0)).values_j, enumerated(works, MODEL), rtol=1e-9
     )
+
+
+def test_a_remembered_composition_follows_new_coefficients() -> None:
+    works = [RequestWork.chunk(str(i), 10 * i, count) for i, count in enumerate([1, 1, 5, 90])]
+    refitted = MODEL.with_parameters([0.5, 0.02, 0.01, 0.0, 0.0, 0.0], knee_tokens=32)
+    for coefficients in (MODEL, refitted, MODEL):  # the second MODEL split is served from memory
+        np.testing.assert_allclose(
+            shapley_split(works, coefficients, np.random.default_rng(0)).values_j,
+            enumerated(works, coefficients),
+            rtol=1e-9,
+        )
 
 
 def test_decodes_beside_a_prefill_chunk_pay_more_than_their_tokens_and_equal_ones_pay_alike() -> None:
