@@ -4,10 +4,13 @@ A streamed answer is this sequence of server-sent events (each ``event: <type>``
 then ``data: <json>``)::
 
     message_start  ping
-    ( content_block_start  content_block_delta*  content_block_stop )*   text_delta / input_json_delta
+    ( content_block_start  content_block_delta*  content_block_stop )*   thinking_delta / text_delta /
+                                                                          input_json_delta
     message_delta (stop_reason, usage)  message_stop
 
-Text streams as it is decided; a tool call is one ``tool_use`` block whose
+Text streams as it is decided, and so does the model's reasoning where its
+format marks it apart (harmony's analysis channel), as ``thinking`` blocks
+(with an empty ``signature``: nothing is signed); a tool call is one ``tool_use`` block whose
 ``input`` arrives as one ``input_json_delta`` once the call has closed (the
 decode replica decides a call only when its block is complete).
 
@@ -81,6 +84,11 @@ def text_block(text: str) -> JSON:
     return {"type": "text", "text": text}
 
 
+def thinking_block(thinking: str) -> JSON:
+    """A ``thinking`` block: the model's reasoning; its ``signature`` is empty (nothing is signed)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def tool_use_block(call: ToolCall, *, streaming: bool = False) -> JSON:
     """A ``tool_use`` block; streamed, its ``input`` starts empty and arrives as ``input_json_delta``."""
     return {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": {} if streaming else _input(call)}
@@ -132,15 +140,15 @@ def error_body(err: APIError) -> JSON:
 
 
 class MessageStream:
-    """Turns a call's deltas into Messages stream events: text blocks and tool_use blocks in order."""
+    """Turns a call's deltas into Messages stream events: thinking, text and tool_use blocks in order."""
 
-    __slots__ = ("_called_tools", "_index", "_text_open", "model", "response_id")
+    __slots__ = ("_called_tools", "_index", "_open", "model", "response_id")
 
     def __init__(self, response_id: str, model: str) -> None:
         self.response_id = response_id
         self.model = model
         self._index = 0
-        self._text_open = False
+        self._open: str | None = None  # the kind of the block open now: "text", "thinking" or None
         self._called_tools = False
 
     @property
@@ -154,20 +162,29 @@ class MessageStream:
         return [event({"type": "message_start", "message": message}), event({"type": "ping"})]
 
     def text(self, text: str) -> list[str]:
+        return self._streamed("text", text, text_block(""), {"type": "text_delta", "text": text})
+
+    def thinking(self, thinking: str) -> list[str]:
+        return self._streamed(
+            "thinking", thinking, thinking_block(""), {"type": "thinking_delta", "thinking": thinking}
+        )
+
+    def _streamed(self, kind: str, text: str, empty_block: JSON, delta: JSON) -> list[str]:
+        """A delta of a block of ``kind`` streamed as it comes: the block of another kind open closes first."""
         if not text:
             return []
         events = []
-        if not self._text_open:
-            events.append(self._block_start(text_block("")))
-            self._text_open = True
-        delta = {"type": "text_delta", "text": text}
+        if self._open != kind:
+            events.extend(self._close_open())
+            events.append(self._block_start(empty_block))
+            self._open = kind
         events.append(event({"type": "content_block_delta", "index": self._index, "delta": delta}))
         return events
 
     def tool_calls(self, calls: Sequence[ToolCall]) -> list[str]:
         events = []
         for call in calls:
-            events.extend(self._close_text())
+            events.extend(self._close_open())
             self._called_tools = True
             events.append(self._block_start(tool_use_block(call, streaming=True)))
             delta = {"type": "input_json_delta", "partial_json": json.dumps(_input(call), ensure_ascii=False)}
@@ -176,7 +193,7 @@ class MessageStream:
         return events
 
     def finish(self, stop: tuple[str | None, str | None], usage: JSON) -> list[str]:
-        events = self._close_text()
+        events = self._close_open()
         delta = {"stop_reason": stop[0], "stop_sequence": stop[1]}
         events.append(event({"type": "message_delta", "delta": delta, "usage": usage}))
         events.append(event({"type": "message_stop"}))
@@ -190,8 +207,8 @@ class MessageStream:
         self._index += 1
         return stop
 
-    def _close_text(self) -> list[str]:
-        if not self._text_open:
+    def _close_open(self) -> list[str]:
+        if self._open is None:
             return []
-        self._text_open = False
+        self._open = None
         return [self._block_stop()]

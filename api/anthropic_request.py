@@ -11,8 +11,10 @@ door. What changes on the way:
   ``tool_use`` blocks become its ``tool_calls`` (``input`` as the arguments
   object); a user's ``tool_result`` blocks become ``tool`` messages before the
   user's own text (``is_error`` results start with ``Error: ``);
-  ``thinking`` / ``redacted_thinking`` blocks in history are accepted and
-  left out of the prompt; ``image`` and ``document`` blocks are refused (the
+  an assistant's ``thinking`` blocks (the reasoning this server returned)
+  become its ``reasoning_content``, which the chat template places where the
+  model expects it (or leaves out); ``redacted_thinking`` blocks are accepted
+  and left out of the prompt; ``image`` and ``document`` blocks are refused (the
   model reads text only);
 * ``tools`` (``input_schema``) become function tools; ``tool_choice`` ``auto``
   / ``any`` / ``tool`` / ``none`` become ``auto`` / ``required`` / a named
@@ -172,6 +174,7 @@ class _Conversation:
 
     def _assistant(self, blocks: list[object], path: str) -> None:
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[JSON] = []
         ttls: list[float] = []
         for i, item in enumerate(blocks):
@@ -180,6 +183,8 @@ class _Conversation:
             ttls.extend(_cache_ttl(block))
             if kind == "text":
                 texts.append(block.required_string("text"))
+            elif kind == "thinking":
+                thoughts.append(block.string("thinking") or "")
             elif kind == "tool_use":
                 arguments = block.present("input")
                 if not isinstance(arguments, dict):
@@ -189,6 +194,8 @@ class _Conversation:
         message: JSON = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
         if calls:
             message["tool_calls"] = calls
+        if any(thoughts):
+            message["reasoning_content"] = "\n\n".join(thought for thought in thoughts if thought)
         self.messages.append(message)
         self._points(ttls)
 

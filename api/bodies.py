@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -92,7 +93,7 @@ def assistant_output(
         parsed = parse_tool_calls(text, parser=parser, tools=request.prompt_tools, id_factory=id_factory)
     if request.parallel_tool_calls:
         return parsed
-    return ParsedToolCalls(content=parsed.content, tool_calls=parsed.tool_calls[:1])
+    return dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:1])
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob], names: TokenNames) -> list[JSON]:
@@ -184,9 +185,13 @@ def chat_choice(
     tool_calls: Sequence[ToolCall] = (),
     finish_reason: str | None,
     logprobs: list[JSON] | None = None,
+    reasoning: str | None = None,
 ) -> JSON:
-    """One choice of a chat completion; ``finish_reason`` is the engine's."""
+    """One choice of a chat completion; ``finish_reason`` is the engine's. ``reasoning``: the model's reasoning,
+    where its format marks it apart, in the message's ``reasoning`` (vLLM's field)."""
     message: JSON = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning"] = reasoning
     if tool_calls:
         message["tool_calls"] = [call.to_openai() for call in tool_calls]
     return {

@@ -28,12 +28,13 @@ class CompletionState:
     tool_parse: list[ToolCallDelta] = field(default_factory=list)
 
     def parsed_tool_calls(self) -> ParsedToolCalls | None:
-        """The whole text's prose and tool calls as the replica split it, or None when it did not."""
+        """The whole text's prose, tool calls and reasoning as the replica split it, or None when it did not."""
         if not self.tool_parse:
             return None
         content = "".join(piece.content for piece in self.tool_parse)
         calls = tuple(call for piece in self.tool_parse for call in piece.tool_calls)
-        return ParsedToolCalls(content=content or None, tool_calls=calls)
+        reasoning = "".join(piece.reasoning for piece in self.tool_parse)
+        return ParsedToolCalls(content=content or None, tool_calls=calls, reasoning=reasoning or None)
 
 
 @dataclass

@@ -136,7 +136,12 @@ def _message(fields: Fields) -> JSON:
         message["name"] = name
     if role == "tool":
         message["tool_call_id"] = fields.required_string("tool_call_id")
-    reasoning = fields.string("reasoning_content") if role == "assistant" else None
+    # An earlier answer's reasoning, sent back as this server gives it (``reasoning``, vLLM's field) or as the
+    # older ``reasoning_content``: the chat template sees it as ``reasoning_content``.
+    reasoning = None
+    if role == "assistant":
+        reasoning = fields.string("reasoning")
+        reasoning = fields.string("reasoning_content") if reasoning is None else reasoning
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     return message

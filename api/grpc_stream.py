@@ -52,6 +52,7 @@ class GrpcStream:
         response = pb.GenerateResponse(index=delta.index, token_ids=delta.token_ids)
         if self._tools:
             response.text = "".join(piece.content for piece in delta.tool_parse)
+            response.reasoning = "".join(piece.reasoning for piece in delta.tool_parse)
             calls = self._kept(delta.index, [call for piece in delta.tool_parse for call in piece.tool_calls])
             response.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
         else:

@@ -76,6 +76,7 @@ _CHAT_MESSAGE: JSON = {
                 "content": _CHAT_CONTENT,
                 "name": string(),
                 "tool_calls": array_of(_CHAT_TOOL_CALL),
+                "reasoning": string(),
                 "reasoning_content": string(),
             },
             ("role", "content"),

@@ -29,6 +29,10 @@ def function_call_item_id() -> str:
     return "fc_" + secrets.token_hex(_ID_RANDOM_BYTES)
 
 
+def reasoning_item_id() -> str:
+    return "rs_" + secrets.token_hex(_ID_RANDOM_BYTES)
+
+
 def response_status(engine_finish_reason: str | None) -> str:
     """``incomplete`` when the answer ran out of ``max_output_tokens`` (or the context), else ``completed``."""
     return "incomplete" if engine_finish_reason == "length" else "completed"
@@ -71,6 +75,17 @@ def message_item(item_id: str, text: str | None, status: str) -> JSON:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_text_part(text: str) -> JSON:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> JSON:
+    """A reasoning item: the model's reasoning, where its format marks it apart (harmony's analysis channel), as
+    its ``reasoning_text`` content, with no summary; ``text`` None: one just opened, before its part."""
+    content = [] if text is None else [reasoning_text_part(text)]
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def function_call_item(item_id: str, call: ToolCall, status: str, *, arguments: str | None = None) -> JSON:
     """A function call item; the tool call's id is its ``call_id``, the one ``function_call_output`` answers."""
     return {
@@ -84,13 +99,14 @@ def function_call_item(item_id: str, call: ToolCall, status: str, *, arguments: 
 
 
 def output_items(parsed: ParsedToolCalls, status: str) -> list[JSON]:
-    """A whole answer's items: its prose as one message (an empty one when there is nothing else), then its calls.
+    """A whole answer's items: its reasoning (when the model's format marks it apart), its prose as one message (an
+    empty one when there are no calls), then its calls.
 
     A call is an item only once its block closed, so calls are always complete; under ``incomplete`` the prose
     holds what was cut short (an unclosed call stays text), as the streamed answer reports it.
     """
     calls = parsed.tool_calls
-    items = []
+    items = [reasoning_item(reasoning_item_id(), parsed.reasoning, status)] if parsed.reasoning else []
     if parsed.content or not calls:
         items.append(message_item(message_item_id(), parsed.content or "", status))
     for call in calls:

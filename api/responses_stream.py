@@ -1,14 +1,17 @@
 """A streamed response: one completion's text deltas as Responses events, numbered in the order they go out.
 
-    start()  --> response.created, response.in_progress
-    prose    --> [output_item.added (message), content_part.added] output_text.delta ...
-    a call   --> [the open message closes] output_item.added (function_call),
+    start()   --> response.created, response.in_progress
+    reasoning --> [the open message closes] [output_item.added (reasoning), content_part.added]
+                  reasoning_text.delta ...
+    prose    --> [the open reasoning closes: reasoning_text.done, content_part.done, output_item.done]
+                 [output_item.added (message), content_part.added] output_text.delta ...
+    a call   --> [the open message or reasoning closes] output_item.added (function_call),
                  function_call_arguments.delta, function_call_arguments.done, output_item.done
-    finish() --> [the open message closes: output_text.done, content_part.done, output_item.done]
+    finish() --> [the open message or reasoning closes: output_text.done, content_part.done, output_item.done]
                  response.completed | response.incomplete, carrying the whole response and its usage
     fail()   --> response.failed, carrying the items finished so far and the error
 
-An answer with neither prose nor calls still ends with one (empty) message,
+An answer with neither prose nor calls (reasoning aside) still ends with one (empty) message,
 as its non-streamed body has. The text is split into prose and tool calls
 as ``streaming.ChatStreamState`` splits it: by the decode replica when it
 did (``Delta.tool_parse``), here otherwise.
@@ -35,6 +38,9 @@ from .responses_bodies import (
     message_item,
     message_item_id,
     output_text_part,
+    reasoning_item,
+    reasoning_item_id,
+    reasoning_text_part,
     response_status,
 )
 
@@ -64,6 +70,8 @@ class ResponsesStream:
         self._num_calls = 0
         self._message_id: str | None = None  # the message item open now, if any
         self._text = ""
+        self._reasoning_id: str | None = None  # the reasoning item open now, if any
+        self._reasoning = ""
         self.output: list[JSON] = []
         self.response: JSON = frame.body("in_progress", [])
 
@@ -85,7 +93,9 @@ class ResponsesStream:
         if self._parser is not None:
             events += self._piece(parsed if parsed is not None else self._parser.finish())
         status = response_status(engine_finish_reason)
-        if self._message_id is None and not self.output:
+        if self._reasoning_id is not None:
+            events += self._close_reasoning(status)
+        if self._message_id is None and all(item["type"] == "reasoning" for item in self.output):
             events += self._open_message()
         if self._message_id is not None:
             events += self._close_message(status)
@@ -99,17 +109,46 @@ class ResponsesStream:
         return self._event("response.failed", response=self.response)
 
     def _piece(self, piece: ToolCallDelta) -> list[JSON]:
-        events = self._prose(piece.content)
+        events = self._reasoning_text(piece.reasoning) + self._prose(piece.content)
         for call in piece.tool_calls:
             if self._num_calls and not self._parallel_tool_calls:
                 break  # surplus calls under parallel_tool_calls=false are dropped, as the chat API drops them
             events += self._call(call)
         return events
 
+    def _reasoning_text(self, text: str) -> list[JSON]:
+        if not text:
+            return []
+        events = self._close_message("completed") if self._message_id is not None else []
+        if self._reasoning_id is None:
+            self._reasoning_id, self._reasoning = reasoning_item_id(), ""
+            item = reasoning_item(self._reasoning_id, None, "in_progress")
+            events += [
+                self._event("response.output_item.added", output_index=len(self.output), item=item),
+                self._event("response.content_part.added", **self._reasoning_position(), part=reasoning_text_part("")),
+            ]
+        self._reasoning += text
+        events.append(self._event("response.reasoning_text.delta", **self._reasoning_position(), delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[JSON]:
+        assert self._reasoning_id is not None
+        position = self._reasoning_position()
+        item = reasoning_item(self._reasoning_id, self._reasoning, status)
+        self._reasoning_id = None
+        events = [
+            self._event("response.reasoning_text.done", **position, text=self._reasoning),
+            self._event("response.content_part.done", **position, part=reasoning_text_part(self._reasoning)),
+            self._event("response.output_item.done", output_index=len(self.output), item=item),
+        ]
+        self.output.append(item)
+        return events
+
     def _prose(self, text: str) -> list[JSON]:
         if not text:
             return []
-        events = self._open_message() if self._message_id is None else []
+        events = self._close_reasoning("completed") if self._reasoning_id is not None else []
+        events += self._open_message() if self._message_id is None else []
         self._text += text
         events.append(self._event("response.output_text.delta", **self._text_position(), delta=text, logprobs=[]))
         return events
@@ -137,6 +176,7 @@ class ResponsesStream:
 
     def _call(self, call: ToolCall) -> list[JSON]:
         events = self._close_message("completed") if self._message_id is not None else []
+        events += self._close_reasoning("completed") if self._reasoning_id is not None else []
         self._num_calls += 1
         item_id, index = function_call_item_id(), len(self.output)
         item = function_call_item(item_id, call, "completed")
@@ -156,6 +196,9 @@ class ResponsesStream:
 
     def _text_position(self) -> JSON:
         return {"item_id": self._message_id, "output_index": len(self.output), "content_index": 0}
+
+    def _reasoning_position(self) -> JSON:
+        return {"item_id": self._reasoning_id, "output_index": len(self.output), "content_index": 0}
 
     def _event(self, event_type: str, **fields: object) -> JSON:
         event = {"type": event_type, "sequence_number": self._sequence_number, **fields}

@@ -67,6 +67,7 @@ class ServingChat(HTTPServing):
                     tool_calls=parsed.tool_calls,
                     finish_reason=state.finish_reason,
                     logprobs=logprobs,
+                    reasoning=parsed.reasoning,
                 )
             )
         return chat_completion(

@@ -30,6 +30,7 @@ from .anthropic_bodies import (
     messages_usage,
     stop_reason,
     text_block,
+    thinking_block,
     tool_use_block,
 )
 from .anthropic_request import MessagesRequest, parse_count_tokens_request, parse_messages_request
@@ -107,7 +108,8 @@ class ServingMessages(HTTPServing):
         output = assistant_output(
             state.text, parsed.chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
         )
-        content = [text_block(output.content)] if output.content else []
+        content = [thinking_block(output.reasoning)] if output.reasoning else []
+        content += [text_block(output.content)] if output.content else []
         content += [tool_use_block(call) for call in output.tool_calls]
         stop = stop_reason(state.finish_reason, state.stop_reason, called_tools=bool(output.tool_calls))
         return message_body(
@@ -128,12 +130,14 @@ class ServingMessages(HTTPServing):
                 for delta in deltas:
                     if delta.index != 0:
                         continue
-                    pieces: list[tuple[str, tuple[ToolCall, ...]]]
+                    pieces: list[tuple[str, str, tuple[ToolCall, ...]]]
                     if not parse_tools:
-                        pieces = [(delta.text, ())]
+                        pieces = [("", delta.text, ())]
                     else:
-                        pieces = [(piece.content, piece.tool_calls) for piece in delta.tool_parse]
-                    for text, calls in pieces:
+                        pieces = [(piece.reasoning, piece.content, piece.tool_calls) for piece in delta.tool_parse]
+                    for thinking, text, calls in pieces:
+                        for line in stream.thinking(thinking):
+                            yield line
                         for line in stream.text(text):
                             yield line
                         if one_call and stream.called_tools:

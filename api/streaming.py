@@ -91,7 +91,7 @@ class ChatStreamState:
         if self._stream is None:
             return self._choice(text, [], None)
         piece = parsed if parsed is not None else self._stream.push(text)
-        return self._choice(piece.content, self._record(piece.tool_calls), None)
+        return self._choice(piece.content, self._record(piece.tool_calls), None, piece.reasoning)
 
     def finish(
         self, engine_finish_reason: str, logprobs: Sequence[JSON] | None = None, parsed: ToolCallDelta | None = None
@@ -99,12 +99,12 @@ class ChatStreamState:
         """The final chunk choice: whatever was held, then ``finish_reason``; ``parsed``: the replica's decision
         on what it held."""
         self._hold_logprobs(logprobs)
-        content, calls = "", []
+        content, calls, reasoning = "", [], ""
         if self._stream is not None:
             piece = parsed if parsed is not None else self._stream.finish()
-            content, calls = piece.content, self._record(piece.tool_calls)
+            content, calls, reasoning = piece.content, self._record(piece.tool_calls), piece.reasoning
         reason = openai_finish_reason(engine_finish_reason, has_tool_calls=bool(self._tool_calls))
-        choice = self._choice(content, calls, reason)
+        choice = self._choice(content, calls, reason, reasoning)
         assert choice is not None
         return choice
 
@@ -112,13 +112,15 @@ class ChatStreamState:
         if logprobs is not None:
             self._pending_logprobs = (self._pending_logprobs or []) + list(logprobs)
 
-    def _choice(self, content: str, calls: list[JSON], reason: str | None) -> JSON | None:
-        if not content and not calls and reason is None:
+    def _choice(self, content: str, calls: list[JSON], reason: str | None, reasoning: str = "") -> JSON | None:
+        if not content and not calls and not reasoning and reason is None:
             return None
         delta: JSON = {}
         if not self._role_sent:
             delta["role"] = "assistant"
             self._role_sent = True
+        if reasoning:  # vLLM's field for a reasoning model's chain of thought
+            delta["reasoning"] = reasoning
         if content:
             delta["content"] = content
         if calls:

@@ -13,11 +13,12 @@ text ends a message too. What a message becomes:
     a recipient (to=functions.NAME), content a JSON object   -> a call of NAME
     a recipient of another namespace (to=browser.search)      -> a call named by the whole recipient
     a recipient, content anything else (or cut short)         -> prose: its content, as a malformed call's text
-    the analysis channel (the chain of thought)               -> dropped: no API answer has a place for it
+    the analysis channel (the chain of thought)               -> reasoning (the APIs' reasoning fields)
     the final channel, commentary (a preamble), any other     -> prose
     from a role other than the assistant                      -> dropped (the model wrote a turn not its own)
 
-Prose messages are joined by a blank line; text outside any message is prose and the tags are not::
+Prose messages are joined by a blank line, and so are reasoning messages; text outside any message is prose
+and the tags are not::
 
     BETWEEN -- <|start|> or <|channel|>, header, <|message|>     --> IN_MESSAGE (what it becomes, from the header)
             -- a header broken by another tag, or never finished --> dropped, BETWEEN
@@ -25,7 +26,7 @@ Prose messages are joined by a blank line; text outside any message is prose and
             -- other text                                          --> prose, BETWEEN
     IN_MESSAGE -- content, then <|end|>, <|call|>, <|return|> or the end of the text --> BETWEEN
 
-Prose and dropped content are decided as they arrive; a call waits for its end. The tags are special tokens,
+Prose, reasoning and dropped content are decided as they arrive; a call waits for its end. The tags are special tokens,
 which detokenizing drops unless it keeps special tokens: the ingress keeps them for this format.
 """
 
@@ -42,6 +43,7 @@ from .tool_call_parser import (
     JSON_DECODER,
     FoundCall,
     Piece,
+    Reasoning,
     Split,
     TokenId,
     ToolCallParser,
@@ -70,6 +72,7 @@ _NOT_IN_NAMES = ("<", " ", "\t", "\n")
 
 class _Kind(enum.Enum):
     PROSE = "prose"
+    REASONING = "reasoning"
     CALL = "call"
     DROPPED = "dropped"
 
@@ -128,6 +131,8 @@ class HarmonyParser(ToolCallParser):
         self._message = _message_of(held[header_char:stop_char], has_role=tag == START_TAG)
         if self._message.kind is _Kind.PROSE:
             pieces.append(PROSE_SEPARATOR)
+        elif self._message.kind is _Kind.REASONING:
+            pieces.append(Reasoning(PROSE_SEPARATOR))
         return stop_char + len(MESSAGE_TAG)
 
     def _open_content(self, held: str, position: int, pieces: list[Piece]) -> Split:
@@ -138,6 +143,8 @@ class HarmonyParser(ToolCallParser):
         end_char = len(held) - _partial_len(held[position:], END_TAGS)
         if self._message.kind is _Kind.PROSE:
             pieces.append(held[position:end_char])
+        elif self._message.kind is _Kind.REASONING and end_char > position:
+            pieces.append(Reasoning(held[position:end_char]))
         return Split(tuple(pieces), end_char)
 
     @classmethod
@@ -164,14 +171,17 @@ def _message_of(header: str, *, has_role: bool) -> _Message:
     channel_char = header.find(CHANNEL_TAG)
     channel = _WORD.match(header, channel_char + len(CHANNEL_TAG)) if channel_char != -1 else None
     if channel is not None and channel.group() == ANALYSIS_CHANNEL:
-        return _Message(_Kind.DROPPED)
+        return _Message(_Kind.REASONING)
     return _Message(_Kind.PROSE)
 
 
 def _message_pieces(message: _Message, content: str) -> list[Piece]:
-    """A whole message's content as pieces: a call whose content is one JSON object, else prose (or none)."""
+    """A whole message's content as pieces: a call whose content is one JSON object, else prose, reasoning (or
+    none)."""
     if message.kind is _Kind.DROPPED:
         return []
+    if message.kind is _Kind.REASONING:
+        return [Reasoning(content)] if content else []
     if message.kind is _Kind.CALL:
         try:
             arguments, end_char = JSON_DECODER.raw_decode(content, skip_whitespace(content, 0))

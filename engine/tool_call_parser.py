@@ -3,7 +3,7 @@
 A stream (``rayturn.engine.tool_calls.ToolCallStream``) keeps the text it has
 not decided yet and, after each piece arrives, hands all of it to its
 format's ``ToolCallParser.split``. ``split`` decides a prefix of that text --
-prose and calls, in order -- and leaves the rest held. Two rules make every
+prose, calls and (in formats that mark it) reasoning, in order -- and leaves the rest held. Two rules make every
 format safe to stream, however the text is cut:
 
 - a decision on a prefix is the decision on the whole text: ``split`` only
@@ -43,7 +43,15 @@ class FoundCall:
     arguments: str  # a JSON object, as text
 
 
-Piece = str | FoundCall
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """Text of the model's reasoning, which its format marks apart from the answer (harmony's analysis
+    channel): shown to the client as reasoning, never as the answer's content."""
+
+    text: str
+
+
+Piece = str | FoundCall | Reasoning
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ one (a model's default comes from its chat template,
 - ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>value</parameter>...`` (Qwen3-Coder);
 - ``llama3_json``: the answer is ``{"name": ..., "parameters": {...}}`` calls joined by ``;`` (Llama 3.x);
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of calls, or ``NAME[ARGS]{json}`` (Mistral);
-- ``harmony``: channelled messages, calls addressed ``to=functions.NAME``, reasoning dropped (GPT-OSS).
+- ``harmony``: channelled messages, calls addressed ``to=functions.NAME``, reasoning apart (GPT-OSS).
 
 A format that marks up every answer, not only its calls (``harmony``, whose
 prose sits in channels beside the model's reasoning), is split whether or not
@@ -39,7 +39,7 @@ from typing import Any
 from rayturn.registry import Registry
 
 from .tool_call_hermes import TOOL_CALL_END, TOOL_CALL_START
-from .tool_call_parser import TokenId, ToolCallParser, ToolSpec
+from .tool_call_parser import Reasoning, TokenId, ToolCallParser, ToolSpec
 
 __all__ = [
     "DEFAULT_TOOL_CALL_PARSER",
@@ -156,6 +156,8 @@ class ToolCall:
 class ParsedToolCalls:
     content: str | None
     tool_calls: tuple[ToolCall, ...]
+    # The model's reasoning, where its format marks it apart (harmony's analysis channel); None when none.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,7 @@ class ToolCallDelta:
 
     content: str  # prose to emit now ("" when none is safe yet)
     tool_calls: tuple[ToolCall, ...]  # calls that completed in this piece, in order
+    reasoning: str = ""  # reasoning to emit now
 
 
 _NOTHING = ToolCallDelta(content="", tool_calls=())
@@ -179,8 +182,9 @@ def parse_tool_calls(
     """Split model output into prose and tool calls; malformed calls stay in the prose (``ToolCallStream`` on
     the whole text at once)."""
     stream = ToolCallStream(parser, tools, id_factory=id_factory)
-    content = stream.push(text).content + stream.finish().content
-    return ParsedToolCalls(content=content or None, tool_calls=stream.tool_calls)
+    pushed, finished = stream.push(text), stream.finish()
+    content, reasoning = pushed.content + finished.content, pushed.reasoning + finished.reasoning
+    return ParsedToolCalls(content=content or None, tool_calls=stream.tool_calls, reasoning=reasoning or None)
 
 
 class ToolCallStream:
@@ -189,22 +193,15 @@ class ToolCallStream:
     ``tools`` (the call's function tools) let formats that write arguments as
     raw text type them by each tool's schema. Over a whole stream, the
     ``content`` of every delta joined equals ``parse_tool_calls(text).content
-    or ""`` and their ``tool_calls`` joined equal its ``tool_calls`` (ids drawn
-    from ``id_factory`` in the same order), however the text was cut. Content
-    is stripped as ``parse_tool_calls`` strips it: leading whitespace is
-    dropped, trailing whitespace waits for the next non-space prose (and is
-    dropped by ``finish``).
+    or ""``, their ``reasoning`` joined its ``reasoning or ""``, and their
+    ``tool_calls`` joined equal its ``tool_calls`` (ids drawn from
+    ``id_factory`` in the same order), however the text was cut. Content and
+    reasoning are each stripped as ``parse_tool_calls`` strips them: leading
+    whitespace is dropped, trailing whitespace waits for the next non-space
+    text of its kind (and is dropped by ``finish``).
     """
 
-    __slots__ = (
-        "_content_started",
-        "_held",
-        "_id_factory",
-        "_parser",
-        "_tool_calls",
-        "_trailing_space",
-        "_wait_for",
-    )
+    __slots__ = ("_content", "_held", "_id_factory", "_parser", "_reasoning", "_tool_calls", "_wait_for")
 
     def __init__(
         self,
@@ -217,8 +214,8 @@ class ToolCallStream:
         self._id_factory = id_factory
         self._held = ""  # text not decided yet: a possible call, or a possible start of one
         self._wait_for = ""  # the held text stays undecided until one of these characters arrives
-        self._trailing_space = ""
-        self._content_started = False
+        self._content = _Stripper()
+        self._reasoning = _Stripper()
         self._tool_calls: list[ToolCall] = []
 
     @property
@@ -242,20 +239,38 @@ class ToolCallStream:
         self._held = self._held[split.decided_chars :]
         self._wait_for = split.wait_for
         prose: list[str] = []
+        reasoning: list[str] = []
         calls: list[ToolCall] = []
         for piece in split.pieces:
             if isinstance(piece, str):
                 prose.append(piece)
+            elif isinstance(piece, Reasoning):
+                reasoning.append(piece.text)
             else:
                 calls.append(ToolCall(id=self._id_factory(), name=piece.name, arguments=piece.arguments))
         self._tool_calls.extend(calls)
-        return ToolCallDelta(content=self._strip("".join(prose), final=final), tool_calls=tuple(calls))
+        return ToolCallDelta(
+            content=self._content.strip("".join(prose), final=final),
+            tool_calls=tuple(calls),
+            reasoning=self._reasoning.strip("".join(reasoning), final=final),
+        )
 
-    def _strip(self, text: str, *, final: bool) -> str:
-        if not self._content_started:
+
+class _Stripper:
+    """One kind of streamed text stripped as a whole: leading whitespace dropped, trailing whitespace held until
+    more text of the kind follows it (dropped at the end)."""
+
+    __slots__ = ("_started", "_trailing_space")
+
+    def __init__(self) -> None:
+        self._started = False
+        self._trailing_space = ""
+
+    def strip(self, text: str, *, final: bool) -> str:
+        if not self._started:
             text = text.lstrip()
         text = self._trailing_space + text
         body = text.rstrip()
         self._trailing_space = "" if final else text[len(body) :]
-        self._content_started = self._content_started or bool(body)
+        self._started = self._started or bool(body)
         return body

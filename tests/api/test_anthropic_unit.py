@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import httpx2 as httpx
 import pytest
 
 anthropic = pytest.importorskip("anthropic")
@@ -21,6 +22,7 @@ from rayturn.api.anthropic_bodies import (  # noqa: E402
     messages_usage,
     stop_reason,
     text_block,
+    thinking_block,
     tool_use_block,
     tool_use_id,
 )
@@ -109,6 +111,7 @@ def test_claude_code_shaped_request_becomes_the_chat_form() -> None:
     assert chat.messages[2]["content"] == "The user switched to plan mode."
     assistant = chat.messages[3]
     assert assistant["content"] == "Let me check."
+    assert assistant["reasoning_content"] == "hmm"  # the thinking this server returned goes back to the template
     assert assistant["tool_calls"] == [
         {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     ]
@@ -302,6 +305,52 @@ def test_stream_follows_anthropics_event_sequence() -> None:
     assert events[2].index == 0 and events[6].index == 1 and events[6].content_block.type == "tool_use"
     assert json.loads(events[7].delta.partial_json) == {"city": "Rome"}
     assert events[9].delta.stop_reason == "tool_use" and events[9].usage.output_tokens == 9
+
+
+def test_reasoning_streams_as_a_thinking_block_before_the_text_and_the_body_has_it_first() -> None:
+    stream = MessageStream("msg_3", MODEL)
+    usage = messages_usage(5, 0, 0, 16)
+    lines = stream.start(usage) + stream.thinking("The user ") + stream.thinking("greets.") + stream.text("Hi!")
+    lines += stream.thinking("") + stream.finish(("end_turn", None), usage)
+    events = _parse(lines)
+    assert [e.type for e in events][2:] == [
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[2].content_block.type == "thinking" and events[2].index == 0
+    assert [events[3].delta.type, events[3].delta.thinking] == ["thinking_delta", "The user "]
+    assert events[6].content_block.type == "text" and events[6].index == 1
+    # What the SDK's own stream reader assembles from these events, served as the HTTP response of a stream.
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content="".join(lines))
+    )
+    client = anthropic.Anthropic(
+        api_key="k", base_url="http://rayturn.test", http_client=httpx.Client(transport=transport)
+    )
+    with client.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as reader:
+        final = reader.get_final_message()
+    assert [
+        (block.type, getattr(block, "thinking", None) or getattr(block, "text", None)) for block in final.content
+    ] == [
+        ("thinking", "The user greets."),
+        ("text", "Hi!"),
+    ]
+    body = message_body(
+        response_id="msg_4",
+        model=MODEL,
+        content=[thinking_block("The user greets."), text_block("Hi!")],
+        stop=("end_turn", None),
+        usage=usage,
+    )
+    message = Message.model_validate(body)
+    assert message.content[0].type == "thinking" and message.content[0].thinking == "The user greets."
 
 
 def test_stream_text_only() -> None:

@@ -36,9 +36,11 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(preset_dir("tiny"))
 
 
-def replica_deltas(pieces: Sequence[str], finish_reason: str, *, index: int = 0, tools: bool = True) -> list[Delta]:
+def replica_deltas(
+    pieces: Sequence[str], finish_reason: str, *, index: int = 0, tools: bool = True, parser: str = "hermes"
+) -> list[Delta]:
     """The deltas a decode replica sends for text arriving in ``pieces``, split as it splits them."""
-    split = ToolCallStream("hermes", id_factory=iter(f"call_{i}" for i in range(9)).__next__) if tools else None
+    split = ToolCallStream(parser, id_factory=iter(f"call_{i}" for i in range(9)).__next__) if tools else None
     deltas = []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
@@ -82,6 +84,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool, num_call
     out = responses(stream, replica_deltas([CALL, "\n", CALL], "stop"))
     assert [c.id for r in out for c in r.tool_calls] == [f"call_{i}" for i in range(num_calls)]
     assert out[-1].finish_reason == "tool_calls"
+
+
+def test_harmony_reasoning_comes_apart_from_the_text() -> None:
+    answer = "<|channel|>analysis<|message|>Say hi back.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    stream = GrpcStream(n=1, tools=True, token_text=str)
+    out = responses(stream, replica_deltas([answer[:34], answer[34:70], answer[70:]], "stop", parser="harmony"))
+    assert "".join(r.reasoning for r in out) == "Say hi back."
+    assert "".join(r.text for r in out) == "Hi!"
+    assert sum(bool(r.reasoning) for r in out) >= 2  # streamed as it is decided
 
 
 def test_a_call_that_offered_no_tools_streams_its_text_as_is() -> None:

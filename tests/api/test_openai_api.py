@@ -369,6 +369,8 @@ def test_messages_are_normalized_for_the_chat_template() -> None:
         },
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "easy"},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": "Rain.", "reasoning": "as this server sends it back"},
     )
     assert parse_chat_request(body, MODEL).messages == [
         {"role": "system", "content": "Be terse."},
@@ -386,6 +388,8 @@ def test_messages_are_normalized_for_the_chat_template() -> None:
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "easy"},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": "Rain.", "reasoning_content": "as this server sends it back"},
     ]
 
 
@@ -665,6 +669,20 @@ def test_chat_completion_shape_with_tool_calls() -> None:
     assert (call.id, call.function.name, call.function.arguments) == ("call_0", "get_weather", '{"city": "Paris"}')
 
 
+def test_a_chat_choice_carries_reasoning_in_vllms_field() -> None:
+    body = chat_completion(
+        response_id="chatcmpl-1",
+        model=MODEL,
+        created=1,
+        choices=[chat_choice(0, content="Hello!", finish_reason="stop", reasoning="Greet back.")],
+        usage=usage(4, 3),
+    )
+    message = ChatCompletion.model_validate(body).choices[0].message
+    assert message.content == "Hello!" and message.model_extra == {"reasoning": "Greet back."}
+    plain = chat_choice(0, content="Hello!", finish_reason="stop")
+    assert "reasoning" not in plain["message"]
+
+
 def test_assistant_output_without_tools_keeps_the_text() -> None:
     request = parse_chat_request(_chat_body(tools=[WEATHER_TOOL], tool_choice="none"), MODEL)
     text = ' <tool_call>{"name": "get_weather"}</tool_call> '
@@ -675,12 +693,14 @@ def test_a_harmony_answer_is_split_with_or_without_tools() -> None:
     text = "<|channel|>analysis<|message|>Greet back.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
     for body in (_chat_body(), _chat_body(tools=[WEATHER_TOOL], tool_choice="none")):
         request = parse_chat_request(body, MODEL)
-        assert assistant_output(text, request, parser="harmony") == ParsedToolCalls(content="Hello!", tool_calls=())
+        expected = ParsedToolCalls(content="Hello!", tool_calls=(), reasoning="Greet back.")
+        assert assistant_output(text, request, parser="harmony") == expected
         state = ChatStreamState.for_request(request, 0, parser="harmony")
         state.start()
         pushed = [state.push(piece) for piece in (text[:40], text[40:])]
-        contents = [choice["delta"].get("content", "") for choice in (*pushed, state.finish("stop")) if choice]
-        assert "".join(contents) == "Hello!"
+        deltas = [choice["delta"] for choice in (*pushed, state.finish("stop")) if choice]
+        assert "".join(delta.get("content", "") for delta in deltas) == "Hello!"
+        assert "".join(delta.get("reasoning", "") for delta in deltas) == "Greet back."
 
 
 def test_assistant_output_single_call_when_not_parallel() -> None:

@@ -23,6 +23,8 @@ from openai.types.responses import (
     ResponseInProgressEvent,
     ResponseOutputItemAddedEvent,
     ResponseOutputItemDoneEvent,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
     ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
 )
@@ -52,6 +54,8 @@ EVENT_TYPES: dict[str, Any] = {
     "response.output_text.done": ResponseTextDoneEvent,
     "response.content_part.done": ResponseContentPartDoneEvent,
     "response.output_item.done": ResponseOutputItemDoneEvent,
+    "response.reasoning_text.delta": ResponseReasoningTextDeltaEvent,
+    "response.reasoning_text.done": ResponseReasoningTextDoneEvent,
     "response.function_call_arguments.delta": ResponseFunctionCallArgumentsDeltaEvent,
     "response.function_call_arguments.done": ResponseFunctionCallArgumentsDoneEvent,
     "response.completed": ResponseCompletedEvent,
@@ -367,6 +371,59 @@ def test_streamed_prose_then_a_call_arrive_in_openais_order() -> None:
         ParsedToolCalls(content="Let me look.", tool_calls=(ToolCall("call_0", "shell", call.arguments),)), "completed"
     )
     assert [{**item, "id": None} for item in stream.output] == [{**item, "id": None} for item in whole]
+
+
+REASONING_EVENTS = ["response.output_item.added", "response.content_part.added"]
+CLOSE_REASONING = ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user wants a listing; run ls.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.shell <|constrain|>json<|message|>{"cmd": "ls"}<|call|>'
+)
+
+
+def test_harmony_reasoning_streams_as_a_reasoning_item_before_the_call() -> None:
+    pieces = [HARMONY_ANSWER[i : i + 9] for i in range(0, len(HARMONY_ANSWER), 9)]
+    stream = ResponsesStream(frame(), parse_tools=True, id_factory=ids(), parser="harmony")
+    types = validated(stream_events(stream, pieces))
+    deltas = types.count("response.reasoning_text.delta")
+    assert deltas > 1  # streamed as it comes, not at the end
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        *REASONING_EVENTS,
+        *["response.reasoning_text.delta"] * deltas,
+        *CLOSE_REASONING,
+        *CALL_EVENTS,
+        "response.completed",
+    ]
+    response = Response.model_validate(stream.response)
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert reasoning.content is not None and reasoning.content[0].text == "The user wants a listing; run ls."
+    assert call.type == "function_call" and json.loads(call.arguments) == {"cmd": "ls"}
+    assert response.output_text == ""  # reasoning is never the answer's text
+    # The whole answer's body has the same items, ids aside; reasoning items stay out of the history.
+    whole = output_items(
+        ParsedToolCalls(None, (ToolCall("call_0", "shell", call.arguments),), "The user wants a listing; run ls."),
+        "completed",
+    )
+    assert [{**item, "id": None} for item in stream.output] == [{**item, "id": None} for item in whole]
+    assert "reasoning" not in json.dumps(assistant_message(whole))
+
+
+def test_reasoning_then_prose_closes_the_reasoning_item_and_reasoning_alone_still_ends_with_a_message() -> None:
+    text = "<|channel|>analysis<|message|>Greet.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    stream = ResponsesStream(frame(), parse_tools=True, parser="harmony")
+    types = validated(stream_events(stream, [text[:35], text[35:]]))
+    assert types[2:4] == REASONING_EVENTS and types[-4:] == [*CLOSE_TEXT, "response.completed"]
+    response = Response.model_validate(stream.response)
+    assert [item.type for item in response.output] == ["reasoning", "message"] and response.output_text == "Hi!"
+    only_reasoning = ResponsesStream(frame(), parse_tools=True, parser="harmony")
+    validated(stream_events(only_reasoning, ["<|channel|>analysis<|message|>Hmm"], reason="length"))
+    cut = Response.model_validate(only_reasoning.response)
+    assert [item.type for item in cut.output] == ["reasoning", "message"] and cut.status == "incomplete"
+    whole = output_items(ParsedToolCalls(None, (), "Hmm"), "incomplete")
+    assert [item["type"] for item in whole] == ["reasoning", "message"]
 
 
 def test_the_replicas_split_is_used_and_surplus_calls_dropped_without_parallel_calls() -> None:

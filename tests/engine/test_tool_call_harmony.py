@@ -1,4 +1,4 @@
-"""The harmony format of GPT-OSS: channels to prose, calls and dropped reasoning, however the text is cut."""
+"""The harmony format of GPT-OSS: channels to prose, calls and reasoning, however the text is cut."""
 
 from __future__ import annotations
 
@@ -30,30 +30,32 @@ WEATHER_TOOL: dict[str, Any] = {
     },
 }
 
-Expected = tuple[str | None, list[tuple[str, dict[str, Any]]]]  # content, then (name, arguments) per call
+# content, (name, arguments) per call, reasoning
+Expected = tuple[str | None, list[tuple[str, dict[str, Any]]], str | None]
+WEATHER_REASONING = "The user wants the weather in Paris; call get_weather."
 
 # (answer as the model writes it after the prompt's "<|start|>assistant", expected parse)
 ANSWERS: list[tuple[str, Expected]] = [
     (  # reasoning, then the answer
         "<|channel|>analysis<|message|>Just a greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
-        ("Hello!", []),
+        ("Hello!", [], "Just a greeting."),
     ),
     (  # the recipient after the channel, with <|constrain|>json
         ANALYSIS
         + "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
         + WEATHER_ARGUMENTS,
-        (None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+        (None, [("get_weather", {"city": "Paris", "unit": "celsius"})], WEATHER_REASONING),
     ),
     (  # the recipient after the role, a bare content type, and the <|call|> kept in the text
         ANALYSIS
         + "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
         + WEATHER_ARGUMENTS
         + "<|call|>",
-        (None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+        (None, [("get_weather", {"city": "Paris", "unit": "celsius"})], WEATHER_REASONING),
     ),
     (  # no content type at all, and the first message carries the recipient
         '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Oslo"}',
-        (None, [("get_weather", {"city": "Oslo"})]),
+        (None, [("get_weather", {"city": "Oslo"})], None),
     ),
     (  # a preamble, then several calls
         "<|channel|>commentary<|message|>Checking both cities.<|end|>"
@@ -63,51 +65,57 @@ ANSWERS: list[tuple[str, Expected]] = [
         (
             "Checking both cities.",
             [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich 🌧"}), ("now", {})],
+            None,
         ),
     ),
-    (  # a preamble and an answer are joined by a blank line; the reasoning between them is dropped
+    (  # a preamble and an answer are joined by a blank line; the reasoning between them goes apart
         "<|channel|>commentary<|message|>One moment.<|end|>"
         + ANALYSIS
         + "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
-        ("One moment.\n\nIt is sunny.", []),
+        ("One moment.\n\nIt is sunny.", [], WEATHER_REASONING),
     ),
     (  # arguments that are not JSON: not a call, the text is prose
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{city: Paris}",
-        ("{city: Paris}", []),
+        ("{city: Paris}", [], None),
     ),
     (  # JSON, but not an object; then JSON with text after it
         "<|channel|>commentary to=functions.now json<|message|>[1, 2]<|call|>"
         "<|start|>assistant<|channel|>commentary to=functions.now json<|message|>{} and more",
-        ("[1, 2]\n\n{} and more", []),
+        ("[1, 2]\n\n{} and more", [], None),
     ),
     (  # a built-in tool's namespace: a call named by the whole recipient
         '<|channel|>analysis to=browser.search code<|message|>{"query": "weather Paris"}<|call|>',
-        (None, [("browser.search", {"query": "weather Paris"})]),
+        (None, [("browser.search", {"query": "weather Paris"})], None),
     ),
     (  # a turn the model wrote for the tool is not its answer
         "<|channel|>commentary to=functions.now json<|message|>{}<|call|><|start|>functions.now to=assistant"
         '<|channel|>commentary<|message|>"12:00"<|end|><|start|>assistant<|channel|>final<|message|>Noon.',
-        ("Noon.", [("now", {})]),
+        ("Noon.", [("now", {})], None),
     ),
     (  # a header broken by the next message is dropped; a stray end tag too
         "<|start|>assistant<|channel|>fin<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|end|><|end|>",
-        ("Hi.", []),
+        ("Hi.", [], None),
     ),
     (  # text outside any message is prose; a header never finished is dropped
         "Plain words, no channels.<|start|>assistant<|channel|>fin",
-        ("Plain words, no channels.", []),
+        ("Plain words, no channels.", [], None),
     ),
-    (  # cut off while reasoning: nothing to show
+    (  # cut off while reasoning: the reasoning so far, a partial tag and all
         "<|channel|>analysis<|message|>Let me think about <|en",
-        (None, []),
+        (None, [], "Let me think about <|en"),
     ),
     (  # cut off inside a call's arguments: the text is prose
         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Pa',
-        ('{"city": "Pa', []),
+        ('{"city": "Pa', [], None),
     ),
     (  # "<|" in prose that starts no tag
         "<|channel|>final<|message|>Use a <|pipe|> or <|end",
-        ("Use a <|pipe|> or <|end", []),
+        ("Use a <|pipe|> or <|end", [], None),
+    ),
+    (  # two reasoning messages are joined by a blank line, as prose messages are
+        "<|channel|>analysis<|message|> First thought. <|end|><|start|>assistant<|channel|>analysis<|message|>"
+        "Second.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+        ("Done.", [], "First thought. \n\nSecond."),  # whitespace inside is kept, as in prose
     ),
 ]
 
@@ -132,13 +140,14 @@ def _stream(text: str, cuts: Sequence[int]) -> ParsedToolCalls:
     deltas.append(stream.finish())
     calls = tuple(call for delta in deltas for call in delta.tool_calls)
     content = "".join(delta.content for delta in deltas)
-    return ParsedToolCalls(content=content or None, tool_calls=calls)
+    reasoning = "".join(delta.reasoning for delta in deltas)
+    return ParsedToolCalls(content=content or None, tool_calls=calls, reasoning=reasoning or None)
 
 
 @pytest.mark.parametrize(("text", "expected"), ANSWERS, ids=[str(i) for i in range(len(ANSWERS))])
 def test_answers_parse_as_expected(text: str, expected: Expected) -> None:
     parsed = _parse(text)
-    assert (parsed.content, _calls(parsed)) == expected
+    assert (parsed.content, _calls(parsed), parsed.reasoning) == expected
     assert [call.id for call in parsed.tool_calls] == [f"call_{i}" for i in range(len(parsed.tool_calls))]
     assert _parse(text, [WEATHER_TOOL]) == parsed  # the tools change nothing in this format
 
@@ -151,10 +160,10 @@ def test_a_cut_at_every_position_streams_to_the_whole_parse(text: str, expected:
     assert _stream(text, range(1, len(text))) == whole
 
 
-def test_prose_streams_as_it_comes_and_reasoning_never_shows() -> None:
+def test_prose_and_reasoning_stream_as_they_come_and_reasoning_never_shows_as_content() -> None:
     stream = ToolCallStream("harmony")
-    assert stream.push("<|channel|>analysis<|message|>Hmm, the user") == ToolCallDelta(content="", tool_calls=())
-    assert stream.push(" says hi.<|end|><|start|>assistant<|chan") == ToolCallDelta(content="", tool_calls=())
+    assert stream.push("<|channel|>analysis<|message|>Hmm, the user") == ToolCallDelta("", (), "Hmm, the user")
+    assert stream.push(" says hi.<|end|><|start|>assistant<|chan") == ToolCallDelta("", (), " says hi.")
     assert stream.push("nel|>final<|message|>Hel") == ToolCallDelta(content="Hel", tool_calls=())
     assert stream.push("lo <|") == ToolCallDelta(content="lo", tool_calls=())
     assert stream.push("return|>") == ToolCallDelta(content="", tool_calls=())

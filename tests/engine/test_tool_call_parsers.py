@@ -214,7 +214,8 @@ def _stream(text: str, parser: str, cuts: Sequence[int], tools: Sequence[dict[st
     calls = tuple(call for delta in deltas for call in delta.tool_calls)
     assert calls == stream.tool_calls
     content = "".join(delta.content for delta in deltas)
-    return ParsedToolCalls(content=content or None, tool_calls=calls)
+    reasoning = "".join(delta.reasoning for delta in deltas)
+    return ParsedToolCalls(content=content or None, tool_calls=calls, reasoning=reasoning or None)
 
 
 def _chunkings(text: str, seed: int) -> list[list[int]]:
