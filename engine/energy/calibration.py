@@ -44,9 +44,10 @@ class OnlineCalibrator:
         self.refit_every = refit_every
         self.min_steps = min_steps
         self.knees_tokens = np.array(sorted(knees_tokens), dtype=np.float64)
-        # A ring of rows: ``step_totals``, then the measured joules (Python tuples: a row is written every
-        # step, the array built only when fitting).
-        self._window: list[tuple[float, ...]] = [(0.0,) * 6] * window_steps
+        # A ring of rows: ``step_totals``, then the measured joules. Rows arrive as Python tuples (one every step)
+        # and join the array only when fitting.
+        self._window = np.zeros((window_steps, 6))
+        self._arrived: list[tuple[float, ...]] = []
         self._num_observed = 0
         self.num_fits = 0
 
@@ -57,15 +58,17 @@ class OnlineCalibrator:
 
     def observe(self, works: Seq[RequestWork], energy_j: float) -> None:
         """Record one step's composition and measured energy; refit when it is time."""
-        row = self._num_observed % len(self._window)
-        self._window[row] = (*step_totals(works), energy_j)
+        self._arrived.append((*step_totals(works), energy_j))
         self._num_observed += 1
+        if len(self._arrived) >= len(self._window):  # no fit for a whole window (a long first wait): fold them in
+            self._take_arrived()
         if self._num_observed >= self.min_steps and (self._num_observed - self.min_steps) % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> None:
         """Fit the coefficients and the knee to the steps in the window."""
-        rows = np.array(self._window[: self.num_steps], dtype=np.float64)
+        self._take_arrived()
+        rows = self._window[: self.num_steps]
         energy_j = rows[:, -1]
         # The regressors: column 1 (the dense layers' tokens, max(knee, T)) is the only one that depends on
         # the knee, so the Gram matrix is shared but for its row and column 1. Each column is scaled to at most 1.
@@ -92,6 +95,14 @@ class OnlineCalibrator:
             parameters[best] / scale[best], int(self.knees_tokens[best])
         )
         self.num_fits += 1
+
+    def _take_arrived(self) -> None:
+        """Write the rows that arrived since the last fit into the ring (the latest ``window_steps`` of them)."""
+        arrived = np.array(self._arrived[-len(self._window) :], dtype=np.float64).reshape(-1, 6)
+        self._arrived.clear()
+        first = self._num_observed - len(arrived)
+        rows = (first + np.arange(len(arrived))) % len(self._window)
+        self._window[rows] = arrived
 
 
 def _nnls_by_support(gram: np.ndarray, moment: np.ndarray, energy_sq: float) -> tuple[np.ndarray, np.ndarray]:
