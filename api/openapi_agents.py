@@ -162,6 +162,15 @@ _INPUT_ITEM: JSON = {
             {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT},
             ("type", "call_id", "output"),
         ),
+        object_of(
+            {
+                "type": {"const": "reasoning"},
+                "content": array_of(object_of({"type": string(), "text": string()}, ("type", "text"))),
+                "summary": array_of(object_of({"type": string(), "text": string()}, ("type", "text"))),
+                "encrypted_content": string(),
+            },
+            ("type",),
+        ),
     ]
 }
 _RESPONSES_TOOL: JSON = {

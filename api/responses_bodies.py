@@ -154,11 +154,16 @@ def assistant_message(output: Sequence[JSON]) -> JSON:
         for item in output
         if item["type"] == "function_call"
     ]
+    reasoning = "\n\n".join(
+        part["text"] for item in output if item["type"] == "reasoning" for part in item["content"] if part["text"]
+    )
     message: JSON = {"role": "assistant"}
     if text or not calls:
         message["content"] = text
     if calls:
         message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return message
 
 

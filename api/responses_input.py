@@ -4,12 +4,17 @@
     {"type": "message", role, content}      --> a message (``developer`` becomes ``system``; text parts joined)
     {"type": "function_call", call_id, ...} --> a tool call on the assistant message before it (or a new one)
     {"type": "function_call_output", ...}   --> a ``tool`` message answering ``call_id``
-    {"type": "reasoning", ...}              --> skipped (this server returns no reasoning items to replay)
+    {"type": "reasoning", content, ...}     --> ``reasoning_content`` of the assistant message after it
 
-A model's answer arrives back as an assistant message item followed by its
-function calls; they are folded into one assistant message with
-``tool_calls``, the shape the model produced them in, so the re-rendered
-history matches the tokens already cached. Images, files and item references
+A model's answer arrives back as its reasoning item (from a model whose
+format marks reasoning apart), an assistant message item and its function
+calls; they are folded into one assistant message with ``tool_calls`` and
+``reasoning_content``, the shape the model produced them in, so the
+re-rendered history matches the tokens already cached (the chat template
+decides where the reasoning goes, or leaves it out). A reasoning item's text is
+its ``reasoning_text`` content, else its summary; one with neither (only
+``encrypted_content``, which this server cannot read) adds nothing, and one
+that no assistant message follows is dropped. Images, files and item references
 are a 400 that names the item.
 """
 
@@ -24,8 +29,6 @@ MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = ("input_text", "output_text")
 # The content parts that carry something other than text; named so their 400 says why.
 MEDIA_PART_TYPES = ("input_image", "input_file", "input_audio")
-# Items the model never sees again: reasoning this server does not produce (it returns no reasoning items).
-SKIPPED_ITEM_TYPES = ("reasoning",)
 
 
 def input_messages(fields: Fields) -> list[JSON]:
@@ -36,16 +39,24 @@ def input_messages(fields: Fields) -> list[JSON]:
     if not isinstance(value, list):
         raise type_error("input", "a string or an array of input items", value)
     messages: list[JSON] = []
+    reasoning: list[str] = []  # reasoning items' text, waiting for the assistant message they precede
     for i, item in enumerate(value):
         item_fields = Fields(item, f"input[{i}]")
         item_type = _item_type(item_fields)
         if item_type == "message":
             messages.append(_message(item_fields))
+            _attach_reasoning(messages, reasoning)
         elif item_type == "function_call":
             _add_tool_call(messages, _tool_call(item_fields))
+            _attach_reasoning(messages, reasoning)
         elif item_type == "function_call_output":
             messages.append(_tool_output(item_fields))
-        elif item_type not in SKIPPED_ITEM_TYPES:
+            reasoning.clear()
+        elif item_type == "reasoning":
+            text = _reasoning_text(item_fields)
+            if text:
+                reasoning.append(text)
+        else:
             param = item_fields.path("type")
             message = (
                 f"Unsupported '{param}': {item_type!r} items are not supported; "
@@ -55,6 +66,33 @@ def input_messages(fields: Fields) -> list[JSON]:
     if not messages:
         raise invalid_request("Invalid 'input': expected at least one message or function call output.", param="input")
     return messages
+
+
+def _reasoning_text(item: Fields) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its ``summary_text`` parts, joined."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.raw(key)
+        if parts is None:
+            continue
+        path = item.path(key)
+        if not isinstance(parts, list):
+            raise type_error(path, "an array of parts", parts)
+        texts = []
+        for i, part in enumerate(parts):
+            part_fields = Fields(part, f"{path}[{i}]")
+            if part_fields.required_string("type") == part_type:
+                texts.append(part_fields.required_string("text"))
+        if texts:
+            return "\n\n".join(texts)
+    return ""
+
+
+def _attach_reasoning(messages: list[JSON], reasoning: list[str]) -> None:
+    """Reasoning items seen since the last message go to the assistant message just made or joined (dropped
+    before any other)."""
+    if reasoning and messages[-1]["role"] == "assistant" and "reasoning_content" not in messages[-1]:
+        messages[-1]["reasoning_content"] = "\n\n".join(reasoning)
+    reasoning.clear()
 
 
 def _item_type(item: Fields) -> str:

@@ -17,7 +17,8 @@ the whole prompt stays cached, as the chat API keeps it) and rayturn's
 (speculative decoding for the call: ``rayturn.api.protocol``).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
-``include`` (no reasoning items are produced), ``metadata``, ``truncation``
+``include`` (reasoning items come from the model's format, not from these),
+``metadata``, ``truncation``
 (an overlong prompt is a 400 either way), ``service_tier``, ``user`` (the
 session id when neither a header nor ``prompt_cache_key`` names one),
 ``safety_identifier``, ``text.verbosity``, ``stream_options``. The built-in

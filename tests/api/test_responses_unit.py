@@ -304,10 +304,34 @@ def test_an_answer_sent_back_as_input_is_the_message_the_store_keeps() -> None:
         ParsedToolCalls(content="Let me look.", tool_calls=(CALL, ToolCall("call_8", "shell", "{}"))),
         ParsedToolCalls(content=None, tool_calls=(CALL,)),
         ParsedToolCalls(content="just prose", tool_calls=()),
+        ParsedToolCalls(content="Looking.", tool_calls=(CALL,), reasoning="List first."),
+        ParsedToolCalls(content=None, tool_calls=(CALL,), reasoning="Just call it."),
     ):
         output = output_items(parsed, "completed")
         resent = parse_responses_request({"model": MODEL, "input": copy.deepcopy(output)}, MODEL)
         assert list(resent.input_messages) == [assistant_message(output)]
+
+
+def test_reasoning_items_sent_back_reach_the_assistant_message_they_precede() -> None:
+    def messages(*items: dict[str, Any]) -> list[dict[str, Any]]:
+        return list(parse_responses_request({"model": MODEL, "input": list(items)}, MODEL).input_messages)
+
+    user = {"role": "user", "content": "list files"}
+    call = {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd": "ls"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}
+    summarised = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Run ls."}]}
+    assert messages(user, summarised, call, output)[1] == {
+        "role": "assistant",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": {"cmd": "ls"}}}],
+        "reasoning_content": "Run ls.",
+    }
+    encrypted = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA..."}
+    assert "reasoning_content" not in messages(user, encrypted, call, output)[1]  # nothing this server can read
+    # Reasoning that no assistant message follows is dropped, not carried over to a later one.
+    dangling = messages(user, summarised, output, {"role": "assistant", "content": "Done."})
+    assert all("reasoning_content" not in message for message in dangling)
+    with pytest.raises(APIError, match="summary"):
+        messages(user, {"type": "reasoning", "summary": "not a list"}, call)
 
 
 def stream_events(
@@ -402,13 +426,13 @@ def test_harmony_reasoning_streams_as_a_reasoning_item_before_the_call() -> None
     assert reasoning.content is not None and reasoning.content[0].text == "The user wants a listing; run ls."
     assert call.type == "function_call" and json.loads(call.arguments) == {"cmd": "ls"}
     assert response.output_text == ""  # reasoning is never the answer's text
-    # The whole answer's body has the same items, ids aside; reasoning items stay out of the history.
+    # The whole answer's body has the same items, ids aside.
     whole = output_items(
         ParsedToolCalls(None, (ToolCall("call_0", "shell", call.arguments),), "The user wants a listing; run ls."),
         "completed",
     )
     assert [{**item, "id": None} for item in stream.output] == [{**item, "id": None} for item in whole]
-    assert "reasoning" not in json.dumps(assistant_message(whole))
+    assert assistant_message(whole)["reasoning_content"] == "The user wants a listing; run ls."
 
 
 def test_reasoning_then_prose_closes_the_reasoning_item_and_reasoning_alone_still_ends_with_a_message() -> None:
