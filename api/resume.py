@@ -25,9 +25,11 @@ twice by one replica (none other had room), it is answered 429 /
 RESOURCE_EXHAUSTED.
 
 The rule: a resumed stream must be one the call could have produced without
-the fault. Greedy decoding continues exactly (the next replica recomputes the
-prompt and the streamed tokens, or loads their pages from the KV store, and
-picks the same tokens); unseeded sampling continues as a valid sample of the
+the fault. Greedy decoding continues exactly (the next replica loads the
+prompt's pages from the KV store or recomputes them, then computes the
+streamed tokens one per step, as the decode steps that made them did, and
+picks the same tokens: ``engine.scheduler.next_chunk_tokens``; a long stream
+takes as many steps to resume); unseeded sampling continues as a valid sample of the
 same distribution; the stop checks, the guide and the tool-call split replay
 the streamed tokens and text pieces on the new replica, so they stand where
 they stood. A seeded sample cannot continue its generator's state elsewhere,

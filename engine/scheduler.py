@@ -3,7 +3,9 @@
 Each step has a token budget (``max_num_batched_tokens``). Running sequences
 go first, by class (``priority.py``: continuations, interactive, background)
 and in admission order within one: a decode costs one token, an unfinished
-prompt gets the next chunk that fits. When pages run out, the last running
+prompt gets the next chunk that fits (never past the prompt's end: output
+tokens made elsewhere, such as a prefill server's first token, are computed
+one per step, as decodes, ``next_chunk_tokens``). When pages run out, the last running
 sequence (the newest of the lowest class) is preempted (its pages freed, to
 be recomputed later — cheaply, since its full pages stay in the prefix cache
 until evicted) until the earlier one fits. Waiting sequences are admitted in
@@ -142,7 +144,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens), budget)
             while not self.kv_cache.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -168,7 +170,7 @@ class Scheduler:
                 break
             hits = self.kv_cache.match_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached = len(hits) * self.kv_cache.page_size
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens + num_cached), budget)
             if not self.kv_cache.allocate(seq, num_new, hits):
                 break
             self.waiting.popleft()
@@ -206,3 +208,17 @@ def _queue_key(seq: Sequence) -> tuple[int, int]:
     if seq.priority is Priority.BACKGROUND:
         return seq.priority.rank, 0 if preempted else 1
     return (-1, 0) if preempted else (seq.priority.rank, 1)
+
+
+def next_chunk_tokens(seq: Sequence, computed: int) -> int:
+    """How many tokens after the first ``computed`` the sequence's next chunk may take (before the budget): the
+    rest of its prompt, else one.
+
+    Output tokens not computed yet (an output prefix made elsewhere: a prefill server's first token, the tokens
+    a resumed stream had sent; or a preempted sequence's output past its cached pages) go one per step, as the
+    decode steps that made them did: prefill and decode attention round differently, and a greedy choice
+    between two nearly tied logits must come out as it did there.
+    """
+    if computed < seq.num_prompt_tokens:
+        return seq.num_prompt_tokens - computed
+    return min(seq.num_tokens - computed, 1)

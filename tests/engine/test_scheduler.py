@@ -66,9 +66,25 @@ def test_preempts_newest_when_pages_run_out_and_recomputes_later() -> None:
     assert [s.seq_id for s in scheduler.waiting] == [1]
     assert [p.page_id for p in a.pages] == [0, 1, 3]
     scheduler.finish(a, "stop")
-    # b comes back and recomputes prompt + its sampled token (5 tokens) before decoding on.
-    assert finish_step(scheduler) == [(1, 5)]
+    # b comes back and recomputes its prompt, then its sampled token as a decode (as it was first computed),
+    # before decoding on.
+    assert finish_step(scheduler) == [(1, 4)]
+    assert b.num_output_tokens == 1
+    assert finish_step(scheduler) == [(1, 1)]
     assert b.num_output_tokens == 2
+
+
+def test_output_tokens_made_elsewhere_are_computed_one_per_step_after_the_prompt() -> None:
+    """A prefill server's first token, or the tokens a resumed stream had sent: each is computed by a decode-like
+    one-token chunk, never in a prompt chunk (prefill and decode attention round differently)."""
+    scheduler = make(num_pages=16, budget=64)
+    b = seq(0, 12, first_token=50)
+    b.token_ids.extend([62, 63])  # two output tokens made elsewhere
+    scheduler.add(b)
+    assert finish_step(scheduler) == [(0, 12)] and b.num_output_tokens == 2  # the prompt's chunk samples nothing
+    assert finish_step(scheduler) == [(0, 1)] and b.num_output_tokens == 2  # token 62: nothing yet
+    assert finish_step(scheduler) == [(0, 1)] and b.num_output_tokens == 3  # token 63: the next token is sampled
+    assert finish_step(scheduler) == [(0, 1)] and b.num_output_tokens == 4  # decoding on
 
 
 def test_preempted_sequence_reuses_its_cached_pages() -> None:
@@ -79,8 +95,10 @@ def test_preempted_sequence_reuses_its_cached_pages() -> None:
     assert finish_step(scheduler) == [(0, 8), (1, 9)]  # 2 + 3 pages: pool full
     assert finish_step(scheduler) == [(0, 1)]  # b preempted to give a a page
     scheduler.finish(a, "stop")
-    # b's two full pages (tokens 0-7) are still cached: only 2 tokens recomputed.
-    assert finish_step(scheduler) == [(1, 2)]
+    # b's two full pages (tokens 0-7) are still cached: only 2 tokens recomputed, the rest of its prompt, then
+    # its sampled token as a decode.
+    assert finish_step(scheduler) == [(1, 1)]
+    assert finish_step(scheduler) == [(1, 1)] and b.num_output_tokens == 2
     assert b.num_cached_prompt_tokens == 0  # counted at first admission only
 
 
