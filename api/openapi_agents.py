@@ -144,7 +144,8 @@ _INPUT_PART: JSON = {
     ]
 }
 _INPUT_CONTENT: JSON = {"anyOf": [string(), array_of(_INPUT_PART)]}
-_INPUT_ITEM: JSON = {
+# The items that make messages: an input needs one (reasoning items alone make none).
+_MESSAGE_ITEM: JSON = {
     "anyOf": [
         object_of(
             {
@@ -162,17 +163,19 @@ _INPUT_ITEM: JSON = {
             {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT},
             ("type", "call_id", "output"),
         ),
-        object_of(
-            {
-                "type": {"const": "reasoning"},
-                "content": array_of(object_of({"type": string(), "text": string()}, ("type", "text"))),
-                "summary": array_of(object_of({"type": string(), "text": string()}, ("type", "text"))),
-                "encrypted_content": string(),
-            },
-            ("type",),
-        ),
     ]
 }
+_REASONING_PARTS: JSON = array_of(object_of({"type": string(), "text": string()}, ("type", "text")))
+_REASONING_ITEM: JSON = object_of(
+    {
+        "type": {"const": "reasoning"},
+        "content": _REASONING_PARTS,
+        "summary": _REASONING_PARTS,
+        "encrypted_content": string(),
+    },
+    ("type",),
+)
+_INPUT_ITEMS: JSON = {**array_of({"anyOf": [_MESSAGE_ITEM, _REASONING_ITEM]}, min_items=1), "contains": _MESSAGE_ITEM}
 _RESPONSES_TOOL: JSON = {
     "anyOf": [
         object_of(
@@ -213,7 +216,7 @@ _TEXT_FORMAT: JSON = {
 def responses_request_schema(served_model: str) -> JSON:
     properties = {
         "model": enum_of(served_model, ""),
-        "input": {"anyOf": [string(), array_of(_INPUT_ITEM, min_items=1)]},
+        "input": {"anyOf": [string(), _INPUT_ITEMS]},
         "instructions": string(),
         "tools": array_of(_RESPONSES_TOOL, max_items=MAX_TOOLS),
         "tool_choice": {

@@ -203,7 +203,10 @@ GOOD = {
     "/v1/completions": {"prompt": [[1, 2], "hi"], "max_tokens": 2, "stream": True, "stream_options": {}},
     "/v1/messages": {"messages": [USER], "max_tokens": 2, "stop_sequences": ["x"]},
     "/v1/messages/count_tokens": {"messages": [USER]},
-    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "tools": [{"type": "web_search"}]},
+    "/v1/responses": {
+        "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}, USER],
+        "tools": [{"type": "web_search"}],
+    },
 }
 # Bodies the schema refuses and the parser refuses too: where the schema states a rule the parser holds.
 BAD = {
@@ -227,7 +230,13 @@ BAD = {
         {"messages": [USER], "max_tokens": 1, "tool_choice": {"type": "any"}},
         {"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 1},
     ],
-    "/v1/responses": [{}, {"input": []}, {"input": "x", "background": True}, {"input": "x", "top_logprobs": 3}],
+    "/v1/responses": [
+        {},
+        {"input": []},
+        {"input": [{"type": "reasoning", "summary": []}]},  # reasoning alone makes no message
+        {"input": "x", "background": True},
+        {"input": "x", "top_logprobs": 3},
+    ],
 }
 
 
