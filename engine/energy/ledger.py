@@ -32,7 +32,7 @@ from ..outputs import RequestOutput
 from .calibration import OnlineCalibrator
 from .cost_model import CostCoefficients, RequestWork
 from .meters import EnergyMeter, select_meter
-from .shapley import shapley_split
+from .shapley import proportional_split, shapley_split
 
 if TYPE_CHECKING:
     from ..scheduler import ScheduledChunk
@@ -145,8 +145,7 @@ class EnergyLedger:
         start_s = time.perf_counter()
         split = shapley_split(works, self.calibrator.coefficients, self._rng)
         modelled_j = sum(split.values_j)
-        per_token_j = energy_j / sum(work.new_tokens for work in works)  # ``proportional_split``, inlined
-        proportional_j = [per_token_j * work.new_tokens for work in works]
+        proportional_j = proportional_split(works, energy_j)
         scale = energy_j / modelled_j if modelled_j > 0 else 0.0
         shapley_j = [value * scale for value in split.values_j] if modelled_j > 0 else proportional_j
         requests = self._requests
