@@ -26,6 +26,16 @@ transports lack by default, so two processes on one node would talk over ``tcp/l
 ``UCX_MM_ERROR_HANDLING=y`` (a default here) lets UCX use ``sysv``/``posix`` shared memory too;
 ``cma`` is never eligible. Same-node peers of the KV store normally map each other's
 segment directly anyway.
+
+Features: the context is created with tagged and stream messages, active messages and wakeup
+only (:data:`CONTEXT_FEATURES`), never remote memory access or atomics (ucxx's default turns RMA
+on). Where no transport does RMA in hardware, UCX emulates it with active messages that read or
+write whatever address they name, unchecked: a stranger connecting to the store's UCX listener
+read any byte of the server process that way, before the store's handshake could refuse it
+(``tests/kvstore/test_ucx_features.py`` does exactly that against a context with RMA on). A
+context some other code created first with RMA on is refused (:class:`UnsafeUcxContext`). For
+the same reason UCX's TCP transport runs without its native puts (``UCX_TCP_PUT_ENABLE=n``,
+whatever the environment says), which land at the address the sender names, checking no key.
 """
 
 from __future__ import annotations
@@ -40,11 +50,16 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from types import ModuleType
 from typing import Any, Final, TypeVar
 
 __all__ = [
+    "CONTEXT_FEATURES",
+    "UNSAFE_FEATURES",
+    "UnsafeUcxContext",
+    "check_context_features",
+    "context_features",
     "describe_transports",
     "in_ucx_loop_thread",
     "init_ucx",
@@ -79,6 +94,15 @@ _UCX_DEFAULTS: Final = {
     "UCX_MM_ERROR_HANDLING": "y",
 }
 """UCX settings this module applies unless the environment (or :func:`init_ucx`) says otherwise."""
+
+_UCX_REQUIRED: Final = {
+    # UCX's TCP transport writes a "put" straight to the address its sender names, checking no key,
+    # whatever the UCP context's features: any peer that can open a TCP connection to this process's
+    # UCX could write anywhere in its memory. Nothing here uses puts (rendezvous sends fall back to
+    # its other protocols).
+    "UCX_TCP_PUT_ENABLE": "n",
+}
+"""UCX settings every process of the store runs with, whatever the environment says (see UNSAFE_FEATURES)."""
 
 
 def load_ucxx() -> ModuleType:
@@ -128,15 +152,87 @@ class _UcxRuntime:
         self._thread.join(timeout_s)
 
 
+CONTEXT_FEATURES: Final = ("TAG", "WAKEUP", "STREAM", "AM")
+"""The UCX features of this process's context: tagged and stream messages, active messages, wakeup."""
+UNSAFE_FEATURES: Final = ("RMA", "AMO32", "AMO64")
+"""Remote memory access and atomics, which a UCX context must not have where strangers can connect.
+
+Without a transport that does them in hardware (TCP, shared memory without RDMA), UCX emulates
+remote reads, writes and atomics with active messages whose handler touches whatever address
+the message names, checking no key: any process that opens a connection to a listener or a
+worker of a context with these features can read and write all of this process's memory,
+before and regardless of the store's handshake. ucxx turns on RMA by default."""
+
+
+class UnsafeUcxContext(RuntimeError):
+    """This process's ucxx context has remote memory access on: rayturn will not serve or connect through it."""
+
+
 async def _init_ucxx() -> None:
-    """Create ucxx's context on the UCX loop, so its notifier delivers completions to this loop."""
+    """Create ucxx's context on the UCX loop (so its notifier delivers completions to this loop), without RMA."""
     ucxx = load_ucxx()
     # Python futures: a completed request wakes the loop, instead of the loop polling with sleep(0).
     enable_python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
     try:
-        ucxx.init(enable_python_future=enable_python_future)
+        with _context_features(CONTEXT_FEATURES):
+            ucxx.init(enable_python_future=enable_python_future)
     except RuntimeError as error:  # "UCX is already initiated": someone used ucxx here before us
         logger.warning("ucxx was initialised outside rayturn's UCX loop (%s); completions may be slow", error)
+    check_context_features()
+
+
+def context_features() -> tuple[str, ...]:
+    """The names of the features this process's ucxx context was created with (empty before it exists)."""
+    ucxx = load_ucxx()
+    context = getattr(getattr(ucxx.core, "_ctx", None), "context", None)
+    if context is None:
+        return ()
+    api = importlib.import_module("ucxx._lib.libucxx")
+    return tuple(feature.name for feature in api.Feature if context.feature_flags & feature.value)
+
+
+def check_context_features() -> None:
+    """Raise UnsafeUcxContext if this process's ucxx context can serve remote memory access."""
+    unsafe = sorted(set(context_features()) & set(UNSAFE_FEATURES))
+    if unsafe:
+        raise UnsafeUcxContext(
+            f"ucxx's context in this process has {', '.join(unsafe)} on: any peer that can connect could read and "
+            "write this process's memory without the store secret. It was created before rayturn's (ucxx.init or "
+            "another ucxx call first); let rayturn's UCX runtime create it, or create it without those features"
+        )
+
+
+@contextlib.contextmanager
+def _context_features(names: tuple[str, ...]) -> Iterator[None]:
+    """While inside, the ucxx context ucxx.init creates gets exactly the features ``names``.
+
+    ucxx.init takes no features: its application context calls ``UCXContext(config)``, whose
+    default includes RMA. For the duration of the call, that module's ``ucx_api`` is a view of
+    the real one whose UCXContext passes ``names``.
+    """
+    module = importlib.import_module("ucxx._lib_async.application_context")
+    api: ModuleType = getattr(module, "ucx_api")  # noqa: B009 (mypy sees no such attribute)
+    flags = tuple(getattr(api.Feature, name) for name in names)
+    setattr(module, "ucx_api", _ApiWithFeatures(api, flags))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "ucx_api", api)  # noqa: B010
+
+
+class _ApiWithFeatures(ModuleType):
+    """ucxx's libucxx module, except that a UCXContext made through it gets the given features."""
+
+    def __init__(self, api: ModuleType, flags: tuple[Any, ...]) -> None:
+        super().__init__(api.__name__)
+        self._api = api
+        self._flags = flags
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def UCXContext(self, config_dict: Mapping[str, str] | None = None, feature_flags: Any = None) -> Any:
+        return self._api.UCXContext(config_dict, self._flags)
 
 
 def _stop_notifier() -> None:
@@ -173,6 +269,10 @@ def _get_runtime() -> _UcxRuntime:
         if _runtime is None:
             for name, value in _UCX_DEFAULTS.items():
                 os.environ.setdefault(name, value)
+            for name, value in _UCX_REQUIRED.items():
+                if (given := os.environ.get(name, value)).lower() not in (value, "no", "off", "0"):
+                    logger.warning("%s=%s is unsafe where strangers can connect: using %s", name, given, value)
+                os.environ[name] = value
             _runtime = _UcxRuntime()
             atexit.register(shutdown_ucx)
         elif _runtime.pid != os.getpid():
@@ -250,6 +350,8 @@ def init_ucx(config: Mapping[str, str] | None = None) -> None:
         name = key if key.startswith(("UCX_", "UCXPY_")) else f"UCX_{key}"
         if not re.fullmatch(r"UCX(PY)?_[A-Z0-9_]+", name):
             raise ValueError(f"{key!r} is not a UCX option name (expected e.g. 'TLS' or 'UCX_TLS')")
+        if name in _UCX_REQUIRED and str(value).lower() not in (_UCX_REQUIRED[name], "no", "off", "0"):
+            raise ValueError(f"{name}={value} would let any peer write into this process's memory; it stays 'n'")
         updates[name] = str(value)
     with _runtime_lock:
         if _runtime is not None or _runtime_was_shut_down:
