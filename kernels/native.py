@@ -73,6 +73,10 @@ class NativeKernels:
             i64, i64, i64, ctypes.c_int,  # num_tokens, num_heads, head_dim, num_threads
         ]  # fmt: skip
         self.rotary_neox_f32.restype = ctypes.c_int
+        library.native_vector_bits.argtypes = []
+        library.native_vector_bits.restype = ctypes.c_int
+        self.vector_bits: int = library.native_vector_bits()
+        """The vector width the library was built for: 512 (AVX-512), 256 (AVX, AVX2) or 128."""
 
 
 def cache_dir() -> Path:

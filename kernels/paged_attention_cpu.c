@@ -263,6 +263,20 @@ static void attend_generic(
     }
 }
 
+/* The vector width this library was built for, in bits (-march=native): 512 with AVX-512, 256 with AVX or
+ * AVX2, else 128. The prefill kernel's tiles of sixteen query rows are made for AVX-512's 32 registers: with
+ * 16 AVX2 registers they spill, and PyTorch's flash kernel is faster there (kernels/cpu_backend.py). */
+int native_vector_bits(void)
+{
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX__)
+    return 256;
+#else
+    return 128;
+#endif
+}
+
 /* Attention of one query token per sequence over its paged cache, float32.
  *
  * q, out: [num_seqs, num_heads, head_dim], contiguous.

@@ -34,6 +34,9 @@ from .triton_cases import (
 )
 
 BACKEND = CpuBackend()
+# The native prefill kernel runs by default only where the library is built for AVX-512; its tests run it on
+# every host.
+NATIVE_PREFILL = CpuBackend(native_prefill=True)
 
 
 @pytest.mark.parametrize(
@@ -115,9 +118,39 @@ def test_native_prefill_attention_matches_reference(
     with_sinks: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = count_native_calls(BACKEND, "paged_prefill_attention_f32", monkeypatch)
-    check_prefill_attention(BACKEND, spec, num_heads, context_lens, query_lens, torch.float32, "cpu", 1, with_sinks)
+    calls = count_native_calls(NATIVE_PREFILL, "paged_prefill_attention_f32", monkeypatch)
+    check_prefill_attention(
+        NATIVE_PREFILL, spec, num_heads, context_lens, query_lens, torch.float32, "cpu", 1, with_sinks
+    )
     assert len(calls) == len(query_lens)  # the native kernel ran, once per sequence
+
+
+@pytest.mark.parametrize("vector_bits", [512, 256, 128])
+def test_prefill_attention_runs_natively_only_on_avx512_by_default(
+    vector_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the library's vectors are narrower than AVX-512's, PyTorch's flash kernel serves prefill (the
+    native one spilled its registers on AVX2: 7x slower); decode attention stays native everywhere."""
+    monkeypatch.setattr(BACKEND.native, "vector_bits", vector_bits)
+    backend = CpuBackend(BACKEND.native)
+    assert backend.native_prefill is (vector_bits >= 512)
+    prefill_calls = count_native_calls(backend, "paged_prefill_attention_f32", monkeypatch)
+    decode_calls = count_native_calls(backend, "paged_decode_attention_f32", monkeypatch)
+    spec = CacheSpec(page_size=16, num_kv_heads=2, head_dim=64)
+    check_prefill_attention(backend, spec, 8, [0, 100], [70, 31], torch.float32, "cpu")
+    check_decode_attention(backend, spec, 8, [1, 300], torch.float32, "cpu")
+    assert len(prefill_calls) == (2 if vector_bits >= 512 else 0)
+    assert len(decode_calls) == 1
+
+
+def test_the_library_says_its_vector_width() -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx512f" in flags:
+        assert BACKEND.native.vector_bits == 512
+    elif " avx" in flags:
+        assert BACKEND.native.vector_bits == 256
+    else:
+        assert BACKEND.native.vector_bits in (128, 256, 512)
 
 
 def test_native_kernels_hold_rows_whose_every_score_is_far_below_zero() -> None:
@@ -135,7 +168,7 @@ def test_native_kernels_hold_rows_whose_every_score_is_far_below_zero() -> None:
     # Scores of magnitude 250 carry ~3e-5 of float32 rounding each, so the two sides differ by that much;
     # a softmax shifted by a floor instead of the maximum would be off by tenths.
     torch.testing.assert_close(
-        BACKEND.prefill_attention(query, keys, values, prefill, case.scale),
+        NATIVE_PREFILL.prefill_attention(query, keys, values, prefill, case.scale),
         TorchBackend().prefill_attention(query, keys, values, prefill, case.scale),
         atol=1e-4,
         rtol=1e-3,
