@@ -28,12 +28,12 @@ transports lack by default, so two processes on one node would talk over ``tcp/l
 segment directly anyway.
 
 Features: the context is created with tagged and stream messages, active messages and wakeup
-only (:data:`CONTEXT_FEATURES`), never remote memory access or atomics (ucxx's default turns RMA
+only (``ucx_features.CONTEXT_FEATURES``), never remote memory access or atomics (ucxx's default turns RMA
 on). Where no transport does RMA in hardware, UCX emulates it with active messages that read or
 write whatever address they name, unchecked: a stranger connecting to the store's UCX listener
 read any byte of the server process that way, before the store's handshake could refuse it
 (``tests/kvstore/test_ucx_features.py`` does exactly that against a context with RMA on). A
-context some other code created first with RMA on is refused (:class:`UnsafeUcxContext`). For
+context some other code created first with RMA on is refused (``ucx_features.UnsafeUcxContext``). For
 the same reason UCX's TCP transport runs without its native puts (``UCX_TCP_PUT_ENABLE=n``,
 whatever the environment says), which land at the address the sender names, checking no key.
 """
@@ -50,16 +50,13 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import ModuleType
 from typing import Any, Final, TypeVar
 
+from rayturn.kvstore import ucx_features
+
 __all__ = [
-    "CONTEXT_FEATURES",
-    "UNSAFE_FEATURES",
-    "UnsafeUcxContext",
-    "check_context_features",
-    "context_features",
     "describe_transports",
     "in_ucx_loop_thread",
     "init_ucx",
@@ -102,7 +99,7 @@ _UCX_REQUIRED: Final = {
     # its other protocols).
     "UCX_TCP_PUT_ENABLE": "n",
 }
-"""UCX settings every process of the store runs with, whatever the environment says (see UNSAFE_FEATURES)."""
+"""UCX settings every process of the store runs with, whatever the environment says (ucx_features.UNSAFE_FEATURES)."""
 
 
 def load_ucxx() -> ModuleType:
@@ -152,87 +149,17 @@ class _UcxRuntime:
         self._thread.join(timeout_s)
 
 
-CONTEXT_FEATURES: Final = ("TAG", "WAKEUP", "STREAM", "AM")
-"""The UCX features of this process's context: tagged and stream messages, active messages, wakeup."""
-UNSAFE_FEATURES: Final = ("RMA", "AMO32", "AMO64")
-"""Remote memory access and atomics, which a UCX context must not have where strangers can connect.
-
-Without a transport that does them in hardware (TCP, shared memory without RDMA), UCX emulates
-remote reads, writes and atomics with active messages whose handler touches whatever address
-the message names, checking no key: any process that opens a connection to a listener or a
-worker of a context with these features can read and write all of this process's memory,
-before and regardless of the store's handshake. ucxx turns on RMA by default."""
-
-
-class UnsafeUcxContext(RuntimeError):
-    """This process's ucxx context has remote memory access on: rayturn will not serve or connect through it."""
-
-
 async def _init_ucxx() -> None:
     """Create ucxx's context on the UCX loop (so its notifier delivers completions to this loop), without RMA."""
     ucxx = load_ucxx()
     # Python futures: a completed request wakes the loop, instead of the loop polling with sleep(0).
     enable_python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
     try:
-        with _context_features(CONTEXT_FEATURES):
+        with ucx_features.created_with(ucx_features.CONTEXT_FEATURES):
             ucxx.init(enable_python_future=enable_python_future)
     except RuntimeError as error:  # "UCX is already initiated": someone used ucxx here before us
         logger.warning("ucxx was initialised outside rayturn's UCX loop (%s); completions may be slow", error)
-    check_context_features()
-
-
-def context_features() -> tuple[str, ...]:
-    """The names of the features this process's ucxx context was created with (empty before it exists)."""
-    ucxx = load_ucxx()
-    context = getattr(getattr(ucxx.core, "_ctx", None), "context", None)
-    if context is None:
-        return ()
-    api = importlib.import_module("ucxx._lib.libucxx")
-    return tuple(feature.name for feature in api.Feature if context.feature_flags & feature.value)
-
-
-def check_context_features() -> None:
-    """Raise UnsafeUcxContext if this process's ucxx context can serve remote memory access."""
-    unsafe = sorted(set(context_features()) & set(UNSAFE_FEATURES))
-    if unsafe:
-        raise UnsafeUcxContext(
-            f"ucxx's context in this process has {', '.join(unsafe)} on: any peer that can connect could read and "
-            "write this process's memory without the store secret. It was created before rayturn's (ucxx.init or "
-            "another ucxx call first); let rayturn's UCX runtime create it, or create it without those features"
-        )
-
-
-@contextlib.contextmanager
-def _context_features(names: tuple[str, ...]) -> Iterator[None]:
-    """While inside, the ucxx context ucxx.init creates gets exactly the features ``names``.
-
-    ucxx.init takes no features: its application context calls ``UCXContext(config)``, whose
-    default includes RMA. For the duration of the call, that module's ``ucx_api`` is a view of
-    the real one whose UCXContext passes ``names``.
-    """
-    module = importlib.import_module("ucxx._lib_async.application_context")
-    api: ModuleType = getattr(module, "ucx_api")  # noqa: B009 (mypy sees no such attribute)
-    flags = tuple(getattr(api.Feature, name) for name in names)
-    setattr(module, "ucx_api", _ApiWithFeatures(api, flags))  # noqa: B010
-    try:
-        yield
-    finally:
-        setattr(module, "ucx_api", api)  # noqa: B010
-
-
-class _ApiWithFeatures(ModuleType):
-    """ucxx's libucxx module, except that a UCXContext made through it gets the given features."""
-
-    def __init__(self, api: ModuleType, flags: tuple[Any, ...]) -> None:
-        super().__init__(api.__name__)
-        self._api = api
-        self._flags = flags
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._api, name)
-
-    def UCXContext(self, config_dict: Mapping[str, str] | None = None, feature_flags: Any = None) -> Any:
-        return self._api.UCXContext(config_dict, self._flags)
+    ucx_features.check_context_features()
 
 
 def _stop_notifier() -> None:

@@ -45,7 +45,11 @@ def test_select_backend_logs_one_line_and_honours_overrides(
     with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):
         backend = select_backend(torch.device("cpu"))
     assert backend.name == "cpu"
-    assert [r.getMessage() for r in caplog.records] == ["rayturn kernel backend: cpu (default for CPU, device cpu)"]
+    bits = backend.native.vector_bits  # type: ignore[attr-defined]
+    prefill = "native" if bits >= 512 else "torch flash"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rayturn kernel backend: cpu (default for CPU; {bits}-bit vectors, prefill attention {prefill}, device cpu)"
+    ]
     caplog.clear()
     monkeypatch.setenv("RAYTURN_KERNEL_BACKEND", "torch")
     with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):

@@ -3,7 +3,7 @@
 UCX emulates remote memory access (RMA) over TCP and shared memory with active messages that name a
 bare address; a context with the RMA feature serves them to anyone connected, before the store's
 handshake has a say. rayturn's UCX runtime creates its context without RMA or atomics
-(``ucx_runtime.CONTEXT_FEATURES``). Here a real UCP program (``ucx_stranger.c``, built against the
+(``ucx_features.CONTEXT_FEATURES``). Here a real UCP program (``ucx_stranger.c``, built against the
 ``libucx`` wheel's headers) connects to a real UcxServer in another process and asks UCX itself for
 a get and a put of the server's segment, over TCP as from another host:
 
@@ -46,13 +46,13 @@ def _serve(mode: str) -> None:
     """Serve a segment holding PAGE; say where it is; answer "bytes" (the page now) and "stop" on stdin."""
     import ucxx
 
-    from rayturn.kvstore import ucx_runtime
+    from rayturn.kvstore import ucx_features, ucx_runtime
     from rayturn.kvstore.access import SegmentGate, StoreAuth
     from rayturn.kvstore.ucx_transport import UcxServer
 
     if mode == "rma":  # the control: the context ucxx makes by default
-        ucx_runtime.CONTEXT_FEATURES = (*ucx_runtime.CONTEXT_FEATURES, "RMA")  # type: ignore[misc]
-        ucx_runtime.UNSAFE_FEATURES = ()  # type: ignore[misc]
+        ucx_features.CONTEXT_FEATURES = (*ucx_features.CONTEXT_FEATURES, "RMA")  # type: ignore[misc]
+        ucx_features.UNSAFE_FEATURES = ()  # type: ignore[misc]
     elif mode == "tcp-put":  # the control for UCX_TCP_PUT_ENABLE: RMA off, TCP's own puts on
         ucx_runtime._UCX_REQUIRED = {}  # type: ignore[misc]
         os.environ["UCX_TCP_PUT_ENABLE"] = "y"
@@ -66,7 +66,7 @@ def _serve(mode: str) -> None:
     except Exception as error:
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
         return
-    features = ucx_runtime.context_features()
+    features = ucx_features.context_features()
     print(
         json.dumps({"host": host, "port": port, "address": segment.ctypes.data + PAGE_OFFSET, "features": features}),
         flush=True,
