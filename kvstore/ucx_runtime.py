@@ -102,6 +102,11 @@ _UCX_REQUIRED: Final = {
 """UCX settings every process of the store runs with, whatever the environment says (ucx_features.UNSAFE_FEATURES)."""
 
 
+def _keeps_required(name: str, value: str) -> bool:
+    """Whether ``value`` says what :data:`_UCX_REQUIRED` requires of ``name`` (UCX reads n, no, off and 0 alike)."""
+    return value.lower() in (_UCX_REQUIRED[name], "no", "off", "0")
+
+
 def load_ucxx() -> ModuleType:
     """ucxx, imported on first use: importing the transport must stay cheap and free of UCX side effects."""
     return importlib.import_module("ucxx")
@@ -197,7 +202,7 @@ def _get_runtime() -> _UcxRuntime:
             for name, value in _UCX_DEFAULTS.items():
                 os.environ.setdefault(name, value)
             for name, value in _UCX_REQUIRED.items():
-                if (given := os.environ.get(name, value)).lower() not in (value, "no", "off", "0"):
+                if not _keeps_required(name, given := os.environ.get(name, value)):
                     logger.warning("%s=%s is unsafe where strangers can connect: using %s", name, given, value)
                 os.environ[name] = value
             _runtime = _UcxRuntime()
@@ -277,7 +282,7 @@ def init_ucx(config: Mapping[str, str] | None = None) -> None:
         name = key if key.startswith(("UCX_", "UCXPY_")) else f"UCX_{key}"
         if not re.fullmatch(r"UCX(PY)?_[A-Z0-9_]+", name):
             raise ValueError(f"{key!r} is not a UCX option name (expected e.g. 'TLS' or 'UCX_TLS')")
-        if name in _UCX_REQUIRED and str(value).lower() not in (_UCX_REQUIRED[name], "no", "off", "0"):
+        if name in _UCX_REQUIRED and not _keeps_required(name, str(value)):
             raise ValueError(f"{name}={value} would let any peer write into this process's memory; it stays 'n'")
         updates[name] = str(value)
     with _runtime_lock:
