@@ -59,16 +59,27 @@ def openai_finish_reason(engine_reason: str | None, *, has_tool_calls: bool = Fa
     return "length" if engine_reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, kv_store_tokens: int = 0) -> JSON:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    kv_store_tokens: int = 0,
+    reasoning_tokens: int | None = None,
+) -> JSON:
     """OpenAI's usage object. ``prompt_tokens_details.kv_store_tokens`` (rayturn's own) counts the
-    cached tokens whose KV came from the KV store rather than the serving replica's device; the callers add
-    rayturn's ``energy`` object (``energy.energy_usage``)."""
-    return {
+    cached tokens whose KV came from the KV store rather than the serving replica's device;
+    ``completion_tokens_details.reasoning_tokens`` is there when the answers were split into reasoning and the
+    rest (``CallResult.reasoning_tokens``). The callers add rayturn's ``energy`` object
+    (``energy.energy_usage``)."""
+    body: JSON = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens, "kv_store_tokens": kv_store_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def splits_answer(request: ChatRequest, parser: str) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +57,30 @@ class CallResult:
     # Set once the ingress has settled the call's energy (``energy.EnergyAccounts``): its session's total then.
     energy_settled: bool = False
     session_energy_j: float | None = None
+    # How many tokens the tokenizer makes of a text (without special tokens): counts the answers' reasoning.
+    count_tokens: Callable[[str], int] | None = None
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions.values())
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Tokens of the completions' reasoning (where the model's format marks it apart: harmony's analysis
+        channel), or None when no answer was split into reasoning and the rest.
+
+        The reasoning's text as the tokenizer encodes it, at most each completion's own length; the format's
+        markers around it (a channel's header, its end tag) are not counted.
+        """
+        split = [state for state in self.completions.values() if state.tool_parse]
+        if not split or self.count_tokens is None:
+            return None
+        total = 0
+        for state in split:
+            reasoning = "".join(piece.reasoning for piece in state.tool_parse)
+            if reasoning:
+                total += min(self.count_tokens(reasoning), len(state.token_ids))
+        return total
 
     @property
     def energy_j(self) -> float:
@@ -70,7 +90,9 @@ class CallResult:
         return energy_usage(self.energy_j, self.energy_meter, self.session_energy_j)
 
     def usage(self) -> dict[str, Any]:
-        tokens = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens)
+        tokens = usage(
+            self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.loaded_tokens, self.reasoning_tokens
+        )
         return {**tokens, "energy": self.energy()}
 
     def send_again(self) -> None:

@@ -68,6 +68,7 @@ class GrpcStream:
                 response.usage.completion_tokens = result.completion_tokens
                 response.usage.cached_tokens = result.cached_tokens
                 response.usage.kv_store_tokens = result.loaded_tokens
+                response.usage.reasoning_tokens = result.reasoning_tokens or 0
                 response.usage.energy.joules = result.energy_j
                 response.usage.energy.meter = result.energy_meter or ""
                 if result.session_energy_j is not None:

@@ -114,9 +114,12 @@ def output_items(parsed: ParsedToolCalls, status: str) -> list[JSON]:
     return items
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, kv_store_tokens: int = 0) -> JSON:
+def response_usage(
+    input_tokens: int, output_tokens: int, cached_tokens: int = 0, kv_store_tokens: int = 0, reasoning_tokens: int = 0
+) -> JSON:
     """Responses' usage; ``input_tokens_details.kv_store_tokens`` (rayturn's own) counts the cached tokens whose
-    KV came from the KV store, as in the chat API's usage. Nothing is written to an explicit cache."""
+    KV came from the KV store, as in the chat API's usage; ``reasoning_tokens`` the answer's reasoning
+    (``CallResult.reasoning_tokens``). Nothing is written to an explicit cache."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {
@@ -125,7 +128,7 @@ def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0
             "kv_store_tokens": kv_store_tokens,
         },
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 

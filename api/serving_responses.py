@@ -148,7 +148,11 @@ class ServingResponses(HTTPServing):
 
     def _usage(self, result: CallResult) -> JSON:
         tokens = response_usage(
-            result.prompt_tokens, result.completion_tokens, result.cached_tokens, result.loaded_tokens
+            result.prompt_tokens,
+            result.completion_tokens,
+            result.cached_tokens,
+            result.loaded_tokens,
+            result.reasoning_tokens or 0,
         )
         return {**tokens, "energy": result.energy()}
 

@@ -178,18 +178,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "kv_store_tokens", "energy")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "kv_store_tokens", "energy", "reasoning_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENERGY_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     kv_store_tokens: int
     energy: Energy
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_store_tokens: _Optional[int] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ...) -> None: ...
+    reasoning_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_store_tokens: _Optional[int] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class Energy(_message.Message):
     __slots__ = ("joules", "meter", "session_joules")
