@@ -27,7 +27,7 @@ typecheck: install
 	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode -p rayturn.protos -p rayturn.api -p rayturn.replay -m rayturn.messages -m rayturn.registry -m rayturn.settings -m rayturn.cli
 
 pytest: install
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q --durations=25 tests
 
 test: lint typecheck pytest
 

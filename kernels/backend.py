@@ -77,6 +77,11 @@ class KernelBackend(abc.ABC):
 
     name: str = "abstract"
 
+    def describe(self) -> str:
+        """How this backend runs on its host, for the start-up log (e.g. the native kernels' vector width);
+        empty when there is nothing to say beyond its name."""
+        return ""
+
     @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32."""

@@ -76,6 +76,10 @@ class CpuBackend(TorchBackend):
             native_prefill = native.vector_bits >= NATIVE_PREFILL_MIN_VECTOR_BITS
         self.native_prefill = native_prefill
 
+    def describe(self) -> str:
+        prefill = "native" if self.native_prefill else "torch flash"
+        return f"{self.native.vector_bits}-bit vectors, prefill attention {prefill}"
+
     def decode_attention(
         self,
         query: torch.Tensor,

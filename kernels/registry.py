@@ -81,10 +81,8 @@ def select_backend(device: torch.device, name: str | None = None) -> KernelBacke
         name, why = _default_backend(device)
         reason = f"default for {_describe(device)}" + (f"; {why}" if why else "")
     backend = BACKENDS.create(name)
-    native_prefill = getattr(backend, "native_prefill", None)
-    if native_prefill is not None:
-        bits = backend.native.vector_bits  # type: ignore[attr-defined]
-        reason += f"; {bits}-bit vectors, prefill attention {'native' if native_prefill else 'torch flash'}"
+    if described := backend.describe():
+        reason += f"; {described}"
     logger.info("rayturn kernel backend: %s (%s, device %s)", backend.name, reason, device)
     return backend
 

@@ -134,6 +134,9 @@ def test_prefill_attention_runs_natively_only_on_avx512_by_default(
     monkeypatch.setattr(BACKEND.native, "vector_bits", vector_bits)
     backend = CpuBackend(BACKEND.native)
     assert backend.native_prefill is (vector_bits >= 512)
+    path = "native" if vector_bits >= 512 else "torch flash"
+    assert backend.describe() == f"{vector_bits}-bit vectors, prefill attention {path}"
+    assert CpuBackend(BACKEND.native, native_prefill=True).describe().endswith("prefill attention native")
     prefill_calls = count_native_calls(backend, "paged_prefill_attention_f32", monkeypatch)
     decode_calls = count_native_calls(backend, "paged_decode_attention_f32", monkeypatch)
     spec = CacheSpec(page_size=16, num_kv_heads=2, head_dim=64)

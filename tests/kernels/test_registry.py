@@ -50,6 +50,7 @@ def test_select_backend_logs_one_line_and_honours_overrides(
     assert [r.getMessage() for r in caplog.records] == [
         f"rayturn kernel backend: cpu (default for CPU; {bits}-bit vectors, prefill attention {prefill}, device cpu)"
     ]
+    assert BACKENDS.create("torch").describe() == ""  # nothing to add: the line names the backend alone
     caplog.clear()
     monkeypatch.setenv("RAYTURN_KERNEL_BACKEND", "torch")
     with caplog.at_level(logging.INFO, logger="rayturn.kernels.registry"):
