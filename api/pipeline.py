@@ -176,10 +176,6 @@ class CallPipeline:
         num_tokens = await off_loop(len(prompt_ids) * 4, measure)
         return Retention(num_tokens, ttl_s) if num_tokens > 0 else None
 
-    def count_tokens(self, text: str) -> int:
-        """How many tokens the model's tokenizer makes of ``text`` (no special tokens added)."""
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
     async def text_prompt(self, text: str, *, param: str) -> list[int]:
         """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it."""
         self.budget.check(text, param=param)
@@ -292,7 +288,7 @@ class CallPipeline:
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
         """Send a call to the decode pool; its result, its steps and its first step (API errors before it)."""
-        result = CallResult(completions={}, request_id=call.request_id, count_tokens=self.count_tokens)
+        result = CallResult(completions={}, request_id=call.request_id, count_tokens=self.tokenizer.count_tokens)
         steps = self._steps(call, result)
         return result, steps, await first_step(steps, call.request_id)
 

@@ -155,6 +155,10 @@ class Tokenizer:
         ids: list[int] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` encodes to, no special tokens added (e.g. an answer's reasoning)."""
+        return len(self.encode(text, add_special_tokens=False))
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text

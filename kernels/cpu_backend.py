@@ -24,13 +24,11 @@ Prefill attention without a sliding window runs natively too where the
 library was built for AVX-512: each chunk's keys are copied transposed once,
 then sixteen query rows (a GQA group's heads at consecutive positions) go
 over each block of keys together, with an online softmax, reading values in
-place from their pages. Those tiles are made for AVX-512's 32 registers; on
-AVX2 (16 registers) they spill and the kernel ran at 6.4 GFLOP/s against
-PyTorch's flash kernel's 45 on a 4,096-token prompt (AMD EPYC, Zen 1), so
-there prefill attention stays on the torch path (``native_prefill``). Mixture-of-experts layers
-use a native grouped matmul while experts meet few rows each (a decode step):
-each expert's weight is read once, sixteen outputs at a time, where torch's
-grouped matmul makes a call per expert.
+place from their pages. The tiles are made for AVX-512's 32 registers; on AVX2
+(16) they spill (6.4 against PyTorch flash's 45 GFLOP/s on 4,096 tokens, Zen 1),
+so there prefill stays on the torch path (``native_prefill``, ``describe``).
+Mixture-of-experts layers use a native grouped matmul while experts meet few rows each (a decode
+step): each expert's weight is read once, sixteen outputs at a time; torch's makes a call per expert.
 
 Sinks and sliding windows: the native decode kernel takes both, starting at
 the window's first token so earlier pages are never read. Windowed prefill
@@ -55,9 +53,7 @@ from .torch_backend import TorchBackend, _gather_tokens, _pages_for, first_windo
 # Up to this many rows per expert on average, the native grouped matmul beats torch's (2.8x at 4 rows, as
 # fast at 64, on a 16-expert layer of hidden 256); prefill-sized groups go to torch's.
 _NATIVE_MOE_ROWS_PER_EXPERT = 32
-NATIVE_PREFILL_MIN_VECTOR_BITS = 512
-"""Prefill attention runs natively where the library's vectors are this wide (AVX-512); elsewhere PyTorch's flash
-kernel is faster (the module's docstring)."""
+NATIVE_PREFILL_MIN_VECTOR_BITS = 512  # prefill attention runs natively from this vector width on (AVX-512)
 
 
 class CpuBackend(TorchBackend):

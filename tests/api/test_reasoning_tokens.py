@@ -30,6 +30,11 @@ def count(tokenizer: Tokenizer) -> int:
     return len(tokenizer.encode(REASONING, add_special_tokens=False))
 
 
+def test_the_tokenizer_counts_a_texts_tokens_without_special_ones(tokenizer: Tokenizer) -> None:
+    assert tokenizer.count_tokens(REASONING) == count(tokenizer) > 0
+    assert tokenizer.count_tokens("") == 0
+
+
 def step(text: str, num_tokens: int, *, index: int = 0, parser: str | None = "harmony", cut: int = 7) -> Step:
     """The one step of a completion whose ``num_tokens`` tokens read ``text``, split as a replica splits it
     (``parser`` None: an answer that is not split), the text arriving in pieces of ``cut`` characters."""
@@ -58,7 +63,7 @@ def step(text: str, num_tokens: int, *, index: int = 0, parser: str | None = "ha
 
 
 def folded(tokenizer: Tokenizer, steps: Sequence[Step]) -> CallResult:
-    result = CallResult(completions={}, count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    result = CallResult(completions={}, count_tokens=tokenizer.count_tokens)
     for each in steps:
         result.fold(each)
     return result
