@@ -27,14 +27,18 @@ class CompletionState:
     # The decode replica's split of the text into prose and tool calls (calls that offered tools).
     tool_parse: list[ToolCallDelta] = field(default_factory=list)
 
+    @property
+    def reasoning(self) -> str:
+        """The model's reasoning as the replica split it apart ("" when it did not, or there was none)."""
+        return "".join(piece.reasoning for piece in self.tool_parse)
+
     def parsed_tool_calls(self) -> ParsedToolCalls | None:
         """The whole text's prose, tool calls and reasoning as the replica split it, or None when it did not."""
         if not self.tool_parse:
             return None
         content = "".join(piece.content for piece in self.tool_parse)
         calls = tuple(call for piece in self.tool_parse for call in piece.tool_calls)
-        reasoning = "".join(piece.reasoning for piece in self.tool_parse)
-        return ParsedToolCalls(content=content or None, tool_calls=calls, reasoning=reasoning or None)
+        return ParsedToolCalls(content=content or None, tool_calls=calls, reasoning=self.reasoning or None)
 
 
 @dataclass
@@ -75,12 +79,8 @@ class CallResult:
         split = [state for state in self.completions.values() if state.tool_parse]
         if not split or self.count_tokens is None:
             return None
-        total = 0
-        for state in split:
-            reasoning = "".join(piece.reasoning for piece in state.tool_parse)
-            if reasoning:
-                total += min(self.count_tokens(reasoning), len(state.token_ids))
-        return total
+        count = self.count_tokens
+        return sum(min(count(text), len(state.token_ids)) for state in split if (text := state.reasoning))
 
     @property
     def energy_j(self) -> float:
