@@ -19,6 +19,14 @@ token that the model confirms counts as computed one at a time
 (``cache_computed`` caches a page it fills), and ``trim`` frees the pages
 past the sequence's end once the rejected ones are known.
 
+With sliding-window layers (``window_slots.py``) every page comes with a
+window slot, and a sequence parks a slot once its next query is past the
+page's window, where it holds the page alone and nothing else needs the slot
+(``may_release``: with a store, the store must have the whole page first).
+Pages it shared or the store lacked when it passed them are tried again when
+slots run short, and then one the store lacks parks too.
+A prefix hit ends where its last window of pages still has slots.
+
 Pages held for idle sessions (``session_holds.py``) are not free. When an
 allocation falls short, the ``reclaim`` hook releases holds and the
 allocation is tried once more, before the scheduler resorts to preemption.
@@ -32,6 +40,7 @@ from collections.abc import Sequence as Seq
 from .page_hash import PageHash, hash_pages
 from .page_pool import Page, PagePool
 from .sequence import Sequence
+from .window_slots import WindowSlots
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -48,14 +57,32 @@ def check_known_hashes(known: Seq[PageHash], num_tokens: int, page_size: int) ->
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, model_id: str, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        model_id: str,
+        enable_prefix_caching: bool = True,
+        window_slots: WindowSlots | None = None,
+    ) -> None:
         self.page_size = page_size
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
+        self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching, window=window_slots)
+        self.window = window_slots
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) page ids, drained by the runner
+        self.pending_window_copies: list[tuple[int, int]] = []  # (src, dst) window slots, likewise
         # Asked to free at least the given number of pages; returns how many it freed.
         self.reclaim: Callable[[int], int] | None = None
+        # Whether a page's window slot may go back (a store that lacks the page vetoes it).
+        self.may_release: Callable[[Page], bool] = lambda page: True
+        self._keeping: dict[Sequence, None] = {}  # sequences with pages that kept their slot when passed
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The page copies (page ids) and window-slot copies queued since the last call, for the runner."""
+        copies, window_copies = self.pending_copies, self.pending_window_copies
+        self.pending_copies, self.pending_window_copies = [], []
+        return copies, window_copies
 
     @property
     def num_free_pages(self) -> int:
@@ -119,7 +146,8 @@ class KVCacheManager:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
         self._hash_full_pages(seq, max_pages * self.page_size)
-        return self.pool.cached_prefix(seq.page_hashes[:max_pages])
+        hits = self.pool.cached_prefix(seq.page_hashes[:max_pages])
+        return hits if self.window is None else hits[: self.window.usable_hit(hits)]
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Page] | None = None) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after ``cached`` hit pages.
@@ -128,6 +156,7 @@ class KVCacheManager:
         it even after the ``reclaim`` hook released held pages.
         """
         cached = cached or []
+        self.release_behind_window(seq)
         num_computed = seq.num_computed_tokens + len(cached) * self.page_size
         needs_copy = self._shared_partial_tail(seq, num_computed)
         num_new_pages = pages_for(num_computed + num_new_tokens, self.page_size) - len(seq.pages) - len(cached)
@@ -143,11 +172,16 @@ class KVCacheManager:
             if self._num_pages_short(num_new_pages, cached) > 0:
                 return False
         self.pool.touch(cached)
+        if self.window is not None:
+            for page in cached:  # a hit's slots are this request's now, even where others parked them
+                self.window.taken(page)
         seq.pages.extend(cached)
         if needs_copy:
             shared = seq.pages[-1]
             (private,) = self.pool.allocate(1)
             self.pending_copies.append((shared.page_id, private.page_id))
+            if shared.window_slot >= 0:
+                self.pending_window_copies.append((shared.window_slot, private.window_slot))
             self.pool.free([shared])
             seq.pages[-1] = private
             num_new_pages -= 1
@@ -165,7 +199,7 @@ class KVCacheManager:
         Never reclaims or preempts for a draft; the pages are not cached.
         """
         num_new_pages = pages_for(seq.num_tokens + num_draft_tokens, self.page_size) - len(seq.pages)
-        if num_new_pages > self.pool.num_free_pages - num_pages_spare:
+        if num_new_pages > self.pool.num_allocatable - num_pages_spare:
             return False
         seq.pages.extend(self.pool.allocate(max(num_new_pages, 0)))
         return True
@@ -188,7 +222,51 @@ class KVCacheManager:
     def _num_pages_short(self, num_new_pages: int, cached: list[Page]) -> int:
         # Cache hits that sit in the free queue are not free for this request.
         num_hits_free = sum(1 for page in cached if page.ref_count == 0)
-        return num_new_pages - (self.pool.num_free_pages - num_hits_free)
+        short = num_new_pages - (self.pool.num_free_pages - num_hits_free)
+        if self.window is None:
+            return short
+        # Nor are the slots parked on them; slots that running sequences passed by may come back.
+        num_hits_parked = sum(1 for page in cached if self.window.is_parked(page))
+        short_slots = num_new_pages - (self.window.num_available - num_hits_parked)
+        if short_slots > 0:
+            self._release_kept()
+            short_slots = num_new_pages - (self.window.num_available - num_hits_parked)
+        return max(short, short_slots)
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back the slots of ``seq``'s pages that its next query is past, where it holds them alone."""
+        window = self.window
+        if window is None:
+            return
+        limit = min(window.first_visible(seq.num_computed_tokens) // self.page_size, len(seq.pages))
+        for index in range(seq.window_released, limit):
+            page = seq.pages[index]
+            if page.window_slot < 0:
+                continue
+            if page.ref_count == 1 and self.may_release(page):
+                window.park(page)
+            else:
+                seq.window_kept.append(index)
+                self._keeping[seq] = None
+        seq.window_released = max(seq.window_released, limit)
+
+    def _release_kept(self) -> None:
+        """Try again the pages running sequences passed by while they were shared or unsaved. Slots are short:
+        a page the store lacks parks too (the store then misses it, rather than a sequence never fitting)."""
+        assert self.window is not None
+        for seq in list(self._keeping):
+            still = []
+            for index in seq.window_kept:
+                page = seq.pages[index]
+                if page.window_slot < 0:
+                    continue
+                if page.ref_count == 1:
+                    self.window.park(page)
+                else:
+                    still.append(index)
+            seq.window_kept = still
+            if not still:
+                del self._keeping[seq]
 
     def _shared_partial_tail(self, seq: Sequence, num_computed: int) -> bool:
         return num_computed % self.page_size != 0 and bool(seq.pages) and seq.pages[-1].ref_count > 1
@@ -198,7 +276,14 @@ class KVCacheManager:
         self.pool.touch(parent.pages)
         child.pages = list(parent.pages)
         child.page_hashes = list(parent.page_hashes)
+        child.window_released = parent.window_released
+        child.window_kept = list(parent.window_kept)
+        if child.window_kept:
+            self._keeping[child] = None
 
     def free(self, seq: Sequence) -> None:
         self.pool.free(reversed(seq.pages))
         seq.pages = []
+        seq.window_released = 0
+        seq.window_kept = []
+        self._keeping.pop(seq, None)

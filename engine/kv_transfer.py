@@ -32,6 +32,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector
 from .page_hash import PageHash
 from .page_pool import Page
+from .page_views import PageViews
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
 from .session_holds import SessionHolds, SessionMove
@@ -61,7 +62,7 @@ class KVTransfer:
         self,
         connector: KVConnector,
         kv_cache: KVCacheManager,
-        cache_pages: torch.Tensor,
+        page_views: PageViews,
         reclaim_idle: Callable[[int], int],
         kv_save: str = "sync",
     ) -> None:
@@ -69,12 +70,14 @@ class KVTransfer:
         self.connector = connector
         self.kv_cache = kv_cache
         self.page_size = kv_cache.page_size
-        self.cache_pages = cache_pages  # [num_pages, ...]: one contiguous block per page
+        self.page_views = page_views  # one contiguous block per page, all layers
         self.reclaim_idle = reclaim_idle
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="rayturn-kv-save") if kv_save == "async" else None
         self._saved: queue.SimpleQueue[list[Page]] = queue.SimpleQueue()
         # Hashes this engine loaded from or gave to the store, least recently first (a bounded memory).
         self.stored: OrderedDict[PageHash, None] = OrderedDict()
+        # A page keeps its sliding layers' window slot (window_slots.py) until the store has it whole.
+        kv_cache.may_release = lambda page: page.page_hash is None or page.page_hash in self.stored
 
     # -- loads ------------------------------------------------------------
 
@@ -114,17 +117,18 @@ class KVTransfer:
             logger.warning("KV store lookup failed, computing instead: %s", err)
             return 0
         pool.touch(local)  # keep local hits from being evicted by the allocation below
-        if reclaim and available > pool.num_free_pages:
+        if reclaim and available > pool.num_allocatable:
             # Idle holds only: requests queued before this one keep their reservations.
-            self.reclaim_idle(available - pool.num_free_pages)
-        pages = pool.allocate(max(0, min(available, pool.num_free_pages - keep_free)))
+            self.reclaim_idle(available - pool.num_allocatable)
+        pages = pool.allocate(max(0, min(available, pool.num_allocatable - keep_free)))
+        views = self.page_views.for_load(pages)
         try:
-            views = [self.cache_pages[page.page_id] for page in pages]
             landed = self.connector.load(missing[: len(pages)], views, tenant)
         except Exception as err:
             logger.warning("KV store load failed, computing instead: %s", err)
             landed = [False] * len(pages)
         num_loaded = next((i for i, ok in enumerate(landed) if not ok), len(landed))
+        self.page_views.landed(pages[:num_loaded], views[:num_loaded])
         for page, page_hash in zip(pages[:num_loaded], missing):
             pool.cache(page, page_hash)
         self._remember_stored(missing[:num_loaded])
@@ -238,13 +242,15 @@ class KVTransfer:
         """
         # Pages this engine loaded from or gave to the store are not sent again:
         # an agent's next call re-saves only the pages its turn added.
-        fresh = [i for i, page_hash in enumerate(hashes) if resend or page_hash not in self.stored]
+        # A page that gave its window slot back lacks its sliding layers: it cannot be sent.
+        complete = self.page_views.complete
+        fresh = [i for i, h in enumerate(hashes) if (resend or h not in self.stored) and complete(pages[i])]
         if not fresh:
             return 0
         keys = [hashes[i] for i in fresh]
         self._remember_stored(keys)
         fresh_pages = [pages[i] for i in fresh]
-        views = [self.cache_pages[page.page_id] for page in fresh_pages]
+        views = self.page_views.for_save(fresh_pages)
         if wait:
             self._save(owner, keys, views, tenant)
             return len(keys)

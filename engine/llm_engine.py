@@ -30,7 +30,7 @@ from . import kv_transfer
 from .config import ModelConfig
 from .energy import EnergyLedger
 from .generation_config import end_of_turn_ids
-from .kv_budget import default_num_pages
+from .kv_budget import kv_sizes
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector
 from .kv_transfer import KVTransfer, check_kv_save
@@ -76,6 +76,7 @@ class LLMEngine:
         kv_load_min_tokens: int = 0,
         session_hold_s: float = 30.0,
         speculative: SpeculativeConfig | None = None,
+        num_window_slots: int | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -90,14 +91,17 @@ class LLMEngine:
         self.model = load_model(model_dir, self.config, self.backend, self.dtype, self.device)
         self.model_id = model_id or model_identity(model_dir)
         self.page_size = page_size
-        self.num_pages = num_pages or default_num_pages(
-            self.model, page_size, self.dtype, self.device, max_num_seqs, self.max_model_len
-        )
-        self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching)
+        # Sliding-window layers keep only their window, in slots of their own (window_slots.py).
+        self.num_pages, window_slots = kv_sizes(
+            self.model, self.dtype, self.device, page_size, num_pages, num_window_slots, max_num_seqs,
+            max_num_batched_tokens, self.max_model_len,
+        )  # fmt: skip
+        self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching, window_slots)
         self.drafter = Drafter(speculative or SpeculativeConfig(), self.max_model_len)
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self.drafter.propose)
-        self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device)
+        slots = window_slots.num_slots if window_slots is not None else 0
+        self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device, slots)
         # A finished request of a session holds its pages this long (see session_holds.py).
         self.session_hold_s = session_hold_s
         self.session_holds = SessionHolds(
@@ -113,7 +117,7 @@ class LLMEngine:
         self.kv_load_min_tokens = kv_load_min_tokens
         check_kv_save(kv_save)
         self.kv_transfer = (
-            KVTransfer(self.kv_connector, self.kv_cache, self.runner.kv_cache, self.session_holds.reclaim, kv_save)
+            KVTransfer(self.kv_connector, self.kv_cache, self.runner.page_views, self.session_holds.reclaim, kv_save)
             if self.kv_connector is not None
             else None
         )
@@ -236,7 +240,7 @@ class LLMEngine:
     @property
     def bytes_per_page(self) -> int:
         """The size of one KV page in the cache (all layers, keys and values)."""
-        return self.runner.kv_cache[0].nbytes
+        return ModelRunner.bytes_per_page(self.model, self.page_size, self.dtype)
 
     def load_stats(self) -> dict[str, int]:
         """What a router weighs: queued prompt tokens, running sequences, free and total pages."""
@@ -314,8 +318,7 @@ class LLMEngine:
         if self.reservations:
             for chunk in chunks:  # admitted: the sequence's own references take over
                 self.reservations.release(chunk.seq.request_id)
-        self.runner.apply_page_copies(self.kv_cache.pending_copies)
-        self.kv_cache.pending_copies.clear()
+        self.runner.apply_page_copies(*self.kv_cache.take_copies())
         with self.energy.step(chunks):
             out = self.runner.run(chunks)
         for chunk in chunks:

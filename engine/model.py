@@ -33,6 +33,10 @@ class ForwardBatch:
     num_decode_tokens: int
     decode: DecodeBatch | None
     prefill: PrefillBatch | None
+    # The sliding-window layers' own cache, slots and page tables, where they are kept apart
+    # (``window_slots.py``), and each layer's index in its cache; without them, layer i is kv_cache[:, i].
+    window: ForwardBatch | None = None
+    cache_index: tuple[int, ...] = ()
 
 
 class Linear(nn.Module):
@@ -98,8 +102,11 @@ class Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.backend.rotary_embedding(positions, query, key, rope_cache)
 
-        key_cache = batch.kv_cache[:, self.layer_index, 0]
-        value_cache = batch.kv_cache[:, self.layer_index, 1]
+        if self.sliding_window is not None and batch.window is not None:
+            batch = batch.window
+        index = batch.cache_index[self.layer_index] if batch.cache_index else self.layer_index
+        key_cache = batch.kv_cache[:, index, 0]
+        value_cache = batch.kv_cache[:, index, 1]
         self.backend.write_kv(key, value, key_cache, value_cache, batch.slot_mapping)
 
         num_decode = batch.num_decode_tokens

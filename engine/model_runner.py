@@ -7,11 +7,17 @@ verify (their last token, then the draft tokens). Only chunks that reach their
 sequence's last token produce logits to sample: one row, or one row per
 position for a chunk with a draft. A chunk of a sequence that asks for
 prompt logprobs also scores its prompt positions (``prompt_logprobs.py``).
+
+A model with sliding-window layers, given window slots (``window_slots.py``),
+keeps those layers' keys and values in a cache of their own, addressed by the
+pages' window slots: they get a page table and slot mapping of their own
+(``ForwardBatch.window``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,6 +25,8 @@ import torch
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
 from .model import CausalLM, ForwardBatch
+from .page_pool import Page
+from .page_views import PageViews
 from .prompt_logprobs import PromptScores, score_prompt, scored_positions
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
@@ -33,7 +41,13 @@ class RunOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, backend: KernelBackend, num_pages: int, page_size: int, device: torch.device
+        self,
+        model: CausalLM,
+        backend: KernelBackend,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        num_window_slots: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -41,29 +55,69 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         dtype = next(model.parameters()).dtype
-        # Zeros, not empty: padded attention reads multiply garbage by zero weights, and NaN * 0 is NaN.
-        self.kv_cache = torch.zeros(
-            (num_pages, cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+        layers = range(cfg.num_layers)
+        self.sliding = tuple(num_window_slots > 0 and cfg.attention_window(i) is not None for i in layers)
+        num_sliding = sum(self.sliding)
+        # Each layer's index in its cache: the window cache's for sliding layers, the page cache's for the others.
+        self.cache_index = tuple(
+            sum(self.sliding[:i]) if s else i - sum(self.sliding[:i]) for i, s in enumerate(self.sliding)
         )
+        page_shape = (2, page_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: padded attention reads multiply garbage by zero weights, and NaN * 0 is NaN.
+        self.kv_cache = torch.zeros((num_pages, cfg.num_layers - num_sliding, *page_shape), dtype=dtype, device=device)
+        self.window_cache = (
+            torch.zeros((num_window_slots, num_sliding, *page_shape), dtype=dtype, device=device)
+            if num_sliding
+            else None
+        )
+        self.page_views = PageViews(self.kv_cache, self.window_cache, self.sliding)
 
     @staticmethod
     def bytes_per_page(model: CausalLM, page_size: int, dtype: torch.dtype) -> int:
         cfg = model.config
         return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
-    def apply_page_copies(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.backend.copy_pages(self.kv_cache, src, dst)
+    def apply_page_copies(self, copies: Seq[tuple[int, int]], window_copies: Seq[tuple[int, int]] = ()) -> None:
+        for cache, pairs in ((self.kv_cache, copies), (self.window_cache, window_copies)):
+            if pairs and cache is not None:
+                src = torch.tensor([s for s, _ in pairs], device=self.device)
+                dst = torch.tensor([d for _, d in pairs], device=self.device)
+                self.backend.copy_pages(cache, src, dst)
 
-    def _page_table(self, chunks: list[ScheduledChunk], num_tokens_after: list[int]) -> torch.Tensor:
+    def _page_table(
+        self, chunks: list[ScheduledChunk], num_tokens_after: list[int], window: bool = False
+    ) -> torch.Tensor:
         max_pages = max((n + self.page_size - 1) // self.page_size for n in num_tokens_after)
         table = np.zeros((len(chunks), max_pages), dtype=np.int32)
         for row, chunk in enumerate(chunks):
-            ids = [page.page_id for page in chunk.seq.pages[:max_pages]]
+            pages = chunk.seq.pages[:max_pages]
+            # A page that gave its window slot back lies before the window: never read, any slot will do.
+            ids = [max(page.window_slot, 0) for page in pages] if window else [page.page_id for page in pages]
             table[row, : len(ids)] = ids
         return torch.from_numpy(table).to(self.device)
+
+    def _window_batch(
+        self,
+        decodes: list[ScheduledChunk],
+        prefills: list[ScheduledChunk],
+        decode: DecodeBatch | None,
+        prefill: PrefillBatch | None,
+        window_slots: list[int],
+    ) -> ForwardBatch:
+        """The sliding layers' part of a step: their cache, the window slots written, page tables of slots."""
+        assert self.window_cache is not None
+        if decode is not None:
+            decode = replace(decode, page_table=self._page_table(decodes, list(decode.seq_lens_host), True))
+        if prefill is not None:
+            prefill = replace(prefill, page_table=self._page_table(prefills, list(prefill.seq_lens_host), True))
+        return ForwardBatch(
+            kv_cache=self.window_cache,
+            slot_mapping=torch.tensor(window_slots, dtype=torch.int64, device=self.device),
+            num_decode_tokens=len(decodes),
+            decode=decode,
+            prefill=prefill,
+            cache_index=self.cache_index,
+        )
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> RunOutput:
@@ -76,6 +130,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        window_slots: list[int] = []
         logit_rows: list[int] = []
         scored: list[tuple[Sequence, range, int]] = []  # (sequence, positions, row of the first)
         for chunk in ordered:
@@ -91,6 +146,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             pages = seq.pages  # only the pages this chunk writes are touched: a decode costs O(1) here
             slots.extend(pages[p // page_size].page_id * page_size + p % page_size for p in range(start, end))
+            if self.window_cache is not None:
+                window_slots.extend(_window_slots(pages, start, end, page_size))
             if chunk.samples:
                 logit_rows.extend(range(len(input_ids) - 1 - len(chunk.draft), len(input_ids)))
 
@@ -120,12 +177,17 @@ class ModelRunner:
                 query_lens_host=tuple(query_lens),
                 seq_lens_host=tuple(seq_lens),
             )
+        window = None
+        if self.window_cache is not None:
+            window = self._window_batch(decodes, prefills, decode_batch, prefill_batch, window_slots)
         batch = ForwardBatch(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decode_tokens=len(decodes),
             decode=decode_batch,
             prefill=prefill_batch,
+            window=window,
+            cache_index=self.cache_index,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -136,3 +198,14 @@ class ModelRunner:
             for seq, positions, row in scored
         ]
         return RunOutput([c for c in ordered if c.samples], self.model.compute_logits(hidden[rows]), prompt_scores)
+
+
+def _window_slots(pages: list[Page], start: int, end: int, page_size: int) -> list[int]:
+    """The window-cache slots of positions ``start .. end - 1``, whose pages must still hold a window slot."""
+    out = []
+    for p in range(start, end):
+        slot = pages[p // page_size].window_slot
+        if slot < 0:
+            raise RuntimeError(f"position {p} is written to a page without a window slot")
+        out.append(slot * page_size + p % page_size)
+    return out

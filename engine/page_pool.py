@@ -19,16 +19,21 @@ offloaded) go to the head, so they are reused before any cached page.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .page_hash import PageHash
 
+if TYPE_CHECKING:
+    from .window_slots import WindowSlots
+
 
 class Page:
-    __slots__ = ("next_free", "page_hash", "page_id", "prev_free", "ref_count")
+    __slots__ = ("next_free", "page_hash", "page_id", "prev_free", "ref_count", "window_slot")
 
     def __init__(self, page_id: int) -> None:
         self.page_id = page_id
         self.ref_count = 0
+        self.window_slot = -1  # its sliding layers' slot, for a model that has them (``window_slots.py``)
         self.page_hash: PageHash | None = None
         self.prev_free: Page | None = None
         self.next_free: Page | None = None
@@ -94,14 +99,18 @@ class FreePageQueue:
 
 
 class PagePool:
-    """Owns page ids, reference counts and the hash -> page prefix cache."""
+    """Owns page ids, reference counts and the hash -> page prefix cache.
 
-    def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
+    ``window``: the sliding layers' slots, for a model that has such layers: every page allocated gets one.
+    """
+
+    def __init__(self, num_pages: int, enable_caching: bool = True, window: WindowSlots | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.pages = [Page(i) for i in range(num_pages)]
         self.free_queue = FreePageQueue(self.pages)
         self.enable_caching = enable_caching
+        self.window = window
         self._cached: dict[PageHash, Page] = {}
 
     @property
@@ -111,6 +120,13 @@ class PagePool:
     @property
     def num_free_pages(self) -> int:
         return self.free_queue.num_free
+
+    @property
+    def num_allocatable(self) -> int:
+        """How many pages one allocation may take: free pages, as far as window slots go round."""
+        if self.window is None:
+            return self.free_queue.num_free
+        return min(self.free_queue.num_free, self.window.num_available)
 
     @property
     def num_cached_pages(self) -> int:
@@ -133,12 +149,17 @@ class PagePool:
         """Take ``num_pages`` from the head of the free queue, evicting their cached contents."""
         if num_pages > self.free_queue.num_free:
             raise ValueError(f"asked for {num_pages} pages, {self.free_queue.num_free} free")
+        window = self.window
+        if window is not None and num_pages > window.num_available:
+            raise ValueError(f"asked for {num_pages} pages, {window.num_available} window slots free")
         pages = []
         for _ in range(num_pages):
             page = self.free_queue.popleft()
             if page.page_hash is not None:
                 del self._cached[page.page_hash]
                 page.page_hash = None
+            if window is not None:
+                window.give(page)
             page.ref_count = 1
             pages.append(page)
         return pages
@@ -150,6 +171,8 @@ class PagePool:
         for page in touched:
             if page.ref_count == 0:
                 self.free_queue.remove(page)
+                if self.window is not None:
+                    self.window.taken(page)
             page.ref_count += 1
         cached = self._cached
         for page in reversed(touched):
@@ -164,6 +187,8 @@ class PagePool:
             page.ref_count -= 1
             if page.ref_count == 0:
                 self.free_queue.append(page)
+                if self.window is not None:
+                    self.window.went_free(page)
 
     def evict(self, pages: Sequence[Page]) -> None:
         """Drop free pages from the cache and move them to the head of the free queue, in the order given."""
@@ -174,6 +199,8 @@ class PagePool:
             if page.page_hash is not None:
                 del self._cached[page.page_hash]
                 page.page_hash = None
+            if self.window is not None:
+                self.window.release(page)
             self.free_queue.remove(page)
             self.free_queue.appendleft(page)
 

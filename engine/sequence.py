@@ -59,6 +59,10 @@ class Sequence:
     # Of those, tokens whose pages were loaded from the KV store at arrival.
     num_loaded_prompt_tokens: int = 0
     pages: list[Page] = field(default_factory=list)
+    # With sliding-window layers (``window_slots.py``): how many leading pages were looked at for giving
+    # their slot back, and those among them that kept it, shared when looked at (tried again under pressure).
+    window_released: int = 0
+    window_kept: list[int] = field(default_factory=list)
     # Hashes of the leading full pages, in order: seeded at arrival when the serving layer
     # computed the prompt's (``LLMEngine.add_request(page_hashes=...)``), extended as pages fill.
     page_hashes: list[PageHash] = field(default_factory=list)

@@ -26,6 +26,9 @@ class ModelSettings:
     dtype: str = "float32"
     page_size: int = 16
     num_pages: int | None = None
+    # Slots of the sliding-window layers' own cache (``window_slots.py``); None: enough for every sequence's
+    # window, twice over; 0: those layers stay in the pages, for all positions.
+    num_window_slots: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -39,6 +42,7 @@ class ModelSettings:
         check_choice("dtype", self.dtype, DTYPES)
         check_at_least("page_size", self.page_size, 1)
         check_at_least("num_pages", self.num_pages, 1)
+        check_at_least("num_window_slots", self.num_window_slots, 0)
         check_at_least("max_num_seqs", self.max_num_seqs, 1)
         check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_at_least("max_model_len", self.max_model_len, 1)
@@ -64,6 +68,7 @@ class ModelSettings:
             "dtype": self.dtype,
             "page_size": self.page_size,
             "num_pages": self.num_pages,
+            "num_window_slots": self.num_window_slots,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,

@@ -14,7 +14,10 @@ contiguous copy. A layer's view ``kv_cache[:, layer, 0]`` (keys) and
 ``kv_cache[:, layer, 1]`` (values) is ``[num_pages, page_size, num_kv_heads,
 head_dim]`` with a page stride larger than the view's size; kernels honour
 strides. A token at position ``p`` of a sequence lives in slot
-``page_table[p // page_size] * page_size + p % page_size``.
+``page_table[p // page_size] * page_size + p % page_size``. A model with
+sliding-window layers may keep those layers in a second cache of the same
+layout (the engine's window slots): their kernels get its views and a page
+table of its slots, whose entries before the window are never read.
 
 Attention options (GPT-OSS uses both):
 

@@ -35,7 +35,7 @@ def _key_tree(data: dict[str, Any]) -> dict[str, Any]:
 
 def test_defaults() -> None:
     config = ClusterConfig()
-    assert config.model == ModelSettings("tiny", None, "float32", 16, None, 64, 2048, None, None)
+    assert config.model == ModelSettings("tiny", None, "float32", 16, None, None, 64, 2048, None, None)
     assert config.prefill == config.decode == PoolSpec()
     assert (config.decode.min_replicas, config.decode.max_replicas, config.decode.initial_replicas) == (1, 1, None)
     assert (config.decode.num_cpus, config.decode.num_gpus, dict(config.decode.resources)) == (0.5, 0.0, {})
@@ -107,6 +107,7 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"model": {"served_name": " "}}, r"model\.served_name must not be empty"),
         ({"model": {"page_size": 0}}, r"model\.page_size must be >= 1, got 0"),
         ({"model": {"num_pages": 0}}, r"model\.num_pages must be >= 1"),
+        ({"model": {"num_window_slots": -1}}, r"model\.num_window_slots must be >= 0"),
         ({"model": {"max_num_seqs": 0}}, r"model\.max_num_seqs must be >= 1"),
         ({"model": {"max_num_batched_tokens": 0}}, r"model\.max_num_batched_tokens must be >= 1"),
         ({"model": {"max_model_len": -1}}, r"model\.max_model_len must be >= 1"),
@@ -442,13 +443,14 @@ def test_engine_kwargs_match_the_engine() -> None:
     from rayturn.engine import LLMEngine
     from rayturn.engine.speculative import SpeculativeConfig
 
-    spec = ModelSettings(dtype="bfloat16", num_pages=128, max_model_len=4096, backend="torch")
+    spec = ModelSettings(dtype="bfloat16", num_pages=128, num_window_slots=96, max_model_len=4096, backend="torch")
     kwargs = spec.engine_kwargs()
     assert kwargs == {
         "backend": "torch",
         "dtype": "bfloat16",
         "page_size": 16,
         "num_pages": 128,
+        "num_window_slots": 96,
         "max_num_seqs": 64,
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
