@@ -141,11 +141,38 @@ static inline float exp_row(float *row, int64_t len, float maximum)
 static inline __attribute__((always_inline)) vf dots16(const float *x, const float *const *y, int vectors)
 {
     vf dots[LANES];
+#if defined(__AVX512F__) || !defined(__AVX__)
     for (int i = 0; i < LANES; ++i) {
         vf acc = load(x) * load(y[i]);
         for (int b = 1; b < vectors; ++b) acc += load(x + b * LANES) * load(y[i] + b * LANES);
         dots[i] = acc;
     }
+#else
+    /* AVX without AVX-512: a sixteen-lane sum lives in two registers, but as one value GCC keeps it on the
+     * stack through the loop (a store and reload per step). Two eight-lane halves stay in registers and
+     * add up lane for lane as the sixteen-lane sum does, so the result is the same. */
+    typedef float vh __attribute__((vector_size(LANES / 2 * sizeof(float))));
+    for (int i = 0; i < LANES; ++i) {
+        const float *row = y[i];
+        vh lo, hi, a, b2;
+        memcpy(&a, x, sizeof a);
+        memcpy(&b2, row, sizeof b2);
+        lo = a * b2;
+        memcpy(&a, x + LANES / 2, sizeof a);
+        memcpy(&b2, row + LANES / 2, sizeof b2);
+        hi = a * b2;
+        for (int b = 1; b < vectors; ++b) {
+            memcpy(&a, x + b * LANES, sizeof a);
+            memcpy(&b2, row + b * LANES, sizeof b2);
+            lo += a * b2;
+            memcpy(&a, x + b * LANES + LANES / 2, sizeof a);
+            memcpy(&b2, row + b * LANES + LANES / 2, sizeof b2);
+            hi += a * b2;
+        }
+        memcpy(&dots[i], &lo, sizeof lo);
+        memcpy((char *)&dots[i] + sizeof lo, &hi, sizeof hi);
+    }
+#endif
     return sum_lanes16(dots);
 }
 
