@@ -42,15 +42,18 @@ PRESET: dict[str, Any] = {
 }
 
 
-def write_checkpoint(directory: Path, seed: int) -> Path:
-    """The random Qwen3-MoE preset saved as transformers saves it, with a byte tokenizer beside it."""
+def write_checkpoint(
+    directory: Path, seed: int, config_class: str = "Qwen3MoeConfig", preset: dict[str, Any] | None = None
+) -> Path:
+    """A random model of transformers' ``config_class`` (default: the Qwen3-MoE preset) saved as transformers
+    saves it, with a byte tokenizer beside it."""
     import torch
     import transformers
 
     from rayturn.engine.byte_tokenizer import CHATML_TOOLS_TEMPLATE, save_byte_tokenizer
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None, pad_token_id=None, **PRESET
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None, pad_token_id=None, **(preset or PRESET)
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from _common import load_average
+from moe_throughput import VOCAB_SIZE, write_checkpoint
 
 from rayturn.replay.harness import add_out_argument, emit, machine
 
-VOCAB_SIZE = 300  # the byte tokenizer's ids
 PAGE_SIZE = 16
 PRESET: dict[str, Any] = {
     "hidden_size": 256,
@@ -46,22 +46,6 @@ PRESET: dict[str, Any] = {
     "max_position_embeddings": 131072,  # its YaRN default: 32x an original 4096
     "initializer_range": 0.1,
 }
-
-
-def write_checkpoint(directory: Path, seed: int) -> Path:
-    import torch
-    import transformers
-
-    from rayturn.engine.byte_tokenizer import CHATML_TOOLS_TEMPLATE, save_byte_tokenizer
-
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None, pad_token_id=None, **PRESET
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    save_byte_tokenizer(directory, CHATML_TOOLS_TEMPLATE)
-    return directory
 
 
 def run_side(
@@ -122,7 +106,7 @@ def main() -> None:
     args.max_batched = 256
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"writing the random GPT-OSS checkpoint to {args.out / 'model'} ...", flush=True)
-    model_dir = write_checkpoint(args.out / "model", args.seed)
+    model_dir = write_checkpoint(args.out / "model", args.seed, "GptOssConfig", PRESET)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(prompt_tokens)] for _ in range(num_seqs)]
 
