@@ -234,7 +234,8 @@ class KVCacheManager:
         return max(short, short_slots)
 
     def release_behind_window(self, seq: Sequence) -> None:
-        """Give back the slots of ``seq``'s pages that its next query is past, where it holds them alone."""
+        """Park the slots of ``seq``'s pages that its next query is past, where it holds them alone (and the
+        store, if any, has them); note the others, to try again when slots run short."""
         window = self.window
         if window is None:
             return

@@ -41,12 +41,13 @@ class WindowSlots:
         self.window = window
         self.page_size = page_size
         self._unattached = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
-        # Free (ref_count 0) cached pages that keep a slot, the first to give it up first.
+        # Cached pages whose slot no holder needs (free ones, or held for their other layers only), the first
+        # to give it up first.
         self._parked: OrderedDict[Page, None] = OrderedDict()
 
     @property
     def num_available(self) -> int:
-        """Slots an allocation may take: unattached ones and those parked on free pages."""
+        """Slots an allocation may take: unattached ones and parked ones."""
         return len(self._unattached) + len(self._parked)
 
     @property
