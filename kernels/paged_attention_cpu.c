@@ -21,6 +21,16 @@
 #define LANES 16
 /* How many tokens ahead the value loop asks for the next row, and the score loop for the next block. */
 #define PREFETCH_AHEAD 8
+/* How many sixteen-float running sums weighted_sum keeps (more heads per pass over the values, fewer
+ * passes): half the 32 zmm with AVX-512; with AVX all 16 ymm, two per sum (on Zen 1 faster than half of
+ * them: a few operand spills cost less than another pass); with SSE half the 16 xmm, four per sum. */
+#if defined(__AVX512F__)
+#define SUM_VECTORS 16
+#elif defined(__AVX__)
+#define SUM_VECTORS 8
+#else
+#define SUM_VECTORS 2
+#endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -176,6 +186,16 @@ static inline __attribute__((always_inline)) vf dots16(const float *x, const flo
     return sum_lanes16(dots);
 }
 
+/* The running sums of weighted_sum: one register each. With AVX but not AVX-512 a sixteen-float sum is two
+ * registers, and GCC builds each scalar-times-sixteen-floats product through the stack; eight-float sums
+ * broadcast the weight in a register instead. Lane for lane the same arithmetic, so the same result. */
+#if defined(__AVX__) && !defined(__AVX512F__)
+#define SUM_LANES 8
+#else
+#define SUM_LANES LANES
+#endif
+typedef float vs __attribute__((vector_size(SUM_LANES * sizeof(float))));
+
 /* For ``heads`` query heads at once (rows of out and of weights, head_dim and weights_stride apart):
  * out_row[h] = scale[h] * sum over t of weights[h][t] * values(t), values(t) = v_cache + offsets[t].
  * Each value row is read once for all the heads; inlined with constant ``heads`` and ``vectors`` so the
@@ -184,23 +204,26 @@ static inline __attribute__((always_inline)) void weighted_sum(
     float *out, int64_t head_dim, const float *weights, int64_t weights_stride, const float *scale,
     const float *v_cache, const int64_t *offsets, int64_t len, int heads, int vectors)
 {
-    vf acc[4][8];
+    enum { PARTS = LANES / SUM_LANES };
+    const int parts = vectors * PARTS;
+    vs acc[4][8 * PARTS];
     for (int h = 0; h < heads; ++h)
-        for (int b = 0; b < vectors; ++b) acc[h][b] = (vf){0};
+        for (int b = 0; b < parts; ++b) acc[h][b] = (vs){0};
     for (int64_t t = 0; t < len; ++t) {
         const float *value = v_cache + offsets[t];
         if (t + PREFETCH_AHEAD < len)
-            for (int b = 0; b < vectors; ++b) /* a vector is one 64-byte cache line */
+            for (int b = 0; b < vectors; ++b) /* LANES floats are one 64-byte cache line */
                 __builtin_prefetch(v_cache + offsets[t + PREFETCH_AHEAD] + b * LANES);
-        for (int b = 0; b < vectors; ++b) {
-            const vf v = load(value + b * LANES);
+        for (int b = 0; b < parts; ++b) {
+            vs v;
+            memcpy(&v, value + b * SUM_LANES, sizeof v);
             for (int h = 0; h < heads; ++h) acc[h][b] += weights[h * weights_stride + t] * v;
         }
     }
     for (int h = 0; h < heads; ++h)
-        for (int b = 0; b < vectors; ++b) {
-            const vf scaled = acc[h][b] * scale[h];
-            memcpy(out + h * head_dim + b * LANES, &scaled, sizeof(vf));
+        for (int b = 0; b < parts; ++b) {
+            const vs scaled = acc[h][b] * scale[h];
+            memcpy(out + h * head_dim + b * SUM_LANES, &scaled, sizeof scaled);
         }
 }
 
@@ -240,10 +263,11 @@ static inline __attribute__((always_inline)) void attend_vectorised(
         if (sinks) total += expf(sinks[g] - maximum);
         inverses[g] = 1.f / total;
     }
-    /* Four heads per pass over the values (two for head dims over 64): their sums fill the registers. */
-    const int per_pass = vectors <= 4 ? 4 : 2;
+    /* As many heads per pass over the values as their sums fit in registers (SUM_VECTORS): each value row
+     * is then read once per pass. */
+    const int per_pass = 4 * vectors <= SUM_VECTORS ? 4 : 2 * vectors <= SUM_VECTORS ? 2 : 1;
     int64_t g = 0;
-    for (; g + per_pass <= group; g += per_pass) {
+    for (; per_pass > 1 && g + per_pass <= group; g += per_pass) {
         if (per_pass == 4)
             weighted_sum(out_group + g * head_dim, head_dim, scores + g * stride, stride, inverses + g, v_cache,
                          offsets, len, 4, vectors);
@@ -356,6 +380,12 @@ int paged_decode_attention_f32(
         float *out_group = out + (seq * num_heads + kv_head * group) * head_dim;
         const float *group_sinks = sinks ? sinks + kv_head * group : NULL;
         switch (vectors) {
+        case 1:
+            attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group, 1);
+            break;
+        case 2:
+            attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group, 2);
+            break;
         case 4:
             attend_vectorised(q_group, k_cache, v_cache, offsets, len, group_sinks, group, scale, scores, out_group, 4);
             break;

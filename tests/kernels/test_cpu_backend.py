@@ -46,8 +46,13 @@ NATIVE_PREFILL = CpuBackend(native_prefill=True)
         (CacheSpec(page_size=4, num_kv_heads=4, head_dim=8), 4, [3, 5, 8, 1]),  # no GQA
         (CacheSpec(page_size=1, num_kv_heads=1, head_dim=12), 6, [7, 2]),  # one token per page, MQA
         (CacheSpec(page_size=8, num_kv_heads=2, head_dim=48, num_layers=3, layer=2), 4, [33, 64, 9]),
+        # Head dims of one, two and eight vectors, and groups the heads-per-pass of any vector width leaves a
+        # remainder of (the value pass takes 4, 2 or 1 heads at a time by the host's registers).
+        (CacheSpec(page_size=16, num_kv_heads=2, head_dim=32), 14, [1, 40, 300]),
+        (CacheSpec(page_size=4, num_kv_heads=1, head_dim=16), 3, [5, 70]),
+        (CacheSpec(page_size=16, num_kv_heads=2, head_dim=128), 6, [17, 129]),
     ],
-    ids=["small-preset", "mha", "mqa-page1", "dim48-last-layer"],
+    ids=["small-preset", "mha", "mqa-page1", "dim48-last-layer", "dim32-group7", "dim16-group3", "dim128-group3"],
 )
 def test_native_decode_attention_matches_reference(spec: CacheSpec, num_heads: int, seq_lens: list[int]) -> None:
     check_decode_attention(BACKEND, spec, num_heads, seq_lens, torch.float32, "cpu")
