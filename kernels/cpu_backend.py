@@ -21,12 +21,13 @@ op, and SiLU-and-multiply works in place: both avoid passes over, and fresh
 allocations of, prefill-sized activations.
 
 Prefill attention without a sliding window runs natively too where the
-library was built for AVX-512: each chunk's keys are copied transposed once,
-then sixteen query rows (a GQA group's heads at consecutive positions) go
-over each block of keys together, with an online softmax, reading values in
-place from their pages. The tiles are made for AVX-512's 32 registers; on AVX2
-(16) they spill (6.4 against PyTorch flash's 45 GFLOP/s on 4,096 tokens, Zen 1),
-so there prefill stays on the torch path (``native_prefill``, ``describe``).
+library was built for AVX2 or wider: each chunk's keys are copied transposed
+once, then a register's worth of query rows (sixteen with AVX-512, eight with
+AVX2: a GQA group's heads at consecutive positions) go over each block of keys
+together, with an online softmax, reading values in place from their pages.
+PyTorch's flash kernel reuses each key block for more rows, which wins on long
+sequences on AVX2, so there a sequence past ``NATIVE_PREFILL_MAX_KEYS`` takes
+it (``native_prefill``, ``describe``).
 Mixture-of-experts layers use a native grouped matmul while experts meet few rows each (a decode
 step): each expert's weight is read once, sixteen outputs at a time; torch's makes a call per expert.
 
@@ -48,32 +49,42 @@ import torch.nn.functional as F
 from . import moe
 from .backend import DecodeBatch, PrefillBatch
 from .native import NativeKernels, load
+from .native_fits import native_decode_fits, native_prefill_fits, native_rotary_fits, native_sinks_fit
 from .torch_backend import TorchBackend, _gather_tokens, _pages_for, first_window_key, visible_keys
 
 # Up to this many rows per expert on average, the native grouped matmul beats torch's (2.8x at 4 rows, as
 # fast at 64, on a 16-expert layer of hidden 256); prefill-sized groups go to torch's.
 _NATIVE_MOE_ROWS_PER_EXPERT = 32
-NATIVE_PREFILL_MIN_VECTOR_BITS = 512  # prefill attention runs natively from this vector width on (AVX-512)
+NATIVE_PREFILL_MIN_VECTOR_BITS = 256  # prefill attention runs natively from this vector width on (AVX2)
+# Per vector width, the longest sequence (keys) whose prefill attention runs natively by default; longer ones
+# take PyTorch's flash kernel, whose tiles reuse each key block for more rows. On AVX2 (Zen 1, head dim 64)
+# native is 1.6x flash at 512 keys, 1.05x at 1,024, 0.93x at 2,048, 0.82x at 4,096. No limit with AVX-512.
+NATIVE_PREFILL_MAX_KEYS: dict[int, int] = {256: 1536}
 
 
 class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, kernels: NativeKernels | None = None, native_prefill: bool | None = None) -> None:
-        """``native_prefill``: whether prefill attention runs the native kernel (default: where the library was
-        built for AVX-512, :data:`NATIVE_PREFILL_MIN_VECTOR_BITS`)."""
+        """``native_prefill``: whether prefill attention runs the native kernel, for sequences of any length
+        (default: where the library was built for AVX2 or wider, :data:`NATIVE_PREFILL_MIN_VECTOR_BITS`, up to
+        the width's :data:`NATIVE_PREFILL_MAX_KEYS`)."""
         native = kernels or load()
         if native is None:
             from .native import unavailable_reason
 
             raise RuntimeError(f"the cpu kernel backend needs its native kernels: {unavailable_reason()}")
         self.native = native
+        self.native_prefill_max_keys: int | None = None  # longer sequences take torch flash; None: no limit
         if native_prefill is None:
             native_prefill = native.vector_bits >= NATIVE_PREFILL_MIN_VECTOR_BITS
+            self.native_prefill_max_keys = NATIVE_PREFILL_MAX_KEYS.get(native.vector_bits)
         self.native_prefill = native_prefill
 
     def describe(self) -> str:
         prefill = "native" if self.native_prefill else "torch flash"
+        if self.native_prefill and self.native_prefill_max_keys is not None:
+            prefill += f" up to {self.native_prefill_max_keys} keys, torch flash beyond"
         return f"{self.native.vector_bits}-bit vectors, prefill attention {prefill}"
 
     def decode_attention(
@@ -86,7 +97,7 @@ class CpuBackend(TorchBackend):
         sinks: torch.Tensor | None = None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if not _native_decode_fits(query, key_cache, value_cache, batch) or not _native_sinks_fit(sinks, query):
+        if not native_decode_fits(query, key_cache, value_cache, batch) or not native_sinks_fit(sinks, query):
             return super().decode_attention(query, key_cache, value_cache, batch, scale, sinks, sliding_window)
         num_seqs, num_heads, head_dim = query.shape
         query = query.contiguous()
@@ -160,7 +171,7 @@ class CpuBackend(TorchBackend):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # One pass per tensor, where the torch backend's takes six (and their temporaries).
-        if not _native_rotary_fits(positions, query, key, cos_sin_cache):
+        if not native_rotary_fits(positions, query, key, cos_sin_cache):
             return super().rotary_embedding(positions, query, key, cos_sin_cache)
         positions = positions.to(torch.int64).contiguous()
         return self._rotate(query, positions, cos_sin_cache), self._rotate(key, positions, cos_sin_cache)
@@ -206,18 +217,27 @@ class CpuBackend(TorchBackend):
     ) -> torch.Tensor:
         if query.device.type != "cpu":
             return super().prefill_attention(query, key_cache, value_cache, batch, scale, sinks, sliding_window)
-        if (
+        native = (
             self.native_prefill
             and sliding_window is None
-            and _native_prefill_fits(query, key_cache, value_cache, batch, sinks)
-        ):
-            return self._native_prefill(query, key_cache, value_cache, batch, scale, sinks)
+            and native_prefill_fits(query, key_cache, value_cache, batch, sinks)
+        )
+        longest = self.native_prefill_max_keys
+        if native:
+            query = query.contiguous()
         page_size = key_cache.shape[1]
+        page_table = batch.page_table.contiguous()
         out = torch.empty_like(query)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
             end = start + query_len
             context_len = seq_len - query_len
+            if native and (longest is None or seq_len <= longest):
+                self._native_sequence(
+                    query[start:end], out[start:end], key_cache, value_cache, page_table[i], seq_len, scale, sinks
+                )
+                start = end
+                continue
             first_page = first_window_key(context_len, sliding_window) // page_size
             first_key = first_page * page_size
             pages = batch.page_table[i, first_page : _pages_for(seq_len, page_size)].long()
@@ -241,50 +261,45 @@ class CpuBackend(TorchBackend):
             start = end
         return out
 
-    def _native_prefill(
+    def _native_sequence(
         self,
         query: torch.Tensor,
+        out: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        batch: PrefillBatch,
+        pages: torch.Tensor,
+        seq_len: int,
         scale: float,
         sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Each sequence's chunk through the native kernel, keys and values read from their pages in place."""
-        query = query.contiguous()
-        out = torch.empty(query.shape, dtype=query.dtype)
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        page_table = batch.page_table.contiguous()
-        start = 0
-        for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
-            end = start + query_len
-            lse = None if sinks is None else torch.empty(num_heads, query_len, dtype=torch.float32)
-            status = self.native.paged_prefill_attention_f32(
-                query[start:end].data_ptr(),
-                key_cache.data_ptr(),
-                value_cache.data_ptr(),
-                key_cache.stride(0),
-                key_cache.stride(1),
-                key_cache.stride(2),
-                page_table[i].data_ptr(),
-                seq_len - query_len,
-                query_len,
-                out[start:end].data_ptr(),
-                None if lse is None else lse.data_ptr(),
-                num_heads,
-                key_cache.shape[2],
-                head_dim,
-                key_cache.shape[1],
-                scale,
-                torch.get_num_threads(),
-            )
-            if status != 0:
-                raise MemoryError(f"native prefill attention could not allocate its buffers ({seq_len} keys)")
-            if sinks is not None and lse is not None:
-                # The sink joins the denominator only: rescale by sum / (sum + exp(sink)).
-                out[start:end] *= torch.sigmoid(lse - sinks.view(-1, 1)).t()[..., None]
-            start = end
-        return out
+    ) -> None:
+        """One sequence's chunk (``query``, contiguous, into ``out``) through the native kernel, keys and values
+        read from their ``pages`` (int32, contiguous) in place."""
+        query_len, num_heads, head_dim = query.shape
+        lse = None if sinks is None else torch.empty(num_heads, query_len, dtype=torch.float32)
+        status = self.native.paged_prefill_attention_f32(
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            pages.data_ptr(),
+            seq_len - query_len,
+            query_len,
+            out.data_ptr(),
+            None if lse is None else lse.data_ptr(),
+            num_heads,
+            key_cache.shape[2],
+            head_dim,
+            key_cache.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"native prefill attention could not allocate its buffers ({seq_len} keys)")
+        if sinks is not None and lse is not None:
+            # The sink joins the denominator only: rescale by sum / (sum + exp(sink)).
+            out *= torch.sigmoid(lse - sinks.view(-1, 1)).t()[..., None]
 
 
 def _causal_over_context(
@@ -317,84 +332,3 @@ def _flash(
         queries, keys, values, 0.0, is_causal, attn_mask=mask, scale=scale
     )
     return out, lse
-
-
-def _native_sinks_fit(sinks: torch.Tensor | None, query: torch.Tensor) -> bool:
-    return sinks is None or (
-        sinks.device.type == "cpu" and sinks.dtype == torch.float32 and sinks.shape == (query.shape[1],)
-    )
-
-
-def _native_rotary_fits(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> bool:
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key, cos_sin_cache))
-        and positions.device.type == "cpu"
-        and not positions.is_floating_point()
-        and query.dim() == key.dim() == 3
-        and query.shape[0] == key.shape[0] == positions.numel()
-        and query.shape[2] == key.shape[2] == cos_sin_cache.shape[-1]
-        and query.shape[2] % 2 == 0
-        and query.stride(-1) == key.stride(-1) == 1
-        and cos_sin_cache.dim() == 2
-        and cos_sin_cache.is_contiguous()
-    )
-
-
-def _native_prefill_fits(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    batch: PrefillBatch,
-    sinks: torch.Tensor | None,
-) -> bool:
-    # As for decode, plus the kernel's head dims: multiples of 16 up to 128.
-    return (
-        _native_cache_fits(query, key_cache, value_cache, batch.page_table, batch.seq_lens_host)
-        and query.shape[2] % 16 == 0
-        and query.shape[2] <= 128
-        and sum(batch.query_lens_host) == query.shape[0]
-        and _native_sinks_fit(sinks, query)
-    )
-
-
-def _native_decode_fits(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: DecodeBatch
-) -> bool:
-    seq_lens = batch.seq_lens
-    return (
-        _native_cache_fits(query, key_cache, value_cache, batch.page_table, batch.seq_lens_host)
-        and seq_lens.device.type == "cpu"
-        and seq_lens.dtype == torch.int32
-        and seq_lens.shape == (query.shape[0],)
-        and len(batch.seq_lens_host) == query.shape[0]
-    )
-
-
-def _native_cache_fits(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens_host: tuple[int, ...],
-) -> bool:
-    """What both native attention kernels need: they trust their arguments, so anything they cannot read safely
-    takes the torch path (float32 CPU tensors, one page layout for keys and values, unit head-dim stride, whole
-    GQA groups, an int32 page table on the CPU with a row per sequence and room for every sequence)."""
-    tensors = (query, key_cache, value_cache)
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and query.dim() == 3
-        and key_cache.dim() == 4
-        and key_cache.shape == value_cache.shape
-        and key_cache.stride() == value_cache.stride()
-        and key_cache.stride(-1) == 1
-        and query.shape[2] == key_cache.shape[3]
-        and query.shape[1] % key_cache.shape[2] == 0
-        and page_table.device.type == "cpu"
-        and page_table.dtype == torch.int32
-        and page_table.dim() == 2
-        and page_table.shape[0] == len(seq_lens_host)
-        and max(seq_lens_host, default=0) <= page_table.shape[1] * key_cache.shape[1]
-    )

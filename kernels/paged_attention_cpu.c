@@ -88,22 +88,25 @@ static inline vf vmin(vf a, vf b)
 
 /* exp(x) lane by lane, float32, within 2 ulp: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
  * polynomial in r) in vector arithmetic. Below -87 it gives exp(-87) (1.6e-38), not a denormal or zero:
- * a softmax weight that small is lost against the row's largest, which is 1. */
-static inline vf vexp(vf x)
-{
-    x = vmin(vmax(x, (vf){0} - 87.0f), (vf){0} + 88.0f);
-    /* n = round(x / ln2): adding and taking away 1.5 * 2^23 rounds to the nearest integer. */
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n */
-    return p * (vf)exponent;
-}
+ * a softmax weight that small is lost against the row's largest, which is 1. Defined for a float vector
+ * type V (int vector type VI of the same lanes) given its lane-wise MAX and MIN. */
+#define DEFINE_VEXP(NAME, V, VI, MAX, MIN)                                                                    \
+    static inline V NAME(V x)                                                                                  \
+    {                                                                                                          \
+        x = MIN(MAX(x, (V){0} - 87.0f), (V){0} + 88.0f);                                                       \
+        /* n = round(x / ln2): adding and taking away 1.5 * 2^23 rounds to the nearest integer. */             \
+        const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                   \
+        const V r = x - n * 0.693359375f + n * 2.12194440e-4f;                                                \
+        V p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                        \
+        p = p * r + 8.3334519073e-3f;                                                                          \
+        p = p * r + 4.1665795894e-2f;                                                                          \
+        p = p * r + 1.6666665459e-1f;                                                                          \
+        p = p * r + 5.0000001201e-1f;                                                                          \
+        p = p * r * r + r + 1.0f;                                                                              \
+        const VI exponent = (__builtin_convertvector(n, VI) + 127) << 23; /* 2^n */                            \
+        return p * (V)exponent;                                                                                \
+    }
+DEFINE_VEXP(vexp, vf, vi, vmax, vmin)
 
 /* The largest and the sum of a vector's lanes, halving it four times. */
 static inline float lane_max(vf v)
@@ -195,6 +198,23 @@ static inline __attribute__((always_inline)) vf dots16(const float *x, const flo
 #define SUM_LANES LANES
 #endif
 typedef float vs __attribute__((vector_size(SUM_LANES * sizeof(float))));
+typedef int32_t vsi __attribute__((vector_size(SUM_LANES * sizeof(int32_t))));
+#if SUM_LANES == LANES
+#define vmax_s vmax
+#define vexp_s vexp
+#else
+static inline vs vmax_s(vs a, vs b)
+{
+    const vsi greater = a > b;
+    return (vs)(((vsi)a & greater) | ((vsi)b & ~greater));
+}
+static inline vs vmin_s(vs a, vs b)
+{
+    const vsi less = a < b;
+    return (vs)(((vsi)a & less) | ((vsi)b & ~less));
+}
+DEFINE_VEXP(vexp_s, vs, vsi, vmax_s, vmin_s)
+#endif
 
 /* For ``heads`` query heads at once (rows of out and of weights, head_dim and weights_stride apart):
  * out_row[h] = scale[h] * sum over t of weights[h][t] * values(t), values(t) = v_cache + offsets[t].
@@ -408,78 +428,81 @@ int paged_decode_attention_f32(
 /* Causal prefill attention of ROWS query rows (the heads of a GQA group at a few positions) over the
  * same kv head: keys copied key-major and padded to whole blocks (kc[key * head_dim + d]), values in place
  * (v_cache + offsets[key]). Row r is query q[r], sees keys 0 .. visible[r] - 1 and writes out[r] (and
- * lse[r] unless NULL). Online softmax over blocks of LANES keys, with the scores kept transposed: s[j]
+ * lse[r] unless NULL). Online softmax over blocks of ROWS keys, with the scores kept transposed: s[j]
  * holds key k0 + j's score for every row (lane r: row r), so a block's maxima, corrections and sums are
  * lane-wise operations with no horizontal reduction, and the scaled queries (transposed once into
  * qt[d], lane r: row r) are read from one local array. Every key block's loads serve all the rows.
- * Inlined with constant ``vectors`` (head_dim / LANES). */
-#define ROWS 16
-/* One lane per row: a block's transposed scores, maxima and corrections are single vectors. */
-_Static_assert(ROWS == LANES, "prefill_rows keeps one lane per row");
+ * ROWS is the lanes of one register (SUM_LANES: sixteen with AVX-512, eight with AVX), so a block's
+ * scores are ROWS registers. Inlined with constant ``vectors`` (head_dim / LANES). */
+#define ROWS SUM_LANES
 static inline __attribute__((always_inline)) void prefill_rows(
     const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kc,
     const float *v_cache, const int64_t *offsets, float scale, int vectors)
 {
+    enum { PARTS = LANES / SUM_LANES };
     const int64_t head_dim = (int64_t)vectors * LANES;
+    const int parts = vectors * PARTS; /* registers per row of head_dim floats */
     float qt[8 * LANES * ROWS] __attribute__((aligned(64)));
-    float weights[LANES][ROWS] __attribute__((aligned(64)));
+    float weights[ROWS][ROWS] __attribute__((aligned(64)));
     float corrections[ROWS] __attribute__((aligned(64)));
     int32_t visible_lanes[ROWS];
-    vf acc[ROWS][8];
+    vs acc[ROWS][8 * PARTS];
     int64_t last = 0, first_partial = INT64_MAX;
     for (int r = 0; r < ROWS; ++r) {
         for (int64_t d = 0; d < head_dim; ++d) qt[d * ROWS + r] = q[r][d] * scale;
-        for (int b = 0; b < vectors; ++b) acc[r][b] = (vf){0};
+        for (int b = 0; b < parts; ++b) acc[r][b] = (vs){0};
         visible_lanes[r] = (int32_t)visible[r];
         last = visible[r] > last ? visible[r] : last;
         first_partial = visible[r] < first_partial ? visible[r] : first_partial;
     }
-    vi seen_before;
+    vsi seen_before;
     memcpy(&seen_before, visible_lanes, sizeof seen_before);
-    const vf unseen = (vf){0} - INFINITY;
-    vf maxima = unseen, totals = {0};
-    for (int64_t k0 = 0; k0 < last; k0 += LANES) {
-        vf s[LANES];
-        for (int j = 0; j < LANES; ++j) s[j] = (vf){0};
+    const vs unseen = (vs){0} - INFINITY;
+    vs maxima = unseen, totals = {0};
+    for (int64_t k0 = 0; k0 < last; k0 += ROWS) {
+        vs s[ROWS];
+        for (int j = 0; j < ROWS; ++j) s[j] = (vs){0};
         const float *block = kc + k0 * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
-            const vf qd = load(qt + d * ROWS);
+            vs qd;
+            memcpy(&qd, qt + d * ROWS, sizeof qd);
 #pragma GCC unroll 16
-            for (int j = 0; j < LANES; ++j) s[j] += qd * block[j * head_dim + d];
+            for (int j = 0; j < ROWS; ++j) s[j] += qd * block[j * head_dim + d];
         }
         /* Blocks that reach past some row's last visible key (the diagonal, the padding) are masked. */
-        const int partial = k0 + LANES > first_partial;
+        const int partial = k0 + ROWS > first_partial;
         if (partial)
-            for (int j = 0; j < LANES; ++j) {
-                const vi seen = ((vi){0} + (int32_t)(k0 + j)) < seen_before;
-                s[j] = (vf)(((vi)s[j] & seen) | ((vi)unseen & ~seen));
+            for (int j = 0; j < ROWS; ++j) {
+                const vsi seen = ((vsi){0} + (int32_t)(k0 + j)) < seen_before;
+                s[j] = (vs)(((vsi)s[j] & seen) | ((vsi)unseen & ~seen));
             }
-        /* The block's maxima as a tree (four dependent steps, not fifteen). */
-        vf halves[LANES / 2];
-        for (int j = 0; j < LANES / 2; ++j) halves[j] = vmax(s[j], s[j + LANES / 2]);
-        for (int width = LANES / 4; width > 0; width /= 2)
-            for (int j = 0; j < width; ++j) halves[j] = vmax(halves[j], halves[j + width]);
-        const vf block_max = halves[0];
+        /* The block's maxima as a tree (log2(ROWS) dependent steps, not ROWS - 1). */
+        vs halves[ROWS / 2];
+        for (int j = 0; j < ROWS / 2; ++j) halves[j] = vmax_s(s[j], s[j + ROWS / 2]);
+        for (int width = ROWS / 4; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) halves[j] = vmax_s(halves[j], halves[j + width]);
+        const vs block_max = halves[0];
         /* Every row sees key 0, so after the first block every maximum is finite; before it the
          * correction is vexp(-inf), ~1e-38, times sums of zero. */
-        const vf current = vmax(maxima, block_max);
-        const vf correction = vexp(maxima - current);
+        const vs current = vmax_s(maxima, block_max);
+        const vs correction = vexp_s(maxima - current);
         maxima = current;
-        vf sum = {0};
-        for (int j = 0; j < LANES; ++j) {
-            vf e = vexp(s[j] - current);
-            if (partial) e = (vf)((vi)e & (((vi){0} + (int32_t)(k0 + j)) < seen_before));
+        vs sum = {0};
+        for (int j = 0; j < ROWS; ++j) {
+            vs e = vexp_s(s[j] - current);
+            if (partial) e = (vs)((vsi)e & (((vsi){0} + (int32_t)(k0 + j)) < seen_before));
             sum += e;
             memcpy(weights[j], &e, sizeof e);
         }
         totals = totals * correction + sum;
         memcpy(corrections, &correction, sizeof correction);
-        const int64_t keys = last - k0 < LANES ? last - k0 : LANES;
-        for (int b = 0; b < vectors; ++b) {
-            vf sums[ROWS];
+        const int64_t keys = last - k0 < ROWS ? last - k0 : ROWS;
+        for (int b = 0; b < parts; ++b) {
+            vs sums[ROWS];
             for (int r = 0; r < ROWS; ++r) sums[r] = acc[r][b] * corrections[r];
             for (int64_t j = 0; j < keys; ++j) {
-                const vf v = load(v_cache + offsets[k0 + j] + b * LANES);
+                vs v;
+                memcpy(&v, v_cache + offsets[k0 + j] + b * SUM_LANES, sizeof v);
                 for (int r = 0; r < ROWS; ++r) sums[r] += weights[j][r] * v;
             }
             for (int r = 0; r < ROWS; ++r) acc[r][b] = sums[r];
@@ -490,9 +513,9 @@ static inline __attribute__((always_inline)) void prefill_rows(
     memcpy(row_maxima, &maxima, sizeof maxima);
     for (int r = 0; r < ROWS; ++r) {
         const float inverse = 1.f / row_totals[r];
-        for (int b = 0; b < vectors; ++b) {
-            const vf scaled = acc[r][b] * inverse;
-            memcpy(out[r] + b * LANES, &scaled, sizeof(vf));
+        for (int b = 0; b < parts; ++b) {
+            const vs scaled = acc[r][b] * inverse;
+            memcpy(out[r] + b * SUM_LANES, &scaled, sizeof scaled);
         }
         if (lse[r]) *lse[r] = row_maxima[r] + logf(row_totals[r]);
     }
@@ -566,6 +589,12 @@ int paged_prefill_attention_f32(
             const float *kc_head = kc + kv_head * kc_rows * head_dim;
             const int64_t *head_offsets = offsets + kv_head * num_keys;
             switch (vectors) {
+            case 1:
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 1);
+                break;
+            case 2:
+                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 2);
+                break;
             case 4:
                 prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 4);
                 break;

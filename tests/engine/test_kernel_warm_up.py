@@ -16,6 +16,7 @@ import torch
 
 from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.engine.async_engine import AsyncEngine
+from rayturn.kernels import torch_backend
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -32,7 +33,11 @@ async def serve(server: AsyncEngine, prompts: list[list[int]]) -> list[int]:
     return await asyncio.gather(*(one(f"r{index}", prompt) for index, prompt in enumerate(prompts)))
 
 
-def test_prompts_of_new_lengths_build_no_matmul_kernel_after_start(capfd: pytest.CaptureFixture[str]) -> None:
+def test_prompts_of_new_lengths_build_no_matmul_kernel_after_start(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tiny's weights are all small: pack them all, as on hosts with wider vectors than AVX2.
+    monkeypatch.setattr(torch_backend, "_AVX2_PACK_MIN_ELEMENTS", 0)
     server = AsyncEngine(LLMEngine.from_pretrained("tiny", backend="torch", num_pages=256))
     try:
         rng = random.Random(0)

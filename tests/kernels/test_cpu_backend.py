@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rayturn.kernels import DecodeBatch, native, select_backend
-from rayturn.kernels.cpu_backend import CpuBackend
+from rayturn.kernels.cpu_backend import NATIVE_PREFILL_MAX_KEYS, CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
 from .triton_cases import (
@@ -131,24 +131,43 @@ def test_native_prefill_attention_matches_reference(
 
 
 @pytest.mark.parametrize("vector_bits", [512, 256, 128])
-def test_prefill_attention_runs_natively_only_on_avx512_by_default(
+def test_prefill_attention_runs_natively_from_avx2_by_default(
     vector_bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the library's vectors are narrower than AVX-512's, PyTorch's flash kernel serves prefill (the
-    native one spilled its registers on AVX2: 7x slower); decode attention stays native everywhere."""
+    """From AVX2 on, the native kernel serves prefill; on AVX2 only up to NATIVE_PREFILL_MAX_KEYS keys per
+    sequence (longer ones take PyTorch's flash kernel); narrower vectors take flash for every sequence. Decode
+    attention stays native everywhere."""
     monkeypatch.setattr(BACKEND.native, "vector_bits", vector_bits)
     backend = CpuBackend(BACKEND.native)
-    assert backend.native_prefill is (vector_bits >= 512)
-    path = "native" if vector_bits >= 512 else "torch flash"
+    longest = NATIVE_PREFILL_MAX_KEYS.get(vector_bits)
+    assert backend.native_prefill is (vector_bits >= 256)
+    assert backend.native_prefill_max_keys == longest
+    path = "torch flash" if vector_bits < 256 else "native"
+    if longest is not None:
+        path += f" up to {longest} keys, torch flash beyond"
     assert backend.describe() == f"{vector_bits}-bit vectors, prefill attention {path}"
-    assert CpuBackend(BACKEND.native, native_prefill=True).describe().endswith("prefill attention native")
+    forced = CpuBackend(BACKEND.native, native_prefill=True)
+    assert forced.describe().endswith("prefill attention native") and forced.native_prefill_max_keys is None
     prefill_calls = count_native_calls(backend, "paged_prefill_attention_f32", monkeypatch)
     decode_calls = count_native_calls(backend, "paged_decode_attention_f32", monkeypatch)
     spec = CacheSpec(page_size=16, num_kv_heads=2, head_dim=64)
     check_prefill_attention(backend, spec, 8, [0, 100], [70, 31], torch.float32, "cpu")
     check_decode_attention(backend, spec, 8, [1, 300], torch.float32, "cpu")
-    assert len(prefill_calls) == (2 if vector_bits >= 512 else 0)
+    assert len(prefill_calls) == (2 if vector_bits >= 256 else 0)
     assert len(decode_calls) == 1
+
+
+def test_on_avx2_a_sequence_past_the_key_limit_takes_flash_in_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per sequence: a batch mixing short sequences and one past the limit runs the short ones natively, the
+    long one through flash, and all of them match the reference (with sinks too)."""
+    monkeypatch.setattr(BACKEND.native, "vector_bits", 256)
+    backend = CpuBackend(BACKEND.native)
+    monkeypatch.setattr(backend, "native_prefill_max_keys", 64)
+    calls = count_native_calls(backend, "paged_prefill_attention_f32", monkeypatch)
+    spec = CacheSpec(page_size=16, num_kv_heads=2, head_dim=32)
+    # Sequences of 40, 130 (past 64: flash) and 64 keys (at the limit: native).
+    check_prefill_attention(backend, spec, 8, [0, 100, 30], [40, 30, 34], torch.float32, "cpu", 1, True)
+    assert len(calls) == 2
 
 
 def test_the_library_says_its_vector_width() -> None:

@@ -46,7 +46,7 @@ def test_select_backend_logs_one_line_and_honours_overrides(
         backend = select_backend(torch.device("cpu"))
     assert backend.name == "cpu"
     bits = backend.native.vector_bits  # type: ignore[attr-defined]
-    prefill = "native" if bits >= 512 else "torch flash"
+    prefill = {512: "native", 256: "native up to 1536 keys, torch flash beyond"}.get(bits, "torch flash")
     assert [r.getMessage() for r in caplog.records] == [
         f"rayturn kernel backend: cpu (default for CPU; {bits}-bit vectors, prefill attention {prefill}, device cpu)"
     ]

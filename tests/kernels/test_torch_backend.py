@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from rayturn.kernels import DecodeBatch, PrefillBatch
+from rayturn.kernels import DecodeBatch, PrefillBatch, torch_backend
 from rayturn.kernels.torch_backend import TorchBackend, _length_groups, _padded_rows
 
 BACKEND = TorchBackend()
@@ -152,7 +153,8 @@ def test_decode_attention_with_length_groups_matches_longhand() -> None:
         torch.testing.assert_close(out[i], expected)
 
 
-def test_linear_with_packed_weight_matches_plain_matmul() -> None:
+def test_linear_with_packed_weight_matches_plain_matmul(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend, "_AVX2_PACK_MIN_ELEMENTS", 0)  # every weight packed, on any host
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(48, 32, generator=generator)
     bias = torch.randn(48, generator=generator)
@@ -192,6 +194,7 @@ def test_packed_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch) -> None:
         return packed_matmul(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    monkeypatch.setattr(torch_backend, "_AVX2_PACK_MIN_ELEMENTS", 0)
     weight = torch.randn(16, 8)
     prepared = BACKEND.prepare_linear(weight)
     for rows in range(1, 300):
@@ -209,3 +212,19 @@ def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> N
     monkeypatch.setenv("RAYTURN_PACKED_LINEAR", "0")
     assert BACKEND.prepare_linear(weight) is None
     assert BACKEND.linear_row_counts(2048) == ()  # nothing to build ahead
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_small_weights_stay_unpacked_only_where_avx2_is_the_widest(monkeypatch, capability: str) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    generator = torch.Generator().manual_seed(5)
+    small = torch.randn(384, 256, generator=generator) / 16  # under 2**18 elements: plain matmul on AVX2
+    large = torch.randn(768, 512, generator=generator)
+    assert (BACKEND.prepare_linear(small) is None) is (capability == "AVX2")
+    assert BACKEND.prepare_linear(large) is not None
+    x = torch.randn(32, 256, generator=generator)
+    torch.testing.assert_close(
+        BACKEND.linear(x, small, None, BACKEND.prepare_linear(small)), x @ small.T, rtol=1e-5, atol=1e-5
+    )
