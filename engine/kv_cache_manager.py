@@ -116,13 +116,15 @@ class KVCacheManager:
     def prefix_residency(
         self, token_ids: Seq[int], cache_salt: str = "", known: Seq[PageHash] = ()
     ) -> tuple[list[PageHash], int]:
-        """A prompt's page hashes (as ``prompt_hashes``) and how many lead pages are cached here.
+        """A prompt's page hashes (as ``prompt_hashes``) and how many lead pages a match would serve here: the
+        cached ones, cut where sliding layers lack a page's window slot (as ``match_prefix``).
 
         Only reads the prefix cache, so a server may call it beside the thread
         that steps the engine; the count is then an estimate.
         """
         hashes = self.prompt_hashes(token_ids, cache_salt, known)
-        return hashes, len(self.pool.cached_prefix(hashes))
+        hits = self.pool.cached_prefix(hashes)
+        return hashes, len(hits) if self.window is None else self.window.usable_hit(hits)
 
     def _hash_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.page_hashes`` to cover the full pages among its first ``num_tokens`` tokens."""

@@ -174,6 +174,25 @@ def test_greedy_equals_transformers_when_parked_slots_are_taken(
     assert all(hit <= full for hit, full in zip(hits, full_hits)) and hits != full_hits
 
 
+def test_prefix_residency_counts_only_the_pages_a_hit_may_use(
+    checkpoint: tuple[Any, Path], prompts: list[list[int]]
+) -> None:
+    """What the router is told a replica holds is what the replica's next match serves: with parked slots taken,
+    fewer pages than the cache holds."""
+    _, path = checkpoint
+    scarce = engine(path, num_pages=128, num_window_slots=16)
+    run(scarce, prompts)
+    told, served, cached = [], [], []
+    for prompt in sorted(prompts, key=len, reverse=True):
+        hashes, resident = scarce.prefix_residency(prompt)
+        told.append(resident)
+        cached.append(len(scarce.kv_cache.pool.cached_prefix(hashes)))
+        (out,) = run(scarce, [prompt])
+        served.append(out.num_cached_prompt_tokens // PAGE)
+    assert told == served
+    assert any(resident < held for resident, held in zip(told, cached)), "no cached page lacked its slot"
+
+
 def test_plentiful_slots_serve_the_whole_prefix_again(
     checkpoint: tuple[Any, Path], prompts: list[list[int]], expected: list[list[int]]
 ) -> None:
