@@ -68,22 +68,24 @@ static inline vf sum_lanes16(const vf x[LANES])
 }
 
 /* The larger (smaller) of a and b, lane by lane; b where either is NaN. One instruction on AVX-512, a compare
- * and a blend elsewhere. */
+ * and a blend elsewhere (DEFINE_MINMAX: for a float vector type V and the int vector type VI of its lanes). */
+#define DEFINE_MINMAX(MAX, MIN, V, VI)                                                                         \
+    static inline V MAX(V a, V b)                                                                              \
+    {                                                                                                          \
+        const VI greater = a > b;                                                                              \
+        return (V)(((VI)a & greater) | ((VI)b & ~greater));                                                    \
+    }                                                                                                          \
+    static inline V MIN(V a, V b)                                                                              \
+    {                                                                                                          \
+        const VI less = a < b;                                                                                 \
+        return (V)(((VI)a & less) | ((VI)b & ~less));                                                          \
+    }
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 static inline vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 #else
-static inline vf vmax(vf a, vf b)
-{
-    const vi greater = a > b;
-    return (vf)(((vi)a & greater) | ((vi)b & ~greater));
-}
-static inline vf vmin(vf a, vf b)
-{
-    const vi less = a < b;
-    return (vf)(((vi)a & less) | ((vi)b & ~less));
-}
+DEFINE_MINMAX(vmax, vmin, vf, vi)
 #endif
 
 /* exp(x) lane by lane, float32, within 2 ulp: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
@@ -203,16 +205,7 @@ typedef int32_t vsi __attribute__((vector_size(SUM_LANES * sizeof(int32_t))));
 #define vmax_s vmax
 #define vexp_s vexp
 #else
-static inline vs vmax_s(vs a, vs b)
-{
-    const vsi greater = a > b;
-    return (vs)(((vsi)a & greater) | ((vsi)b & ~greater));
-}
-static inline vs vmin_s(vs a, vs b)
-{
-    const vsi less = a < b;
-    return (vs)(((vsi)a & less) | ((vsi)b & ~less));
-}
+DEFINE_MINMAX(vmax_s, vmin_s, vs, vsi)
 DEFINE_VEXP(vexp_s, vs, vsi, vmax_s, vmin_s)
 #endif
 
