@@ -23,13 +23,12 @@
 #define PREFETCH_AHEAD 8
 /* How many sixteen-float running sums weighted_sum keeps (more heads per pass over the values, fewer
  * passes): half the 32 zmm with AVX-512; with AVX all 16 ymm, two per sum (on Zen 1 faster than half of
- * them: a few operand spills cost less than another pass); with SSE half the 16 xmm, four per sum. */
-#if defined(__AVX512F__)
-#define SUM_VECTORS 16
-#elif defined(__AVX__)
+ * them: a few operand spills cost less than another pass). Elsewhere (SSE, NEON; not measured) as many
+ * as with AVX-512, as before AVX2 hosts were measured. */
+#if defined(__AVX__) && !defined(__AVX512F__)
 #define SUM_VECTORS 8
 #else
-#define SUM_VECTORS 2
+#define SUM_VECTORS 16
 #endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
