@@ -21,13 +21,19 @@
 #define LANES 16
 /* How many tokens ahead the value loop asks for the next row, and the score loop for the next block. */
 #define PREFETCH_AHEAD 8
-/* How many sixteen-float running sums weighted_sum keeps (more heads per pass over the values, fewer
- * passes): half the 32 zmm with AVX-512; with AVX all 16 ymm, two per sum (on Zen 1 faster than half of
- * them: a few operand spills cost less than another pass). Elsewhere (SSE, NEON; not measured) as many
- * as with AVX-512, as before AVX2 hosts were measured. */
+/* AVX without AVX-512 (AVX2 hosts): a sixteen-float vector is two registers there.
+ * SUM_LANES: the lanes of the running sums of weighted_sum and prefill_rows, one register each. As
+ * sixteen-float sums, GCC builds each scalar-times-vector product through the stack; eight-float sums
+ * broadcast the scalar in a register instead. Lane for lane the same arithmetic, so the same result.
+ * SUM_VECTORS: how many sixteen-float running sums weighted_sum keeps (more heads per pass over the
+ * values, fewer passes): half the 32 zmm with AVX-512; with AVX all 16 ymm, two per sum (on Zen 1 faster
+ * than half of them: a few operand spills cost less than another pass). Elsewhere (SSE, NEON; not
+ * measured) as many as with AVX-512, as before AVX2 hosts were measured. */
 #if defined(__AVX__) && !defined(__AVX512F__)
+#define SUM_LANES 8
 #define SUM_VECTORS 8
 #else
+#define SUM_LANES LANES
 #define SUM_VECTORS 16
 #endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -190,14 +196,7 @@ static inline __attribute__((always_inline)) vf dots16(const float *x, const flo
     return sum_lanes16(dots);
 }
 
-/* The running sums of weighted_sum: one register each. With AVX but not AVX-512 a sixteen-float sum is two
- * registers, and GCC builds each scalar-times-sixteen-floats product through the stack; eight-float sums
- * broadcast the weight in a register instead. Lane for lane the same arithmetic, so the same result. */
-#if defined(__AVX__) && !defined(__AVX512F__)
-#define SUM_LANES 8
-#else
-#define SUM_LANES LANES
-#endif
+/* SUM_LANES-float vectors (see SUM_LANES) and their lane-wise max and exp. */
 typedef float vs __attribute__((vector_size(SUM_LANES * sizeof(float))));
 typedef int32_t vsi __attribute__((vector_size(SUM_LANES * sizeof(int32_t))));
 #if SUM_LANES == LANES
