@@ -16,9 +16,10 @@ causal. Both halves run PyTorch's fused CPU flash attention, which returns
 each row's log-sum-exp, and the halves are merged exactly by those. The
 torch path instead builds a [queries, keys] boolean mask, which the fused
 kernel converts to an additive float mask and applies to every key block,
-skipping none of the masked-out ones. Float32 RMS norm is PyTorch's fused
-op, and SiLU-and-multiply works in place: both avoid passes over, and fresh
-allocations of, prefill-sized activations.
+skipping none of the masked-out ones. Float32 RMS norm is one native pass
+per row, summing in PyTorch's own order so the bits are its result
+(``native_norm``); SiLU-and-multiply works in place, avoiding a fresh
+allocation of prefill-sized activations.
 
 Prefill attention without a sliding window runs natively too where the
 library was built for AVX2 or wider: each chunk's keys are copied transposed
@@ -30,6 +31,8 @@ sequences on AVX2, so there a sequence past ``NATIVE_PREFILL_MAX_KEYS`` takes
 it (``native_prefill``, ``describe``).
 Mixture-of-experts layers use a native grouped matmul while experts meet few rows each (a decode
 step): each expert's weight is read once, sixteen outputs at a time; torch's makes a call per expert.
+The tokens' permutation by expert and the weighted un-permutation are native too (``native_moe``),
+with the reference's result to the bit.
 
 Sinks and sliding windows: the native decode kernel takes both, starting at
 the window's first token so earlier pages are never read. Windowed prefill
@@ -46,10 +49,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from . import moe
+from . import moe, native_moe
 from .backend import DecodeBatch, PrefillBatch
 from .native import NativeKernels, load
 from .native_fits import native_decode_fits, native_prefill_fits, native_rotary_fits, native_sinks_fit
+from .native_moe import native_moe_fits
+from .native_norm import ExactRmsNorm
 from .torch_backend import TorchBackend, _gather_tokens, _pages_for, first_window_key, visible_keys
 
 # Up to this many rows per expert on average, the native grouped matmul beats torch's (2.8x at 4 rows, as
@@ -75,6 +80,7 @@ class CpuBackend(TorchBackend):
 
             raise RuntimeError(f"the cpu kernel backend needs its native kernels: {unavailable_reason()}")
         self.native = native
+        self.norm = ExactRmsNorm(native)
         self.native_prefill_max_keys: int | None = None  # longer sequences take torch flash; None: no limit
         if native_prefill is None:
             native_prefill = native.vector_bits >= NATIVE_PREFILL_MIN_VECTOR_BITS
@@ -129,6 +135,31 @@ class CpuBackend(TorchBackend):
         if status != 0:
             raise MemoryError(f"native decode attention could not allocate its scores ({num_seqs} sequences)")
         return out
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: moe.ClampedSwiGLU | None = None,
+    ) -> torch.Tensor:
+        # The torch reference's steps, with the permutation and un-permutation native (the same bits).
+        if not native_moe_fits(x, gate_up):
+            return super().fused_moe(
+                x, router_logits, gate_up, down, top_k, renormalize, gate_up_bias, down_bias, activation
+            )
+        weights, expert_ids = moe.route_top_k(router_logits, top_k, renormalize)
+        rows, slot_index, group_sizes = native_moe.permute(self.native, x, expert_ids, gate_up.shape[0])
+        expert_out = moe.grouped_expert_mlp(
+            rows, group_sizes, gate_up, down, activation or self.silu_and_mul, gate_up_bias, down_bias,
+            matmul=self.grouped_matmul,
+        )  # fmt: skip
+        return native_moe.unpermute(self.native, expert_out, slot_index, weights)
 
     def grouped_matmul(self, rows: torch.Tensor, weight: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
         """The native kernel where experts meet few rows each (a decode step: each expert's weight read once,
@@ -198,8 +229,8 @@ class CpuBackend(TorchBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or weight.dtype != torch.float32:
             return super().rms_norm(x, weight, eps)
-        # One fused pass, bit for bit the torch backend's float32 result.
-        return torch.rms_norm(x, weight.shape, weight, eps)
+        # One native pass, bit for bit the torch backend's float32 result (PyTorch's op where it cannot be).
+        return self.norm(x, weight, eps)
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         # In place: a fresh output of prefill size costs more in page faults than the activation itself.

@@ -73,6 +73,25 @@ class NativeKernels:
             i64, i64, i64, ctypes.c_int,  # num_tokens, num_heads, head_dim, num_threads
         ]  # fmt: skip
         self.rotary_neox_f32.restype = ctypes.c_int
+        self.rms_norm_f32 = library.rms_norm_f32
+        self.rms_norm_f32.argtypes = [
+            ptr, i64, i64, i64,  # x, its group stride, rows per group, row stride
+            ptr, ptr, i64, i64,  # weight, out, num_rows, dim
+            ctypes.c_float, ctypes.c_int, ctypes.c_int,  # eps, PyTorch's float lanes, num_threads
+        ]  # fmt: skip
+        self.rms_norm_f32.restype = ctypes.c_int
+        self.moe_permute_f32 = library.moe_permute_f32
+        self.moe_permute_f32.argtypes = [
+            ptr, i64, ptr, i64, i64, i64, i64,  # x, its row stride, expert_ids, tokens, top_k, experts, hidden
+            ptr, ptr, ptr, ctypes.c_int,  # group_sizes, slot_index (int64), rows, num_threads
+        ]  # fmt: skip
+        self.moe_permute_f32.restype = ctypes.c_int
+        self.moe_unpermute_f32 = library.moe_unpermute_f32
+        self.moe_unpermute_f32.argtypes = [
+            ptr, ptr, ptr, i64, i64, i64,  # expert_out, slot_index, weights, tokens, top_k, hidden
+            ptr, ctypes.c_int,  # out, num_threads
+        ]  # fmt: skip
+        self.moe_unpermute_f32.restype = ctypes.c_int
         library.native_vector_bits.argtypes = []
         library.native_vector_bits.restype = ctypes.c_int
         self.vector_bits: int = library.native_vector_bits()

@@ -669,3 +669,169 @@ int rotary_neox_f32(const float *x, int64_t token_stride, int64_t head_stride, f
     }
     return failed ? -1 : 0;
 }
+
+/* Functions marked EXACT round each product on its own, as PyTorch does, where -ffp-contract=fast would fuse a
+ * product into the add that follows it: their results are bit for bit PyTorch's. */
+#if defined(__clang__)
+#define EXACT
+#define EXACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define EXACT __attribute__((optimize("fp-contract=off")))
+#define EXACT_BODY
+#endif
+
+/* sum(x[i] * x[i]) in the order of PyTorch's float32 sum over a contiguous row (ATen's cascade sum), for
+ * PyTorch's vector width of `lanes` floats: the row is read as `lanes`-float vectors, vector i * 4 + k
+ * joining running sum k; every 16 steps the running sums move up one of four levels (a cascade: only sums
+ * of like size meet), the levels join at the end, then the vectors past a multiple of four, then running
+ * sums 1-3 join sum 0; the floats past the last whole vector are summed from zero, and sum 0's lanes join
+ * them in order. */
+static inline __attribute__((always_inline)) EXACT float torch_sum_of_squares(const float *x, int64_t dim,
+                                                                              const int lanes)
+{
+    EXACT_BODY
+    enum { LEVELS = 4, ILP = 4, MAX_WIDTH = ILP * 16 };
+    /* Four running sums of `lanes` floats side by side: one step adds a group of four consecutive vectors. */
+    const int width = ILP * lanes;
+    float acc[LEVELS][MAX_WIDTH];
+    for (int m = 0; m < width; ++m) acc[0][m] = 0.0f;
+    int levels = 1; /* levels in use; the others are zero, and adding zero to these non-negative sums is exact */
+    const int64_t vectors = dim / lanes, groups = vectors / ILP;
+    int level_power = 4;
+    if (groups > 2) {
+        int bits = 0;
+        for (int64_t n = groups - 1; n; n >>= 1) ++bits; /* ceil(log2(groups)) */
+        if (bits / LEVELS > level_power) level_power = bits / LEVELS;
+    }
+    const int64_t step = (int64_t)1 << level_power, mask = step - 1;
+    int64_t i = 0;
+    while (i + step <= groups) {
+        for (int64_t j = 0; j < step; ++j, ++i) {
+            const float *v = x + i * width;
+            for (int m = 0; m < width; ++m) acc[0][m] += v[m] * v[m];
+        }
+        for (int j = 1; j < LEVELS; ++j) {
+            if (j == levels) {
+                for (int m = 0; m < width; ++m) acc[j][m] = 0.0f;
+                ++levels;
+            }
+            for (int m = 0; m < width; ++m) {
+                acc[j][m] += acc[j - 1][m];
+                acc[j - 1][m] = 0.0f;
+            }
+            if (i & (mask << (j * level_power))) break;
+        }
+    }
+    for (; i < groups; ++i) {
+        const float *v = x + i * width;
+        for (int m = 0; m < width; ++m) acc[0][m] += v[m] * v[m];
+    }
+    for (int j = 1; j < levels; ++j)
+        for (int m = 0; m < width; ++m) acc[0][m] += acc[j][m];
+    for (int64_t v = groups * ILP; v < vectors; ++v)
+        for (int l = 0; l < lanes; ++l) acc[0][l] += x[v * lanes + l] * x[v * lanes + l];
+    for (int k = 1; k < ILP; ++k)
+        for (int l = 0; l < lanes; ++l) acc[0][l] += acc[0][k * lanes + l];
+    float total = 0.0f;
+    for (int64_t e = vectors * lanes; e < dim; ++e) total += x[e] * x[e];
+    for (int l = 0; l < lanes; ++l) total += acc[0][l];
+    return total;
+}
+
+static inline __attribute__((always_inline)) EXACT void rms_norm_row(const float *x, const float *weight, float *out,
+                                                                     int64_t dim, float eps, const int lanes)
+{
+    EXACT_BODY
+    const float inverse = 1.0f / sqrtf(torch_sum_of_squares(x, dim, lanes) / (float)dim + eps);
+    for (int64_t i = 0; i < dim; ++i) out[i] = (x[i] * inverse) * weight[i];
+}
+
+/* RMS norm of float32 rows, bit for bit PyTorch's rms_norm for PyTorch's vector width of `lanes` floats (8 with
+ * AVX2, 16 with AVX-512): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * weight, the mean summed as
+ * torch_sum_of_squares does. x: num_rows rows of dim floats (a unit stride), in groups of group_rows rows
+ * (a token's heads), row_stride apart within a group and group_stride between groups; out contiguous. Returns
+ * 0, or -1 for lanes other than 4, 8 or 16. */
+EXACT int rms_norm_f32(const float *x, int64_t group_stride, int64_t group_rows, int64_t row_stride,
+                       const float *weight, float *out, int64_t num_rows, int64_t dim, float eps, int lanes,
+                       int num_threads)
+{
+    if (lanes != 4 && lanes != 8 && lanes != 16) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const float *row = x + (r / group_rows) * group_stride + (r % group_rows) * row_stride;
+        float *dst = out + r * dim;
+        if (lanes == 8)
+            rms_norm_row(row, weight, dst, dim, eps, 8);
+        else if (lanes == 16)
+            rms_norm_row(row, weight, dst, dim, eps, 16);
+        else
+            rms_norm_row(row, weight, dst, dim, eps, 4);
+    }
+    return 0;
+}
+
+/* Mixture-of-experts token permutation: the flat (token, slot) choices of expert_ids ([num_tokens, top_k])
+ * grouped by expert, token order kept within each (a stable counting sort), and row r of `rows` a copy of the
+ * hidden state of the token that choice r came from (x: num_tokens rows of hidden floats, x_stride apart).
+ * Writes group_sizes[num_experts] and slot_index[num_tokens * top_k] (the flat choice behind each row).
+ * Returns 0, -1 for an expert id outside 0 .. num_experts - 1, -2 when out of memory. */
+int moe_permute_f32(const float *x, int64_t x_stride, const int64_t *expert_ids, int64_t num_tokens, int64_t top_k,
+                    int64_t num_experts, int64_t hidden, int64_t *group_sizes, int64_t *slot_index, float *rows,
+                    int num_threads)
+{
+    const int64_t choices = num_tokens * top_k;
+    memset(group_sizes, 0, sizeof(int64_t) * (size_t)num_experts);
+    for (int64_t f = 0; f < choices; ++f) {
+        if (expert_ids[f] < 0 || expert_ids[f] >= num_experts) return -1;
+        ++group_sizes[expert_ids[f]];
+    }
+    int64_t *next = malloc(sizeof(int64_t) * (size_t)(num_experts ? num_experts : 1));
+    if (!next) return -2;
+    for (int64_t e = 0, start = 0; e < num_experts; start += group_sizes[e++]) next[e] = start;
+    for (int64_t f = 0; f < choices; ++f) slot_index[next[expert_ids[f]]++] = f;
+    free(next);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < choices; ++r)
+        memcpy(rows + r * hidden, x + (slot_index[r] / top_k) * x_stride, sizeof(float) * (size_t)hidden);
+    return 0;
+}
+
+/* Mixture-of-experts un-permutation: out[t] = the sum, over token t's rows of expert_out in their grouped
+ * order, of weights[choice] * row, summed from zero with each product rounded first (bit for bit PyTorch's
+ * index_add_ of the weighted rows). slot_index as moe_permute_f32 wrote it; weights: [num_tokens, top_k];
+ * expert_out: [num_tokens * top_k, hidden]; out: [num_tokens, hidden]; all contiguous. Returns 0, -2 when out
+ * of memory. */
+EXACT int moe_unpermute_f32(const float *expert_out, const int64_t *slot_index, const float *weights,
+                            int64_t num_tokens, int64_t top_k, int64_t hidden, float *out, int num_threads)
+{
+    EXACT_BODY
+    const int64_t choices = num_tokens * top_k;
+    int64_t *row_of = malloc(sizeof(int64_t) * (size_t)(choices ? choices : 1));
+    if (!row_of) return -2;
+    for (int64_t r = 0; r < choices; ++r) row_of[slot_index[r]] = r;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(|| : failed)
+    {
+        int64_t *order = malloc(sizeof(int64_t) * (size_t)(top_k ? top_k : 1));
+        if (!order) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            if (!order) continue;
+            for (int64_t j = 0; j < top_k; ++j) { /* this token's rows, in grouped order (insertion sort) */
+                int64_t i = j;
+                for (; i > 0 && row_of[order[i - 1]] > row_of[t * top_k + j]; --i) order[i] = order[i - 1];
+                order[i] = t * top_k + j;
+            }
+            float *dst = out + t * hidden;
+            memset(dst, 0, sizeof(float) * (size_t)hidden);
+            for (int64_t j = 0; j < top_k; ++j) {
+                const float w = weights[order[j]];
+                const float *row = expert_out + row_of[order[j]] * hidden;
+                for (int64_t h = 0; h < hidden; ++h) dst[h] += row[h] * w;
+            }
+        }
+        free(order);
+    }
+    free(row_of);
+    return failed ? -2 : 0;
+}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayturn.kernels import KernelBackend, moe
+from rayturn.kernels import KernelBackend, moe, native_moe
 from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
 
@@ -208,3 +208,82 @@ def test_native_grouped_matmul_serves_decode_steps_and_leaves_prefill_to_torch(
         out = backend.fused_moe(x, logits, gate_up, down, 2, True)
         assert len(calls) == native_calls  # gate-up and down
         torch.testing.assert_close(out, naive_moe(x, logits, gate_up, down, 2, True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "biased", "renormalize"),
+    [
+        (1, 4, 1, 16, False, True),
+        (7, 16, 2, 64, False, True),
+        (33, 8, 3, 48, True, False),
+        (300, 16, 2, 256, False, True),  # past one thread's share of rows
+        (5, 3, 3, 32, True, True),  # every expert chosen by every token
+        (600, 64, 8, 128, False, False),  # prefill-sized: torch's grouped matmul between the native steps
+    ],
+)
+def test_native_permutation_gives_the_references_bits(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    biased: bool,
+    renormalize: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cpu backend's MoE layer equals the torch reference's steps run with the same grouped matmul, to the
+    bit: rows permuted in the reference's order and each token's weighted rows summed in its order."""
+    backend = CpuBackend()
+    permutes = count_native_calls(backend, "moe_permute_f32", monkeypatch)
+    unpermutes = count_native_calls(backend, "moe_unpermute_f32", monkeypatch)
+    generator = torch.Generator().manual_seed(num_tokens)
+    intermediate = 32
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
+    down = torch.randn(num_experts, hidden, intermediate, generator=generator) / intermediate**0.5
+    gate_up_bias = torch.randn(num_experts, 2 * intermediate, generator=generator) if biased else None
+    down_bias = torch.randn(num_experts, hidden, generator=generator) if biased else None
+    for activation in (None, moe.ClampedSwiGLU(alpha=1.702, limit=7.0)):
+        out = backend.fused_moe(x, logits, gate_up, down, top_k, renormalize, gate_up_bias, down_bias, activation)
+        expected = moe.fused_moe(
+            x, logits, gate_up, down, top_k, renormalize, activation or backend.silu_and_mul, gate_up_bias,
+            down_bias, matmul=backend.grouped_matmul,
+        )  # fmt: skip
+        assert torch.equal(out, expected)
+    assert len(permutes) == len(unpermutes) == 2
+
+
+def test_native_permute_and_unpermute_match_the_reference_steps() -> None:
+    backend = CpuBackend()
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k = 40, 6, 3
+    x = torch.randn(num_tokens, 100, generator=generator)[:, 10:74]  # rows further apart than they are long
+    weights, expert_ids = moe.route_top_k(torch.randn(num_tokens, num_experts, generator=generator), top_k, True)
+    expert_ids[:, 0] = 5  # one expert every token chooses, one (expert 0 or another) maybe none
+    rows, slot_index, group_sizes = native_moe.permute(backend.native, x, expert_ids, num_experts)
+    reference = moe.permute_by_expert(expert_ids, num_experts)
+    assert group_sizes == reference.group_sizes
+    assert torch.equal(slot_index, reference.slot_index)
+    assert torch.equal(rows, x[reference.token_index])
+    expert_out = torch.randn(num_tokens * top_k, 64, generator=generator)
+    out = native_moe.unpermute(backend.native, expert_out, slot_index, weights)
+    assert torch.equal(out, moe.unpermute(expert_out, reference, weights, num_tokens))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_native_permutation_refuses_an_expert_id_outside_the_experts(bad_id: int) -> None:
+    expert_ids = torch.tensor([[0, 1], [2, bad_id]])
+    with pytest.raises(ValueError, match=rf"expert id {bad_id} is outside the layer's experts 0\.\.3"):
+        native_moe.permute(CpuBackend().native, torch.randn(2, 16), expert_ids, 4)
+
+
+@pytest.mark.parametrize("dtype,num_tokens", [(torch.bfloat16, 5), (torch.float32, 0)], ids=["bf16", "no-tokens"])
+def test_moe_layers_the_native_steps_do_not_take_are_the_torch_backends(
+    dtype: torch.dtype, num_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = CpuBackend()
+    calls = count_native_calls(backend, "moe_permute_f32", monkeypatch)
+    x, logits, gate_up, down = (t.to(dtype) for t in make_case(num_tokens, 4))
+    out = backend.fused_moe(x, logits, gate_up, down, 2, True)
+    assert torch.equal(out, TorchBackend().fused_moe(x, logits, gate_up, down, 2, True))
+    assert calls == []
