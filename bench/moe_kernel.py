@@ -122,7 +122,7 @@ def run_case(case: Case, dtype: torch.dtype, device: str, repeats: int, warmup: 
         "dtype": str(dtype).removeprefix("torch."),
         "triton_ms": round(triton_ms, 4),
         "torch_ms": round(torch_ms, 4),
-        "speedup": round(torch_ms / triton_ms, 3),
+        "speedup": float(f"{torch_ms / triton_ms:.4g}"),  # significant digits: the interpreter's are ~0.001
         "triton_relative_error": triton_error,
         "torch_relative_error": torch_error,
         "close": triton_error <= TOLERANCE[dtype],
