@@ -41,6 +41,14 @@ _MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
 _MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
 _NON_NEGATIVE = np.uint64(2**63 - 1)
 _J = np.arange(SAMPLED_WORDS, dtype=np.int64)
+# The same constants as Python integers, for the few-page path.
+_MASK_64 = 2**64 - 1
+_SIZE_MULTIPLIER_INT, _MIX_1_INT, _MIX_2_INT, _NON_NEGATIVE_INT = (
+    int(constant) for constant in (_SIZE_MULTIPLIER, _MIX_1, _MIX_2, _NON_NEGATIVE)
+)
+_FEW_PAGES = 4  # batches up to this many pages take ``_digest_one`` per page
+_MAX_CACHED_SIZES = 64
+_word_positions: dict[int, np.ndarray] = {}  # page size -> word indices of its sampled words
 
 
 def page_digest(data: Any) -> int:
@@ -62,6 +70,10 @@ def page_digests(addresses: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     sizes = np.asarray(sizes, dtype=np.int64)
     if not sizes.size:
         return np.zeros(0, dtype=np.int64)
+    if sizes.size <= _FEW_PAGES:
+        few = [_digest_one(address, size) for address, size in zip(addresses.tolist(), sizes.tolist(), strict=True)]
+        if None not in few:
+            return np.array(few, dtype=np.int64)
     aligned = (addresses & (WORD_BYTES - 1) == 0) & (sizes >= WORD_BYTES)
     if aligned.all():
         words = _gather_aligned(addresses, sizes)
@@ -81,6 +93,26 @@ def page_digests(addresses: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         mixed ^= mixed >> np.uint64(33)
     mixed &= _NON_NEGATIVE
     return mixed.view(np.int64)
+
+
+def _digest_one(address: int, size: int) -> int | None:
+    """``page_digests`` of one word-aligned page, with Python's integers where the batch path's fixed cost
+    (a dozen numpy calls) would be most of a one-page get's check; None for an unaligned or sub-word page."""
+    if address & (WORD_BYTES - 1) or size < WORD_BYTES:
+        return None
+    positions = _word_positions.get(size)
+    if positions is None:
+        if len(_word_positions) >= _MAX_CACHED_SIZES:
+            _word_positions.clear()
+        positions = _word_positions[size] = _offsets(np.array([size], dtype=np.int64))[0] >> 3
+    words = np.asarray(_Span(address, size >> 3)).take(positions)
+    mixed = int(np.dot(words, _MULTIPLIERS))  # uint64: wraps as the batch path's sum does
+    mixed ^= (size * _SIZE_MULTIPLIER_INT) & _MASK_64
+    for multiplier in (_MIX_1_INT, _MIX_2_INT):
+        mixed ^= mixed >> 33
+        mixed = (mixed * multiplier) & _MASK_64
+    mixed ^= mixed >> 33
+    return mixed & _NON_NEGATIVE_INT
 
 
 def _offsets(sizes: np.ndarray) -> np.ndarray:

@@ -49,6 +49,12 @@ def copy_out(segment: Segment, ranges: np.ndarray, addresses: np.ndarray) -> Non
         return
     source = segment.array
     base, capacity = source.ctypes.data, source.size
+    if len(ranges) == 1:  # one page (a decode step's arrival load is a few): no numpy calls to find runs
+        ((offset, num_bytes),) = ranges.tolist()
+        if offset < 0 or num_bytes < 0 or offset + num_bytes > capacity:
+            raise ValueError(f"range {offset}+{num_bytes} does not fit segment {segment.name}")
+        _memmove_parallel(int(addresses[0]), base + offset, num_bytes)
+        return
     offsets, sizes = ranges[:, 0], ranges[:, 1]
     outside = np.flatnonzero((offsets < 0) | (sizes < 0) | (offsets + sizes > capacity))
     if outside.size:

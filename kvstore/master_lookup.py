@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import wire
 from .access import HANDSHAKE_TIMEOUT_S, AccessDenied, StoreAuth, refused_peer
@@ -49,6 +49,7 @@ CALL_TIMEOUT_S = 2.0
 LOCK_WAIT_S = 0.05
 RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
+_FIRST_RECV_BYTES = 64 << 10
 
 
 def _request_fields(message: dict[str, Any]) -> None:
@@ -80,7 +81,14 @@ def frame(message: dict[str, Any]) -> bytes:
 
 class LookupServer:
     """Answers lookups with ``answer(method, keys, node_id, tenant)`` on the running event loop, to peers
-    that proved the store secret on connect."""
+    that proved the store secret on connect.
+
+    Each connection is an ``asyncio.Protocol``: its frames are cut out of the bytes as they arrive and
+    answered in the same callback, with no coroutine or stream buffer between the socket and the
+    answer (a stream reader's two awaited reads and a drain per lookup cost as much as the lookup).
+    A peer that sends requests faster than it reads answers is not read from until its backlog of
+    answers drains.
+    """
 
     def __init__(self, answer: Callable[[str, list[bytes], str | None, str], Any], auth: StoreAuth) -> None:
         self.answer = answer
@@ -89,7 +97,8 @@ class LookupServer:
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _LookupConnection(self), host, 0)
         port = self._server.sockets[0].getsockname()[1]
         self.address = (host, port)
         return self.address
@@ -98,61 +107,111 @@ class LookupServer:
         if self._server is not None:
             self._server.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _authenticate(self, nonce: bytes, body: bytes | bytearray) -> tuple[bytes | None, str]:
+        """The master's proof for a peer whose ``auth`` frame ``body`` answers ``nonce``; (None, why) if it
+        does not."""
         try:
-            if not await self._authenticate(reader, writer):
-                return
-            while True:
-                try:
-                    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-                except asyncio.IncompleteReadError:
-                    return  # the client hung up
-                if length == 0 or length > wire.MAX_CONTROL_BYTES:
-                    # The stream cannot be resynchronised after a bad length: say why, then hang up.
-                    writer.write(frame(_refusal(0, f"frame of {length} bytes refused")))
-                    await writer.drain()
-                    return
-                writer.write(frame(self._reply(await reader.readexactly(length))))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            writer.close()
+            answer = wire.decode(body, "auth")
+            return self.auth.check_answer(nonce, answer["nonce"], answer["proof"]), ""
+        except (WireError, AccessDenied) as err:
+            return None, str(err)
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Challenge the peer; whether it proved the secret (if not, it was told why, and is hung up on)."""
-        nonce = self.auth.challenge()
-        writer.write(frame({"type": "challenge", "nonce": nonce}))
-        await writer.drain()
-        try:
-            (length,) = _LENGTH.unpack(await asyncio.wait_for(reader.readexactly(_LENGTH.size), HANDSHAKE_TIMEOUT_S))
-            if length == 0 or length > wire.MAX_CONTROL_BYTES:
-                raise WireError(f"frame of {length} bytes refused")
-            answer = wire.decode(await asyncio.wait_for(reader.readexactly(length), HANDSHAKE_TIMEOUT_S), "auth")
-            proof = self.auth.check_answer(nonce, answer["nonce"], answer["proof"])
-        except (WireError, AccessDenied, asyncio.TimeoutError) as err:
-            reason = "no proof of the store secret in time" if isinstance(err, asyncio.TimeoutError) else str(err)
-            refused_peer(logger, "kv master lookup socket", writer.get_extra_info("peername"), reason)
-            writer.write(frame(_refusal(0, f"authentication refused: {reason}")))
-            await writer.drain()
-            return False
-        writer.write(frame({"type": "master_lookup_reply", "request_id": 0, "ok": True, "proof": proof}))
-        await writer.drain()
-        return True
-
-    def _reply(self, body: bytes) -> dict[str, Any]:
+    def _reply(self, body: bytes | bytearray | memoryview) -> bytes:
+        """The encoded reply (one frame body) to the request frame ``body``: an answer, or a refusal saying
+        why."""
         try:
             request = wire.decode(body, "master_lookup")
         except WireError as err:
-            return _refusal(0, str(err))
+            return wire.encode(_refusal(0, str(err)))
         request_id = request["request_id"]
         try:
             result = self.answer(request["method"], request["keys"], request.get("node_id"), request["tenant"])
-            reply = {"type": "master_lookup_reply", "request_id": request_id, "ok": True, "result": result}
-            wire.encode(reply)  # an answer too large for one frame is refused, and the client asks Ray
-            return reply
+            # An answer too large for one frame is refused here, and the client asks Ray.
+            return wire.encode({"type": "master_lookup_reply", "request_id": request_id, "ok": True, "result": result})
         except Exception as err:  # the master's own error for this request: reported, the server stays up
-            return _refusal(request_id, f"{type(err).__name__}: {err}")
+            return wire.encode(_refusal(request_id, f"{type(err).__name__}: {err}"))
+
+
+class _LookupConnection(asyncio.Protocol):
+    """One peer of the lookup socket: CHALLENGED --proof--> SERVING --hang-up or unusable frame--> CLOSED."""
+
+    def __init__(self, server: LookupServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._nonce: bytes | None = None  # set while the peer has still to prove the secret
+        self._handshake_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's, in a Ray actor, does not subclass asyncio.Transport).
+        self._transport = cast(asyncio.Transport, transport)
+        self._nonce = self._server.auth.challenge()
+        self._transport.write(frame({"type": "challenge", "nonce": self._nonce}))
+        self._handshake_timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+        self._transport = None
+
+    def pause_writing(self) -> None:  # answers pile up unread: stop reading requests until they drain
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while self._transport is not None and len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length == 0 or length > wire.MAX_CONTROL_BYTES:
+                # The stream cannot be resynchronised after a bad length: say why, then hang up.
+                reason = f"frame of {length} bytes refused"
+                if self._nonce is None:
+                    self._refuse(reason)
+                else:
+                    self._refuse(f"authentication refused: {reason}", reason)
+                return
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                return
+            body = self._buffer[_LENGTH.size : end]
+            del self._buffer[:end]
+            if self._nonce is None:
+                self._write(self._server._reply(body))
+            else:
+                self._prove(self._nonce, body)
+
+    def _prove(self, nonce: bytes, body: bytearray) -> None:
+        proof, reason = self._server._authenticate(nonce, body)
+        if proof is None:
+            self._refuse(f"authentication refused: {reason}", reason)
+            return
+        self._nonce = None
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+        self._write(wire.encode({"type": "master_lookup_reply", "request_id": 0, "ok": True, "proof": proof}))
+
+    def _too_slow(self) -> None:
+        if self._transport is not None and self._nonce is not None:
+            reason = "no proof of the store secret in time"
+            self._refuse(f"authentication refused: {reason}", reason)
+
+    def _refuse(self, error: str, logged: str | None = None) -> None:
+        """Tell the peer ``error`` and hang up (``logged``: why a peer that never proved the secret was
+        refused)."""
+        assert self._transport is not None
+        if logged is not None:
+            refused_peer(logger, "kv master lookup socket", self._transport.get_extra_info("peername"), logged)
+        self._write(wire.encode(_refusal(0, error)))
+        self._transport.close()  # after what is written has gone
+        self._transport = None
+
+    def _write(self, body: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(_LENGTH.pack(len(body)) + body)
 
 
 def _refusal(request_id: int, error: str) -> dict[str, Any]:
@@ -260,10 +319,22 @@ class LookupClient:
             raise LookupFailed(str(err)) from None
 
     def _read_frame(self, expected_type: str) -> dict[str, Any]:
-        (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
+        """The next frame: one ``recv`` for a frame that has arrived whole (a lookup's answer, most often)."""
+        assert self._sock is not None
+        data = self._sock.recv(_FIRST_RECV_BYTES)
+        if not data:
+            raise ConnectionError("the master closed the lookup socket")
+        if len(data) < _LENGTH.size:
+            data += self._read(_LENGTH.size - len(data))
+        (length,) = _LENGTH.unpack_from(data)
         if length == 0 or length > wire.MAX_CONTROL_BYTES:
             raise WireError(f"reply frame of {length} bytes refused")
-        return wire.decode(self._read(length), expected_type)
+        body = data[_LENGTH.size :]
+        if len(body) > length:  # the server spoke out of turn: the stream is out of step
+            raise WireError(f"{len(body) - length} bytes after a {length}-byte reply frame")
+        if len(body) < length:
+            body += self._read(length - len(body))
+        return wire.decode(body, expected_type)
 
     def _read(self, num_bytes: int) -> bytes:
         assert self._sock is not None

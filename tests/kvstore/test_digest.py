@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayturn.kvstore import digest
 from rayturn.kvstore.digest import SAMPLED_WORDS, buffer_digests, page_digest, page_digests
 
 PAGE = 32 << 10
@@ -73,3 +74,29 @@ def test_short_pages_are_digested_from_every_byte() -> None:
             changed = page.copy()
             changed[i] ^= 0xFF
             assert page_digest(changed) != page_digest(page), (size, i)
+
+
+def test_a_few_pages_digest_as_a_batch_does() -> None:
+    """Batches of up to ``_FEW_PAGES`` pages (a one-page get's check) take Python's integers instead of the
+    batch path's numpy calls: the same digest for every size and alignment."""
+    backing = pages(1, size=48 << 10, seed=3)[0]
+    base = backing.ctypes.data
+    rng = np.random.default_rng(4)
+    for _ in range(400):
+        size = int(rng.integers(1, 40 << 10))
+        offset = int(rng.integers(0, 8 << 10)) & ~7 | int(rng.integers(0, 2)) * int(rng.integers(1, 8))
+        addresses = np.full(digest._FEW_PAGES + 1, base + offset, dtype=np.int64)
+        sizes = np.full(digest._FEW_PAGES + 1, size, dtype=np.int64)
+        batch = page_digests(addresses, sizes).tolist()  # one more than the few: the batch path
+        assert page_digests(addresses[:1], sizes[:1]).tolist() == batch[:1], (size, offset)
+        assert page_digests(addresses[:-1], sizes[:-1]).tolist() == batch[:-1], (size, offset)
+
+
+def test_the_digest_of_known_bytes_does_not_change() -> None:
+    """Writers and readers of different versions share one store: the digest is a format, pinned here on both
+    paths (one page, and a batch)."""
+    page = np.tile(np.arange(256, dtype=np.uint8), 128)
+    sizes = np.array([PAGE, PAGE, 4096, 8, 24], dtype=np.int64)
+    expected = [8416825979349620085, 8416825979349620085, 8352561035592089947, 6659313825557896194, 1507779296183026347]
+    assert page_digests(np.full(5, page.ctypes.data, dtype=np.int64), sizes).tolist() == expected
+    assert [page_digests(np.array([page.ctypes.data]), sizes[i : i + 1])[0] for i in range(5)] == expected

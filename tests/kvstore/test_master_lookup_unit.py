@@ -1,17 +1,21 @@
-"""The lookup socket's client alone: how long it makes a caller wait when the socket does not answer."""
+"""The lookup socket's client: how long it makes a caller wait when the socket does not answer; and its server on
+a plain event loop: frames however they arrive, strangers refused."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from rayturn.kvstore import master_lookup
+from rayturn.kvstore import master_lookup, wire
 from rayturn.kvstore.access import StoreAuth
-from rayturn.kvstore.master_lookup import LookupClient, LookupFailed
+from rayturn.kvstore.master_lookup import LookupClient, LookupFailed, LookupServer, frame
 
 AUTH = StoreAuth(b"test-store-secret-of-32-bytes...")
 
@@ -134,3 +138,111 @@ def test_a_server_that_cannot_prove_the_secret_gets_no_lookups(monkeypatch: pyte
         thread.join(timeout=5)
     assert asked[-1] == b""  # the lookup itself never went to the impostor
     assert b"a-prompt-page" not in b"".join(asked)
+
+
+@pytest.fixture
+def lookup_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[tuple[str, int], list[tuple[str, list[bytes]]]]]:
+    """A LookupServer on its own event loop thread, answering ``exists`` with one True per key; the calls it
+    answered. A peer has 0.5 s to prove the secret."""
+    monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 0.5)
+    asked: list[tuple[str, list[bytes]]] = []
+
+    def answer(method: str, keys: list[bytes], node_id: str | None, tenant: str) -> Any:
+        asked.append((method, keys))
+        return [True] * len(keys)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = LookupServer(answer, AUTH)
+    address = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(timeout=10)
+    yield address, asked
+    loop.call_soon_threadsafe(server.close)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def _read_frame(conn: socket.socket, expected_type: str) -> dict[str, Any]:
+    def exactly(num_bytes: int) -> bytes:
+        data = b""
+        while len(data) < num_bytes:
+            chunk = conn.recv(num_bytes - len(data))
+            assert chunk, "the server hung up"
+            data += chunk
+        return data
+
+    (length,) = struct.unpack(">I", exactly(4))
+    return wire.decode(exactly(length), expected_type)
+
+
+def _proven(address: tuple[str, int]) -> socket.socket:
+    conn = socket.create_connection(address, timeout=10)
+    nonce = _read_frame(conn, "challenge")["nonce"]
+    client_nonce, proof = AUTH.answer(nonce)
+    conn.sendall(frame({"type": "auth", "nonce": client_nonce, "proof": proof}))
+    verdict = _read_frame(conn, "master_lookup_reply")
+    assert verdict["ok"]
+    AUTH.check_server(nonce, client_nonce, verdict["proof"])
+    return conn
+
+
+def _request(request_id: int, keys: list[bytes]) -> bytes:
+    return frame({"type": "master_lookup", "request_id": request_id, "method": "exists", "keys": keys, "tenant": "t"})
+
+
+def test_the_server_answers_frames_however_the_bytes_arrive(lookup_server: Any) -> None:
+    """Byte by byte, several frames in one send, and many frames sent before any answer is read: every request
+    answered once, in order."""
+    address, asked = lookup_server
+    with _proven(address) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for byte in _request(1, [b"a", b"b"]):
+            conn.sendall(bytes([byte]))
+            time.sleep(0.0005)
+        assert _read_frame(conn, "master_lookup_reply") == {
+            "type": "master_lookup_reply",
+            "request_id": 1,
+            "ok": True,
+            "result": [True, True],
+        }
+        conn.sendall(_request(2, [b"c"]) + _request(3, [b"d"] * 3) + _request(4, [b"e"])[:5])
+        conn.sendall(_request(4, [b"e"])[5:])
+        assert [_read_frame(conn, "master_lookup_reply")["request_id"] for _ in range(3)] == [2, 3, 4]
+        many = 3000  # thousands of requests sent before any answer is read
+        conn.sendall(b"".join(_request(100 + i, [b"k" * 64] * 8) for i in range(many)))
+        replies = [_read_frame(conn, "master_lookup_reply") for _ in range(many)]
+        assert [reply["request_id"] for reply in replies] == list(range(100, 100 + many))
+        assert all(reply["result"] == [True] * 8 for reply in replies)
+    assert len(asked) == 4 + many
+
+
+def test_the_server_answers_a_client_and_hangs_up_on_strangers(lookup_server: Any) -> None:
+    address, asked = lookup_server
+    client = LookupClient(lambda: address, AUTH)
+    assert client.call("exists", [b"x", b"y"], "t") == [True, True]
+    assert (client.calls, client.fallbacks) == (1, 0)
+    wrong = StoreAuth(b"another-store-secret-of-32-bytes")
+    stranger = LookupClient(lambda: address, wrong)
+    with pytest.raises(LookupFailed, match="authentication refused"):
+        stranger.call("exists", [b"x"], "t")
+    # A peer that never answers the challenge is told so and hung up on once its time is up.
+    with socket.create_connection(address, timeout=10) as conn:
+        _read_frame(conn, "challenge")
+        verdict = _read_frame(conn, "master_lookup_reply")
+        assert not verdict["ok"] and "no proof of the store secret in time" in verdict["error"]
+        assert conn.recv(1) == b""
+    # A request instead of a proof, and a length no frame may have before one: refused, hung up on.
+    with socket.create_connection(address, timeout=10) as conn:
+        _read_frame(conn, "challenge")
+        conn.sendall(_request(1, [b"x"]))
+        verdict = _read_frame(conn, "master_lookup_reply")
+        assert not verdict["ok"] and verdict["error"].startswith("authentication refused")
+        assert conn.recv(1) == b""
+    with socket.create_connection(address, timeout=10) as conn:
+        _read_frame(conn, "challenge")
+        conn.sendall(struct.pack(">I", 1 << 30))
+        verdict = _read_frame(conn, "master_lookup_reply")
+        assert verdict["error"] == f"authentication refused: frame of {1 << 30} bytes refused"
+        assert conn.recv(1) == b""
+    assert asked == [("exists", [b"x", b"y"])]  # only the client that proved the secret was answered
+    assert client.call("exists", [b"z"], "t") == [True]  # and it still is

@@ -24,6 +24,7 @@ import pytest
 
 from rayturn.kvstore import segment as segment_module
 from rayturn.kvstore.bytes_view import as_writable_view
+from rayturn.kvstore.landing import copy_out
 from rayturn.kvstore.segment import Segment, cleanup_stale_segments
 
 # A prefix of this test run only, so that stale-segment cleanup never touches anyone else's segments.
@@ -378,3 +379,19 @@ def test_bfloat16_torch_tensors_move_as_their_bytes() -> None:
     assert torch.equal(landed, pages)
     as_writable_view(pages)[:2] = b"\x00\x00"  # the view is the tensor's own memory
     assert pages[0, 0].item() == 0.0
+
+
+def test_copy_out_lands_one_range_or_many_and_refuses_ranges_outside(segment: Segment) -> None:
+    """``landing.copy_out``: a lone range (a one-page get) takes its own path; both check the segment's bounds."""
+    capacity = segment.array.size
+    segment.array[:] = np.random.default_rng(5).integers(0, 256, capacity, dtype=np.uint8)
+    out = np.zeros((3, 512), dtype=np.uint8)
+    addresses = out.ctypes.data + 512 * np.arange(3, dtype=np.int64)
+    copy_out(segment, np.array([[1024, 512]], dtype=np.int64), addresses[:1])
+    assert bytes(out[0]) == bytes(segment.array[1024:1536]) and not out[1:].any()
+    copy_out(segment, np.array([[0, 512], [512, 512], [3072, 512]], dtype=np.int64), addresses)
+    assert bytes(out.reshape(-1)[:1024]) == bytes(segment.array[:1024])
+    assert bytes(out[2]) == bytes(segment.array[3072:3584])
+    for ranges in ([[capacity - 256, 512]], [[-8, 16]], [[0, 512], [capacity, 1]]):
+        with pytest.raises(ValueError, match=f"does not fit segment {segment.name}"):
+            copy_out(segment, np.array(ranges, dtype=np.int64), addresses[: len(ranges)])

@@ -212,6 +212,5 @@ def test_the_server_refuses_forged_or_malformed_grants(
 def test_the_lookup_socket_answers_garbage_with_a_refusal(body: bytes) -> None:
     asked: list[str] = []
     server = LookupServer(lambda method, keys, node_id, tenant: asked.append(method) or 0, StoreAuth(new_secret()))
-    reply = server._reply(body)
-    assert wire.decode(wire.encode(reply), "master_lookup_reply") == reply
+    reply = wire.decode(server._reply(body), "master_lookup_reply")  # an encoded frame body the client accepts
     assert reply["ok"] == bool(asked)
