@@ -9,8 +9,11 @@ PyTorch's own float32 sum (its cascade over vectors of PyTorch's vector
 width), so the result is the same to the bit and greedy outputs stay those
 of the reference models.
 
-That order depends on the vector width PyTorch dispatched to on this host (8
-floats with AVX2, 16 with AVX-512). So the first call for each row length
+That order depends on the vector width of the sum kernel PyTorch dispatches
+to on this host: 8 floats on AVX2 hosts and on AVX-512 ones too (PyTorch
+registers its sum kernel for AVX-512 as absent, slower there than its AVX2
+build, and runs that; torch 2.13 on a Zen 4 matched 8 at every row length),
+4 with NEON, 16 should a build dispatch an AVX-512 sum. So the first call for each row length
 checks the kernel against ``torch.rms_norm`` on random rows at each width
 PyTorch may use and keeps the one that matches; where none does (another
 PyTorch, another host), PyTorch's op serves that row length. Rows shorter
@@ -23,7 +26,7 @@ import torch
 
 from .native import NativeKernels
 
-LANE_CANDIDATES = (8, 16, 4)  # PyTorch's float vector widths: AVX2 (and its default build), AVX-512, NEON
+LANE_CANDIDATES = (8, 16, 4)  # PyTorch's float vector widths: AVX2 (its sum on AVX-512 hosts too), AVX-512, NEON
 _PROBE_ROWS = 64  # a different summation order changes some of 64 random rows' results (each ~1/3 of the time)
 _MIN_DIM = 16  # shorter rows take PyTorch's scalar sum, which this kernel does not follow
 # From ATen's grain size on, PyTorch may split one row's sum between threads (a lone row): such rows, which no

@@ -747,10 +747,11 @@ static inline __attribute__((always_inline)) EXACT void rms_norm_row(const float
 }
 
 /* RMS norm of float32 rows, bit for bit PyTorch's rms_norm for PyTorch's vector width of `lanes` floats (8 with
- * AVX2, 16 with AVX-512): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * weight, the mean summed as
- * torch_sum_of_squares does. x: num_rows rows of dim floats (a unit stride), in groups of group_rows rows
- * (a token's heads), row_stride apart within a group and group_stride between groups; out contiguous. Returns
- * 0, or -1 for lanes other than 4, 8 or 16. */
+ * AVX2, and on AVX-512 hosts, where PyTorch's sum runs its AVX2 build; 16 for an AVX-512 sum):
+ * out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * weight, the mean summed as torch_sum_of_squares does.
+ * x: num_rows rows of dim floats (a unit stride), in groups of group_rows rows (a token's heads), row_stride
+ * apart within a group and group_stride between groups; out contiguous. Returns 0, or -1 for lanes other than
+ * 4, 8 or 16. */
 EXACT int rms_norm_f32(const float *x, int64_t group_stride, int64_t group_rows, int64_t row_stride,
                        const float *weight, float *out, int64_t num_rows, int64_t dim, float eps, int lanes,
                        int num_threads)
