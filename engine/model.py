@@ -7,6 +7,12 @@ sequence), then prefill chunks packed back to back. ``ForwardBatch`` carries
 where each token's key/value goes and what each query attends to; the kernel
 backend does the rest. The q/k/v projections are fused into one matmul;
 ``load_weights`` maps Hugging Face tensor names onto that layout.
+
+Only the rows that are sampled need the last layer whole. Given
+``SampledRows``, the last layer writes every token's key and value (later
+steps read them), then attends, projects and runs its MLP for the sampled
+rows alone, each as a one-query attention over its keys so far: a prefill
+chunk of thousands of tokens pays one layer's attention and MLP for one row.
 """
 
 from __future__ import annotations
@@ -37,6 +43,17 @@ class ForwardBatch:
     # (``window_slots.py``), and each layer's index in its cache; without them, layer i is kv_cache[:, i].
     window: ForwardBatch | None = None
     cache_index: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """The rows whose final hidden states a step needs (``index``), and each as one query over its keys so far
+    (``decode``; ``window_decode`` over the sliding layers' cache where it is kept apart). ``decode`` is None
+    when no row is needed: the last layer then only writes the step's keys and values."""
+
+    index: torch.Tensor  # [num_rows] int64, rows of the step's flat batch
+    decode: DecodeBatch | None
+    window_decode: DecodeBatch | None = None
 
 
 class Linear(nn.Module):
@@ -91,6 +108,51 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, rope_cache: torch.Tensor
     ) -> torch.Tensor:
+        query, key_cache, value_cache, batch = self._project_and_write(positions, hidden, batch, rope_cache)
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        num_decode = batch.num_decode_tokens
+        options = (self.scale, self.sinks, self.sliding_window)
+        if batch.prefill is None and batch.decode is not None:
+            out = self.backend.decode_attention(query, key_cache, value_cache, batch.decode, *options)
+        elif batch.decode is None and batch.prefill is not None:
+            out = self.backend.prefill_attention(query, key_cache, value_cache, batch.prefill, *options)
+        else:
+            assert batch.decode is not None and batch.prefill is not None
+            out = torch.empty_like(query)
+            out[:num_decode] = self.backend.decode_attention(
+                query[:num_decode], key_cache, value_cache, batch.decode, *options
+            )
+            out[num_decode:] = self.backend.prefill_attention(
+                query[num_decode:], key_cache, value_cache, batch.prefill, *options
+            )
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+
+    def forward_rows(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rope_cache: torch.Tensor,
+        rows: SampledRows,
+    ) -> torch.Tensor:
+        """Every token's key and value written; the attention output of ``rows`` only ([len(rows.index),
+        hidden_size])."""
+        windowed = self.sliding_window is not None and batch.window is not None  # reads the window's cache
+        query, key_cache, value_cache, _ = self._project_and_write(positions, hidden, batch, rope_cache)
+        if rows.decode is None:
+            return hidden[:0]
+        decode = rows.window_decode if windowed else rows.decode
+        assert decode is not None, "a sliding layer with its own cache needs the rows' window page tables"
+        options = (self.scale, self.sinks, self.sliding_window)
+        out = self.backend.decode_attention(query[rows.index], key_cache, value_cache, decode, *options)
+        return self.o_proj(out.reshape(len(rows.index), self.config.q_size))
+
+    def _project_and_write(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, rope_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The step's queries (rotated), this layer's key and value caches with the step's written into them,
+        and the batch this layer reads (its window's where it slides)."""
         cfg = self.config
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -108,23 +170,7 @@ class Attention(nn.Module):
         key_cache = batch.kv_cache[:, index, 0]
         value_cache = batch.kv_cache[:, index, 1]
         self.backend.write_kv(key, value, key_cache, value_cache, batch.slot_mapping)
-
-        num_decode = batch.num_decode_tokens
-        options = (self.scale, self.sinks, self.sliding_window)
-        if batch.prefill is None and batch.decode is not None:
-            out = self.backend.decode_attention(query, key_cache, value_cache, batch.decode, *options)
-        elif batch.decode is None and batch.prefill is not None:
-            out = self.backend.prefill_attention(query, key_cache, value_cache, batch.prefill, *options)
-        else:
-            assert batch.decode is not None and batch.prefill is not None
-            out = torch.empty_like(query)
-            out[:num_decode] = self.backend.decode_attention(
-                query[:num_decode], key_cache, value_cache, batch.decode, *options
-            )
-            out[num_decode:] = self.backend.prefill_attention(
-                query[num_decode:], key_cache, value_cache, batch.prefill, *options
-            )
-        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+        return query, key_cache, value_cache, batch
 
 
 class MLP(nn.Module):
@@ -167,6 +213,21 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch, rope_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_rows(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rope_cache: torch.Tensor,
+        rows: SampledRows,
+    ) -> torch.Tensor:
+        """``forward``'s output for ``rows`` only; every token's key and value are written all the same."""
+        attended = self.self_attn.forward_rows(positions, self.input_layernorm(hidden), batch, rope_cache, rows)
+        if not attended.shape[0]:
+            return attended
+        hidden = hidden[rows.index] + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
 
 class CausalLM(nn.Module):
     """The decoder stack plus the LM head; parameter names follow Hugging Face's minus ``model.``."""
@@ -187,11 +248,19 @@ class CausalLM(nn.Module):
         self._tied_head: torch.Tensor | None = None  # prepared embedding matrix when the head is tied
         self.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden_size]."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, rows: SampledRows | None = None
+    ) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size]; of ``rows`` only ([len(rows.index), hidden_size]) when
+        given."""
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]  # a ModuleList of them
+        for layer in layers[:-1] if rows is not None else layers:
             hidden = layer(positions, hidden, batch, self.rope_cache)
+        if rows is not None:
+            hidden = layers[-1].forward_rows(positions, hidden, batch, self.rope_cache, rows)
+            if not hidden.shape[0]:
+                return hidden
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
-from .model import CausalLM, ForwardBatch
+from .model import CausalLM, ForwardBatch, SampledRows
 from .page_pool import Page
 from .page_views import PageViews
 from .prompt_logprobs import PromptScores, score_prompt, scored_positions
@@ -132,6 +132,7 @@ class ModelRunner:
         slots: list[int] = []
         window_slots: list[int] = []
         logit_rows: list[int] = []
+        logit_chunks: list[ScheduledChunk] = []  # the chunk of each of logit_rows
         scored: list[tuple[Sequence, range, int]] = []  # (sequence, positions, row of the first)
         for chunk in ordered:
             seq = chunk.seq
@@ -150,6 +151,7 @@ class ModelRunner:
                 window_slots.extend(_window_slots(pages, start, end, page_size))
             if chunk.samples:
                 logit_rows.extend(range(len(input_ids) - 1 - len(chunk.draft), len(input_ids)))
+                logit_chunks.extend([chunk] * (1 + len(chunk.draft)))
 
         decode_batch = None
         if decodes:
@@ -191,13 +193,35 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        sampled = [c for c in ordered if c.samples]
+        if not scored and len(logit_rows) < len(input_ids):
+            # Rows nobody samples or scores skip the last layer's attention and MLP.
+            hidden = self.model(ids, pos, batch, self._sampled_rows(logit_chunks, logit_rows, positions))
+            return RunOutput(sampled, self.model.compute_logits(hidden), [])
         hidden = self.model(ids, pos, batch)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         prompt_scores = [
             score_prompt(self.model.compute_logits, hidden[row : row + len(positions)], seq, positions)
             for seq, positions, row in scored
         ]
-        return RunOutput([c for c in ordered if c.samples], self.model.compute_logits(hidden[rows]), prompt_scores)
+        return RunOutput(sampled, self.model.compute_logits(hidden[rows]), prompt_scores)
+
+    def _sampled_rows(self, chunks: list[ScheduledChunk], rows: list[int], positions: list[int]) -> SampledRows:
+        """``rows`` (of ``chunks``' sequences) as one query each over its keys so far."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if not rows:
+            return SampledRows(index, None)
+        seq_lens = [positions[row] + 1 for row in rows]
+        decode = DecodeBatch(
+            page_table=self._page_table(chunks, seq_lens),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            max_seq_len=max(seq_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+        window = (
+            None if self.window_cache is None else replace(decode, page_table=self._page_table(chunks, seq_lens, True))
+        )
+        return SampledRows(index, decode, window)
 
 
 def _window_slots(pages: list[Page], start: int, end: int, page_size: int) -> list[int]:

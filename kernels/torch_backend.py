@@ -311,8 +311,11 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     padding = _padded_rows(num_rows) - num_rows
-    if padding:
-        rows = F.pad(rows, (0, 0, 0, padding))
+    if padding:  # zeros in the padding rows only (a pad would zero every row, then copy the input over them)
+        padded = torch.empty((num_rows + padding, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        padded[:num_rows] = rows
+        padded[num_rows:] = 0
+        rows = padded
     out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
     return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
