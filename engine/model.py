@@ -138,11 +138,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Every token's key and value written; the attention output of ``rows`` only ([len(rows.index),
         hidden_size])."""
-        windowed = self.sliding_window is not None and batch.window is not None  # reads the window's cache
-        query, key_cache, value_cache, _ = self._project_and_write(positions, hidden, batch, rope_cache)
+        query, key_cache, value_cache, read = self._project_and_write(positions, hidden, batch, rope_cache)
         if rows.decode is None:
             return hidden[:0]
-        decode = rows.window_decode if windowed else rows.decode
+        decode = rows.window_decode if read is not batch else rows.decode  # the window's cache, or the pages
         assert decode is not None, "a sliding layer with its own cache needs the rows' window page tables"
         options = (self.scale, self.sinks, self.sliding_window)
         out = self.backend.decode_attention(query[rows.index], key_cache, value_cache, decode, *options)

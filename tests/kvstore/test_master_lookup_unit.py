@@ -164,11 +164,8 @@ def lookup_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[tuple[str, 
 
 def _read_frame(conn: socket.socket, expected_type: str) -> dict[str, Any]:
     def exactly(num_bytes: int) -> bytes:
-        data = b""
-        while len(data) < num_bytes:
-            chunk = conn.recv(num_bytes - len(data))
-            assert chunk, "the server hung up"
-            data += chunk
+        data = conn.recv(num_bytes, socket.MSG_WAITALL)
+        assert len(data) == num_bytes, "the server hung up"
         return data
 
     (length,) = struct.unpack(">I", exactly(4))
