@@ -71,7 +71,7 @@ def make_workload(
 
 def run_rayturn(model: str, workload: Workload, backend: str | None) -> dict[str, Any]:
     from rayturn.engine import LLMEngine, SamplingParams
-    from rayturn.engine.async_engine import warm_up_kernels
+    from rayturn.engine.warm_up import warm_up_kernels
 
     engine = LLMEngine.from_pretrained(model, backend=backend, dtype="float32", enable_prefix_caching=False)
     warm_up_kernels(engine)  # what a serving engine does when it starts, outside the timing like vLLM's

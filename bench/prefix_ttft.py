@@ -36,8 +36,8 @@ from _common import load_average, peak_rss_mb
 from peers.vllm_server import VllmServer
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.async_engine import warm_up_kernels
 from rayturn.engine.presets import resolve_model_dir
+from rayturn.engine.warm_up import warm_up_kernels
 from rayturn.replay.harness import Progress, add_out_argument, emit, machine
 
 

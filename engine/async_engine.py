@@ -5,7 +5,9 @@ is work and hands each output to the coroutine waiting for it. Everything
 that touches the engine runs on that thread (``call`` runs a function there
 between steps), so the engine itself needs no locks. Before any request the
 thread builds the kernels the backend keeps per matmul shape
-(``warm_up_kernels``): the memory they take counts from the start. A caller
+(``warm_up_kernels``): the memory they take counts from the start. Where the
+backend compiles its kernels per launch signature (Triton on a GPU), that
+warm-up also runs every kind of step once (``warm_up``). A caller
 that stops listening (client gone, task cancelled) aborts its request. While
 no request runs, the thread still lets lapsed session holds go.
 
@@ -28,8 +30,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import torch
-
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .page_hash import PageHash
@@ -38,6 +38,7 @@ from .priority import Priority
 from .sampling_params import SamplingParams
 from .sequence import TokenLogprob
 from .tokenizer import Tokenizer
+from .warm_up import warm_up_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +47,6 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
 _STATS_PERIOD_S = 0.5
 _CACHED_HASHES_REPORTED = 2048
-
-
-def warm_up_kernels(engine: LLMEngine) -> int:
-    """Build now every matmul kernel the backend keeps per row count (``KernelBackend.linear_row_counts``),
-    up to a step's token budget; returns the number of matmuls run.
-
-    Run it on the thread that will run every step (oneDNN keeps its scratch
-    memory per thread). After it, new prompt lengths and batch sizes build
-    nothing more, so the memory the kernels take counts from the start
-    instead of growing with the shapes met.
-    """
-    row_counts = engine.backend.linear_row_counts(engine.scheduler.config.max_num_batched_tokens)
-    with torch.inference_mode():
-        return engine.model.warm_up_linears(row_counts)
 
 
 class _Finished:

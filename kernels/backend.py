@@ -182,6 +182,11 @@ class KernelBackend(abc.ABC):
         """``x @ weight.T + bias`` for ``x`` [num_tokens, in]; ``prepared`` is ``prepare_linear(weight)``."""
         return F.linear(x, weight, bias)
 
+    def compiles_kernels(self) -> bool:
+        """Whether the backend compiles a kernel the first time it launches it with a new signature (Triton on
+        a GPU): the engine then runs every kind of step once at start (``engine.warm_up``)."""
+        return False
+
     def linear_row_counts(self, max_rows: int) -> tuple[int, ...]:
         """The row counts at which ``linear`` on a prepared weight builds and keeps a kernel of its own, for
         inputs of up to ``max_rows`` rows; empty when it keeps none per row count."""

@@ -57,7 +57,7 @@ class TorchBackend(KernelBackend):
         set of counts (``_padded_rows``, listed by ``linear_row_counts``): the
         cache, and the process's memory, stops growing once each has been met.
         Serving engines meet them all when they start
-        (``rayturn.engine.async_engine.warm_up_kernels``), so no step waits
+        (``rayturn.engine.warm_up.warm_up_kernels``), so no step waits
         on a compile and the memory counts from the start. Where AVX2 is the
         widest vector unit, weights under ``_AVX2_PACK_MIN_ELEMENTS`` stay
         unpacked: there the plain matmul is the faster one for them.

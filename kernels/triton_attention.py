@@ -141,7 +141,7 @@ def softmax_start(sinks_log2_ptr, heads, head_mask, ROWS: tl.constexpr, HAS_SINK
     return running_max, running_sum
 
 
-@jit_if_available
+@jit_if_available(do_not_specialize=("page_table_stride",))
 def decode_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     key_cache_ptr,
@@ -230,7 +230,7 @@ def decode_attention_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-@jit_if_available
+@jit_if_available(do_not_specialize=("page_table_stride",))
 def prefill_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     key_cache_ptr,

@@ -81,6 +81,9 @@ class TritonBackend(KernelBackend):
                 f"which failed to import ({tk.TRITON_IMPORT_ERROR})"
             ) from tk.TRITON_IMPORT_ERROR
 
+    def compiles_kernels(self) -> bool:
+        return not tk.interpreted()
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         hidden_size = x.shape[-1]
         rows = x.reshape(-1, hidden_size)

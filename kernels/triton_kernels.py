@@ -26,11 +26,21 @@ else:
     TRITON_IMPORT_ERROR = None
 
 
-def jit_if_available(fn: Callable[..., Any]) -> Any:
-    """``triton.jit`` when Triton is importable; otherwise the plain function, never launched."""
-    if TRITON_IMPORT_ERROR is not None:  # pragma: no cover
-        return fn
-    return triton.jit(fn)
+def jit_if_available(fn: Callable[..., Any] | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """``triton.jit`` when Triton is importable; otherwise the plain function, never launched.
+
+    Triton compiles a kernel once per launch signature, and an integer argument's value is part of it (whether
+    it is 1, whether it divides by 16). ``do_not_specialize`` names the arguments that change from step to
+    step (a batch's page-table width, a token count): without it, a request whose batch meets a new class of
+    value would wait on a compile in the middle of serving.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        if TRITON_IMPORT_ERROR is not None:  # pragma: no cover
+            return fn
+        return triton.jit(fn, do_not_specialize=do_not_specialize or None)
+
+    return decorate if fn is None else decorate(fn)
 
 
 @jit_if_available
@@ -204,3 +214,11 @@ def scatter_pages_kernel(  # type: ignore[no-untyped-def]
     page_id = tl.load(page_ids_ptr + index).to(tl.int64)
     data = tl.load(src_ptr + index * page_numel + elements, mask=mask)
     tl.store(cache_ptr + page_id * cache_page_stride + elements, data, mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether the kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1``): they then run
+    on CPU tensors and compile nothing."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(rms_norm_kernel, InterpretedFunction)

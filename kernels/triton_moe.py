@@ -38,7 +38,7 @@ if TRITON_IMPORT_ERROR is None:
     from triton.runtime.interpreter import InterpretedFunction
 
 
-@jit_if_available
+@jit_if_available(do_not_specialize=("num_pairs",))
 def expert_gate_up_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     weight_ptr,
@@ -115,7 +115,7 @@ def expert_gate_up_kernel(  # type: ignore[no-untyped-def]
     tl.store(out, hidden.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@jit_if_available
+@jit_if_available(do_not_specialize=("num_pairs",))
 def expert_down_kernel(  # type: ignore[no-untyped-def]
     hidden_ptr,
     weight_ptr,
@@ -234,6 +234,17 @@ def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, device: t
     rows_per_expert = num_pairs / num_experts
     block_rows = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
     return MoeTiles(block_rows, block_cols=64, block_inner=32 if dtype == torch.float32 else 64, num_warps=4)
+
+
+def token_counts_for_each_tile(
+    num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device, max_tokens: int
+) -> list[int]:
+    """The fewest tokens, up to ``max_tokens``, at which ``choose_tiles`` picks each of its tile shapes: a
+    warm-up that runs the experts at each count compiles every variant the kernels will need."""
+    first: dict[MoeTiles, int] = {}
+    for num_tokens in range(1, max_tokens + 1):
+        first.setdefault(choose_tiles(num_tokens * top_k, num_experts, dtype, device), num_tokens)
+    return sorted(first.values())
 
 
 def kernels_run_on(device: torch.device) -> bool:
