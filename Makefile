@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 typecheck: install

@@ -16,9 +16,7 @@ from rayturn.engine.tool_calls import ToolCallStream
 from rayturn.messages import Delta, Step
 
 REASONING = "The user greets me; greet them back, briefly and kindly."
-ANSWER = (
-    f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>Hello there!"
-)
+ANSWER = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>Hello there!"
 
 
 @pytest.fixture(scope="module")
