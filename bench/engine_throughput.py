@@ -1,7 +1,8 @@
 """Offline throughput: rayturn's engine vs transformers with static batching, same weights.
 
 32 requests (fixed seed) with prompts of 16-512 tokens and outputs of 16-128
-tokens on the ``small`` preset, CPU, float32. rayturn runs them with
+tokens on the ``small`` preset, float32, both sides on the device rayturn's
+engine picks by default (a GPU where one is present, else the CPU). rayturn runs them with
 continuous batching; transformers runs one left-padded batch with
 ``max_new_tokens`` = the longest output, each output then cut to its own
 length (what static batching costs). Both must give the same greedy tokens.
@@ -96,7 +97,8 @@ def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where rayturn's engine runs by default
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     pad_id = 0
     max_prompt = max(len(p) for p in workload.prompts)
     input_ids = torch.full((len(workload.prompts), max_prompt), pad_id, dtype=torch.long)
@@ -104,6 +106,7 @@ def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
     for row, prompt in enumerate(workload.prompts):  # left padding
         input_ids[row, max_prompt - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, max_prompt - len(prompt) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     with torch.no_grad():
         model.generate(input_ids[:1, -3:], max_new_tokens=2, do_sample=False, pad_token_id=pad_id)  # warm-up
         progress = Progress("transformers (static)", 1)
@@ -116,6 +119,8 @@ def run_transformers(model_dir: str, workload: Workload) -> dict[str, Any]:
             eos_token_id=None,
             pad_token_id=pad_id,
         )
+        if device == "cuda":
+            torch.cuda.synchronize()
         elapsed_s = time.perf_counter() - start
         progress.advance()
     tokens = [out[row, max_prompt : max_prompt + n].tolist() for row, n in enumerate(workload.output_lens)]

@@ -6,7 +6,9 @@
 #   2. bench/moe_kernel.py: the Triton fused-MoE MLP against the torch reference, at Qwen3-Coder's and GPT-OSS's
 #      expert shapes;
 #   3. bench/prefix_ttft.py: cold and cached time to first token of the `small` preset on the GPU, with the
-#      Triton backend (the GPU's default) and with the torch backend.
+#      Triton backend (the GPU's default) and with the torch backend;
+#   4. bench/engine_throughput.py and bench/moe_throughput.py --quick: the engine against transformers, both on
+#      the GPU.
 # Each step's log, whose last line is the benchmark's JSON, lands in OUT_DIR beside machine.txt.
 # Each step has its own time limit, and a failed step does not stop the later ones.
 #
@@ -51,9 +53,11 @@ cd "$root" || exit 99
     lscpu | grep -m1 "Model name"
 } | tee "$out/machine.txt"
 
-step gpu_tests 300 python3 -m pytest -v -p no:cacheprovider -rfE --durations=15 tests/gpu
-step moe_kernel 90 python3 bench/moe_kernel.py --out "$site/moe_kernel"
-step prefix_ttft 90 python3 bench/prefix_ttft.py --out "$site/prefix_ttft"
-step prefix_ttft_torch 90 python3 bench/prefix_ttft.py --backend torch --out "$site/prefix_ttft_torch"
+step gpu_tests 240 python3 -m pytest -v -p no:cacheprovider -rfE --durations=15 tests/gpu
+step moe_kernel 60 python3 bench/moe_kernel.py --out "$site/moe_kernel"
+step prefix_ttft 60 python3 bench/prefix_ttft.py --out "$site/prefix_ttft"
+step prefix_ttft_torch 60 python3 bench/prefix_ttft.py --backend torch --out "$site/prefix_ttft_torch"
+step engine_throughput 90 python3 bench/engine_throughput.py --quick --out "$site/engine_throughput"
+step moe_throughput 90 python3 bench/moe_throughput.py --quick --out "$site/moe_throughput"
 echo "== failed steps: $failed"
 exit "$failed"
