@@ -16,7 +16,8 @@ launches cover every later step.
 
 The warm-up request leaves no trace a client could see or measure: an id and a
 cache salt of its own (no prompt can hit its pages; they are the first the
-cache evicts), and neither the energy ledger nor the KV store sees it.
+cache evicts), no drafts (the drafter keeps nothing of it), and neither the
+energy ledger nor the KV store sees it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def compile_step_kernels(engine: LLMEngine) -> float:
     started = time.perf_counter()
     vocab_size = engine.config.vocab_size
     prompt = [(7 * i + 1) % vocab_size for i in range(_PROMPT_PAGES * engine.page_size + engine.page_size // 2)]
-    params = SamplingParams(max_tokens=_DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    # No drafts: a drafting request would leave its output in the drafter's index (and its statistics) for a
+    # cache salt nobody else has; its verify steps launch the kernels this request already does.
+    params = SamplingParams(max_tokens=_DECODE_TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
     tag = f"rayturn-warm-up-{secrets.token_hex(8)}"
     with _set_aside_ledger_and_store(engine):
         engine.add_request(prompt, params, request_id=tag, cache_salt=tag)

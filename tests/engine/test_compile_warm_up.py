@@ -15,6 +15,7 @@ import torch
 from moe_models import make_moe_checkpoint
 
 from rayturn.engine import LLMEngine, SamplingParams, warm_up
+from rayturn.engine.speculative import SpeculativeConfig
 from rayturn.kernels import triton_attention, triton_moe
 from rayturn.kernels.cpu_backend import CpuBackend
 from rayturn.kernels.torch_backend import TorchBackend
@@ -24,7 +25,8 @@ PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
 def compiling_engine(monkeypatch: pytest.MonkeyPatch, model: str = "tiny") -> LLMEngine:
-    engine = LLMEngine.from_pretrained(model, backend="torch", dtype="float32", num_pages=64)
+    speculative = SpeculativeConfig(enabled=True)  # on by default: the warm-up request still drafts nothing
+    engine = LLMEngine.from_pretrained(model, backend="torch", dtype="float32", num_pages=64, speculative=speculative)
     monkeypatch.setattr(engine.backend, "compiles_kernels", lambda: True)
     return engine
 
@@ -68,6 +70,7 @@ def test_the_warm_up_request_runs_prefill_and_decode_and_leaves_no_trace(monkeyp
     assert all(step_ledger is not ledger and step_store is None for _, step_ledger, step_store in seen)
     assert engine.energy is ledger and ledger.num_steps == 0  # the warm-up's steps are in no one's energy
     assert engine.kv_transfer is store
+    assert engine.drafter.stats.num_drafts == 0 and len(engine.drafter._recent) == 0  # no index for its salt
     assert not engine.has_unfinished_requests()
     engine.kv_transfer = None
 
@@ -75,7 +78,9 @@ def test_the_warm_up_request_runs_prefill_and_decode_and_leaves_no_trace(monkeyp
     warm_prompt = [(7 * i + 1) % engine.config.vocab_size for i in range(3 * page_size + page_size // 2)]
     prompts = [warm_prompt, [5, 6, 7]]
     outs = engine.generate(prompts, PARAMS)
-    cold = LLMEngine.from_pretrained("tiny", backend="torch", dtype="float32", num_pages=64)
+    cold = LLMEngine.from_pretrained(
+        "tiny", backend="torch", dtype="float32", num_pages=64, speculative=SpeculativeConfig(enabled=True)
+    )
     expected = cold.generate(prompts, PARAMS)
     assert [(o.request_id, list(o.token_ids)) for o in outs] == [(o.request_id, list(o.token_ids)) for o in expected]
     assert [o.num_cached_prompt_tokens for o in outs] == [0, 0]  # its own cache salt: no prompt hits its pages
