@@ -30,8 +30,6 @@ from collections.abc import Iterator
 
 import torch
 
-from rayturn.kernels import triton_moe
-
 from .energy import EnergyLedger
 from .gpt_oss import GptOssMoeBlock
 from .llm_engine import LLMEngine
@@ -116,7 +114,7 @@ def _run_experts_at_each_tile(engine: LLMEngine) -> int:
     with torch.inference_mode():
         for block in blocks.values():
             num_experts, hidden_size = block.experts.down_proj.shape[:2]
-            for num_tokens in triton_moe.token_counts_for_each_tile(
+            for num_tokens in engine.backend.moe_token_counts_to_compile(
                 num_experts, block.top_k, engine.dtype, engine.device, max_tokens
             ):
                 x = torch.randn((num_tokens, hidden_size), generator=generator, device=engine.device)

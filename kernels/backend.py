@@ -187,6 +187,13 @@ class KernelBackend(abc.ABC):
         a GPU): the engine then runs every kind of step once at start (``engine.warm_up``)."""
         return False
 
+    def moe_token_counts_to_compile(
+        self, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device, max_tokens: int
+    ) -> list[int]:
+        """Token counts, up to ``max_tokens``, at which a warm-up runs a mixture-of-experts layer so that every
+        variant of its expert kernels is compiled (one per tile shape); empty where nothing compiles."""
+        return []
+
     def linear_row_counts(self, max_rows: int) -> tuple[int, ...]:
         """The row counts at which ``linear`` on a prepared weight builds and keeps a kernel of its own, for
         inputs of up to ``max_rows`` rows; empty when it keeps none per row count."""

@@ -84,6 +84,11 @@ class TritonBackend(KernelBackend):
     def compiles_kernels(self) -> bool:
         return not tk.interpreted()
 
+    def moe_token_counts_to_compile(
+        self, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device, max_tokens: int
+    ) -> list[int]:
+        return triton_moe.token_counts_for_each_tile(num_experts, top_k, dtype, device, max_tokens)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         hidden_size = x.shape[-1]
         rows = x.reshape(-1, hidden_size)

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from . import moe
-from .triton_kernels import TRITON_IMPORT_ERROR, jit_if_available
+from .triton_kernels import TRITON_IMPORT_ERROR, interpreted, jit_if_available
 
 if TRITON_IMPORT_ERROR is None:
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
 
 
 @jit_if_available(do_not_specialize=("num_pairs",))
@@ -252,7 +251,7 @@ def kernels_run_on(device: torch.device) -> bool:
     and on any device's tensors when the kernels were defined under the interpreter."""
     if TRITON_IMPORT_ERROR is not None:
         return False
-    return device.type == "cuda" or isinstance(expert_gate_up_kernel, InterpretedFunction)
+    return device.type == "cuda" or interpreted()
 
 
 def fused_moe(

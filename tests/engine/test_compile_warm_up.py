@@ -103,7 +103,7 @@ def test_each_distinct_expert_layer_runs_at_each_tile_shape(monkeypatch: pytest.
         asked.append((num_experts, top_k, dtype, max_tokens))
         return [2, 5, 9]
 
-    monkeypatch.setattr(triton_moe, "token_counts_for_each_tile", counts)
+    monkeypatch.setattr(engine.backend, "moe_token_counts_to_compile", counts)
     rows: dict[int, list[int]] = {}
     blocks: list[torch.nn.Module] = [layer.mlp for layer in engine.model.layers]
     for index, block in enumerate(blocks):
@@ -124,6 +124,9 @@ def test_token_counts_reach_every_tile_shape_the_experts_pick_on_a_gpu() -> None
         assert len(set(picked)) == len(picked) == len(every)  # one count per shape, and every shape
     assert triton_moe.token_counts_for_each_tile(128, 8, torch.bfloat16, gpu, 8192) == [1, 257, 1025]
     assert triton_moe.token_counts_for_each_tile(128, 8, torch.bfloat16, torch.device("cpu"), 8192) == [1]
+    # The warm-up asks the backend: Triton's are these counts, a backend that compiles nothing has none.
+    assert TritonBackend().moe_token_counts_to_compile(128, 8, torch.bfloat16, gpu, 8192) == [1, 257, 1025]
+    assert TorchBackend().moe_token_counts_to_compile(128, 8, torch.bfloat16, gpu, 8192) == []
 
 
 @pytest.mark.parametrize(
