@@ -30,7 +30,6 @@ from collections.abc import Iterator
 
 import torch
 
-from .energy import EnergyLedger
 from .gpt_oss import GptOssMoeBlock
 from .llm_engine import LLMEngine
 from .moe import SparseMoeBlock
@@ -91,7 +90,7 @@ def compile_step_kernels(engine: LLMEngine) -> float:
 def _set_aside_ledger_and_store(engine: LLMEngine) -> Iterator[None]:
     """The warm-up's energy goes to a ledger of its own, and its pages neither come from nor go to the store."""
     ledger, transfer = engine.energy, engine.kv_transfer
-    engine.energy = EnergyLedger.for_device(engine.device, engine.page_size)
+    engine.energy = ledger.scratch()
     engine.kv_transfer = None
     try:
         yield

@@ -9,7 +9,15 @@ steps measured, ``shapley.py`` splits a step among its requests, and
 from .calibration import OnlineCalibrator
 from .cost_model import CostCoefficients, RequestWork
 from .ledger import EnergyLedger, RequestEnergy, StepAttribution
-from .meters import EnergyMeter, ModelMeter, NvmlMeter, RaplMeter, joined_meter_names, select_meter
+from .meters import (
+    EnergyMeter,
+    ModelMeter,
+    NvmlMeter,
+    RaplMeter,
+    SampledMeter,
+    joined_meter_names,
+    select_meter,
+)
 from .shapley import Split, exact_shapley, proportional_split, shapley_split
 
 __all__ = [
@@ -22,6 +30,7 @@ __all__ = [
     "RaplMeter",
     "RequestEnergy",
     "RequestWork",
+    "SampledMeter",
     "Split",
     "StepAttribution",
     "exact_shapley",

@@ -99,6 +99,13 @@ class EnergyLedger:
         defaults = CPU_DEFAULTS if device.type == "cpu" else ACCELERATOR_DEFAULTS
         return cls(select_meter(device), page_size, OnlineCalibrator(defaults), moves_pages)
 
+    def scratch(self) -> EnergyLedger:
+        """A ledger of no account on the same meter (a meter may hold a thread: no second one is opened), with
+        this ledger's coefficients: for steps that must not count, such as the start-up warm-up's."""
+        return EnergyLedger(
+            self.meter, self.page_size, OnlineCalibrator(self.calibrator.coefficients), self.moves_pages
+        )
+
     # -- accounts -----------------------------------------------------------
 
     def open(self, request_id: str, session_id: str | None) -> None:

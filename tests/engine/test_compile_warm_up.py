@@ -68,6 +68,7 @@ def test_the_warm_up_request_runs_prefill_and_decode_and_leaves_no_trace(monkeyp
     page_size = engine.page_size
     assert [tokens for tokens, _, _ in seen] == [[3 * page_size + page_size // 2]] + [[1]] * 3  # prefill, 3 decodes
     assert all(step_ledger is not ledger and step_store is None for _, step_ledger, step_store in seen)
+    assert all(step_ledger.meter is ledger.meter for _, step_ledger, _ in seen)  # no second meter (or its thread)
     assert engine.energy is ledger and ledger.num_steps == 0  # the warm-up's steps are in no one's energy
     assert engine.kv_transfer is store
     assert engine.drafter.stats.num_drafts == 0 and len(engine.drafter._recent) == 0  # no index for its salt

@@ -1,15 +1,27 @@
-"""Energy meters: RAPL counters (wrap-around, unreadable domains), NVML through a stand-in module, the power model."""
+"""Energy meters: RAPL counters (wrap-around, unreadable domains), NVML through a stand-in module, the power model,
+and the sampled meter a slow counter is read through."""
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from rayturn.engine.energy import ModelMeter, NvmlMeter, RaplMeter, joined_meter_names, select_meter
+from rayturn.engine.energy import (
+    EnergyMeter,
+    ModelMeter,
+    NvmlMeter,
+    RaplMeter,
+    SampledMeter,
+    joined_meter_names,
+    select_meter,
+)
 
 
 def rapl_domain(root: Path, name: str, energy_uj: int | str, max_range_uj: int = 1000) -> Path:
@@ -84,3 +96,107 @@ def test_joined_meter_names_are_distinct_sorted_and_none_without_any() -> None:
     assert joined_meter_names("model+nvml", "rapl", "nvml") == "model+nvml+rapl"
     assert joined_meter_names(None, "") is None
     assert joined_meter_names() is None
+
+
+class SlowCounter(EnergyMeter):
+    """A counter whose joules follow a settable power on a settable clock, counting its reads and their threads."""
+
+    name = "nvml"
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.energy_j = 0.0
+        self.reads: list[str] = []
+
+    def advance(self, seconds: float, power_w: float) -> None:
+        self.now_s += seconds
+        self.energy_j += seconds * power_w
+
+    def read_j(self) -> float:
+        self.reads.append(threading.current_thread().name)
+        return self.energy_j
+
+
+def test_a_sampled_meter_reads_its_counter_only_on_its_thread_and_extrapolates_the_last_power() -> None:
+    counter = SlowCounter()
+    meter = SampledMeter(counter, period_s=3600.0, clock=lambda: counter.now_s)  # the thread never wakes here
+    try:
+        assert meter.name == "nvml" and counter.reads == [threading.current_thread().name]  # the first sample
+        counter.advance(1.0, power_w=200.0)
+        meter.sample()  # 200 J over the first second
+        counter.advance(0.5, power_w=200.0)
+        reads_before = len(counter.reads)
+        assert meter.read_j() == pytest.approx(300.0)  # 200 J + 200 W * 0.5 s, no read
+        counter.advance(0.25, power_w=200.0)
+        assert meter.read_j() == pytest.approx(350.0)
+        assert len(counter.reads) == reads_before  # read_j never touched the counter
+        # The power drops to 0 W, then to 100 W: readings follow the samples, lag them, and never go back.
+        counter.advance(0.25, power_w=0.0)
+        meter.sample()  # 350 J at 2.0 s: 150 J over the last period of 1 s
+        assert meter.read_j() == pytest.approx(350.0)
+        counter.advance(1.0, power_w=100.0)
+        assert meter.read_j() == pytest.approx(500.0)  # extrapolated at 150 W
+        counter_j = counter.energy_j
+        meter.sample()  # 450 J at 3.0 s: below the 500 J returned, so readings hold at 500 J ...
+        assert meter.read_j() == pytest.approx(500.0)
+        counter.advance(1.0, power_w=100.0)
+        meter.sample()  # ... until the counter passes them: 550 J at 4.0 s
+        assert counter.energy_j == pytest.approx(counter_j + 100.0)
+        assert meter.read_j() == pytest.approx(550.0)
+    finally:
+        meter.close()
+
+
+def test_a_sampled_meter_samples_on_its_own_thread_and_stops() -> None:
+    counter = SlowCounter()
+    meter = SampledMeter(counter, period_s=0.005)
+    wait_for_thread_reads(counter, 3)
+    thread = meter._thread
+    meter.close()
+    assert not thread.is_alive()
+    with pytest.raises(ValueError, match="period_s"):
+        SampledMeter(counter, period_s=0.0)
+
+
+def wait_for_thread_reads(counter: SlowCounter, count: int) -> None:
+    deadline = time.monotonic() + 10.0
+    while counter.reads.count("rayturn-nvml-meter") < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert counter.reads.count("rayturn-nvml-meter") >= count
+
+
+def test_a_sampled_meters_thread_ends_once_the_meter_is_garbage() -> None:
+    counter = SlowCounter()
+    meter = SampledMeter(counter, period_s=0.005)
+    thread = meter._thread
+    wait_for_thread_reads(counter, 2)  # the thread has held the meter between its waits
+    del meter
+    gc.collect()
+    thread.join(timeout=10.0)
+    assert not thread.is_alive()
+
+
+def test_a_failed_read_stops_the_sampling_and_readings_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    counter = SlowCounter()
+    meter = SampledMeter(counter, period_s=0.005)
+    counter.read_j = lambda: (_ for _ in ()).throw(RuntimeError("driver gone"))  # type: ignore[method-assign]
+    meter._thread.join(timeout=10.0)
+    assert not meter._thread.is_alive()
+    assert "a read failed, sampling stops: driver gone" in caplog.text
+    assert meter.read_j() == 0.0
+
+
+def test_select_meter_samples_nvml_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    counter_mj = iter(range(1_000, 10**9, 1_000))
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetTotalEnergyConsumption=lambda handle: next(counter_mj),
+        NVMLError=RuntimeError,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr("rayturn.engine.energy.meters._nvml_handle", lambda pynvml, device: object())
+    meter = select_meter(torch.device("cuda", 0))
+    try:
+        assert isinstance(meter, SampledMeter) and isinstance(meter.counter, NvmlMeter) and meter.name == "nvml"
+    finally:
+        meter.close()  # type: ignore[attr-defined]
