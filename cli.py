@@ -2,7 +2,7 @@
 
 ``rayturn serve [MODEL]`` takes the flags ``vllm serve`` users know under
 the same names (``--host``, ``--port``, ``--api-key``, ``--served-model-name``,
-``--max-model-len``, ``--dtype``, ``--tool-call-parser``); each one given
+``--max-model-len``, ``--dtype``, ``--tool-call-parser``, ``--enforce-eager``); each one given
 overrides the ``--config`` file's key. ``bench`` and ``replay`` pass every
 argument after them to their own parsers (``rayturn.replay``).
 """
@@ -160,6 +160,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json, mistral or harmony. "
         "(default: the one its chat template shows)",
     )
+    serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="Always run the model eagerly: no CUDA graphs of decode steps, which a GPU backend otherwise "
+        "captures at start. (default: model.enforce_eager in --config, else false)",
+    )
     serve.add_argument("--address", default=None, help="Join the Ray cluster at this address instead of starting one.")
     _add_log_level(serve, argparse.SUPPRESS)
 
@@ -196,6 +203,21 @@ def _generate(args: argparse.Namespace, prompts: Sequence[str], chat: bool) -> i
     return 0
 
 
+def config_overrides(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """The config keys the serve flags given set (a flag not given leaves its key to --config)."""
+    flags = {
+        "model.name": model,
+        "model.served_name": args.served_model_name,
+        "model.max_model_len": args.max_model_len,
+        "model.tool_call_parser": args.tool_call_parser,
+        "model.enforce_eager": args.enforce_eager,
+        "server.host": args.host,
+        "server.http_port": args.port,
+        "server.grpc_port": args.grpc_port,
+    }
+    return {key: value for key, value in flags.items() if value is not None}
+
+
 def _serve(args: argparse.Namespace, model: str | None) -> int:
     if args.address is None and "ray" not in sys.modules:
         # The Ray this command starts uses token authentication, which Ray 2.60 turns on for a local
@@ -205,16 +227,7 @@ def _serve(args: argparse.Namespace, model: str | None) -> int:
     from rayturn.cluster.config import load_config
     from rayturn.cluster.runner import serve_forever
 
-    flags = {
-        "model.name": model,
-        "model.served_name": args.served_model_name,
-        "model.max_model_len": args.max_model_len,
-        "model.tool_call_parser": args.tool_call_parser,
-        "server.host": args.host,
-        "server.http_port": args.port,
-        "server.grpc_port": args.grpc_port,
-    }
-    config = load_config(args.config, **{key: value for key, value in flags.items() if value is not None})
+    config = load_config(args.config, **config_overrides(args, model))
     dtype = _dtype(args.dtype, config.model.name)
     if dtype is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))

@@ -77,6 +77,7 @@ class LLMEngine:
         session_hold_s: float = 30.0,
         speculative: SpeculativeConfig | None = None,
         num_window_slots: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -102,6 +103,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self.drafter.propose)
         slots = window_slots.num_slots if window_slots is not None else 0
         self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device, slots)
+        # No decode graphs even where the backend could replay them (vLLM's --enforce-eager; decode_graphs.py).
+        self.enforce_eager = enforce_eager
         # A finished request of a session holds its pages this long (see session_holds.py).
         self.session_hold_s = session_hold_s
         self.session_holds = SessionHolds(

@@ -24,6 +24,7 @@ import torch
 
 from rayturn.kernels import DecodeBatch, KernelBackend, PrefillBatch
 
+from .decode_graphs import DecodeGraphs
 from .model import CausalLM, ForwardBatch, SampledRows
 from .page_pool import Page
 from .page_views import PageViews
@@ -71,6 +72,8 @@ class ModelRunner:
             else None
         )
         self.page_views = PageViews(self.kv_cache, self.window_cache, self.sliding)
+        # Decode steps replayed from CUDA graphs, once the warm-up has captured them (``decode_graphs.py``).
+        self.decode_graphs: DecodeGraphs | None = None
 
     @staticmethod
     def bytes_per_page(model: CausalLM, page_size: int, dtype: torch.dtype) -> int:
@@ -122,6 +125,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> RunOutput:
         """Run one step: the chunks that sample with their logits, and the prompt positions scored."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(chunks):
+            return RunOutput(list(chunks), graphs.run(chunks), [])
         decodes = [c for c in chunks if c.num_scheduled_tokens == 1]
         prefills = [c for c in chunks if c.num_scheduled_tokens > 1]
         ordered = decodes + prefills

@@ -35,6 +35,8 @@ class ModelSettings:
     backend: str | None = None
     tool_call_parser: str | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # No CUDA graphs of decode steps, even where the backend could replay them (vLLM's --enforce-eager).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         check_non_empty("name", self.name)
@@ -73,4 +75,5 @@ class ModelSettings:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "speculative": self.speculative,
+            "enforce_eager": self.enforce_eager,
         }

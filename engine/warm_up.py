@@ -18,6 +18,11 @@ The warm-up request leaves no trace a client could see or measure: an id and a
 cache salt of its own (no prompt can hit its pages; they are the first the
 cache evicts), no drafts (the drafter keeps nothing of it), and neither the
 energy ledger nor the KV store sees it.
+
+Where the backend's decode step can be recorded as a CUDA graph
+(``KernelBackend.captures_cuda_graphs``) and the engine was not told
+``enforce_eager``, the warm-up then captures one per batch size
+(``capture_decode_graphs``, ``decode_graphs.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .decode_graphs import Capture, DecodeGraphs
 from .gpt_oss import GptOssMoeBlock
 from .llm_engine import LLMEngine
 from .moe import SparseMoeBlock
@@ -56,7 +62,28 @@ def warm_up_kernels(engine: LLMEngine) -> int:
         num_matmuls = engine.model.warm_up_linears(row_counts)
     if engine.backend.compiles_kernels():
         compile_step_kernels(engine)
+    if engine.backend.captures_cuda_graphs() and not engine.enforce_eager:
+        capture_decode_graphs(engine)
     return num_matmuls
+
+
+def capture_decode_graphs(engine: LLMEngine, capture_with: Capture | None = None) -> DecodeGraphs | None:
+    """Record a decode step of each batch size as a CUDA graph, which the engine replays from now on for steps
+    of decodes alone (``decode_graphs.py``); ``capture_with`` replaces the CUDA capture (tests). A capture that
+    fails (a model whose step waits on the device) is logged, and every step stays eager: None."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("capture_decode_graphs runs before the first request")
+    if engine.runner.window_cache is not None:
+        logger.info("rayturn engine: decode steps stay eager: the sliding-window layers keep a cache of their own")
+        return None
+    graphs = DecodeGraphs(engine.runner, engine.scheduler.config.max_num_seqs, engine.max_model_len, capture_with)
+    try:
+        graphs.capture()
+    except Exception as error:  # the engine runs as well without them
+        logger.warning("rayturn engine: decode steps stay eager: capturing them as graphs failed: %s", error)
+        return None
+    engine.runner.decode_graphs = graphs
+    return graphs
 
 
 def compile_step_kernels(engine: LLMEngine) -> float:

@@ -187,6 +187,12 @@ class KernelBackend(abc.ABC):
         a GPU): the engine then runs every kind of step once at start (``engine.warm_up``)."""
         return False
 
+    def captures_cuda_graphs(self) -> bool:
+        """Whether a decode step of this backend can be recorded as a CUDA graph and replayed: its kernels run
+        on a GPU, read every per-step value from tensors (never a host copy), and never wait on the device
+        (``engine.decode_graphs``)."""
+        return False
+
     def moe_token_counts_to_compile(
         self, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device, max_tokens: int
     ) -> list[int]:

@@ -84,6 +84,9 @@ class TritonBackend(KernelBackend):
     def compiles_kernels(self) -> bool:
         return not tk.interpreted()
 
+    def captures_cuda_graphs(self) -> bool:
+        return not tk.interpreted()
+
     def moe_token_counts_to_compile(
         self, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device, max_tokens: int
     ) -> list[int]:

@@ -192,13 +192,16 @@ def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_rows: int)
 
     Expert e's ``n`` pairs take ``ceil(n / block_rows)`` blocks, so the blocks number at most
     ``ceil(num_pairs / block_rows) + min(num_experts, num_pairs)``: a bound known without reading the device.
+    Nothing here waits on the device.
     """
     flat = expert_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
     max_blocks = _cdiv(num_pairs, block_rows) + min(num_experts, num_pairs)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on a GPU it reads the largest id back to size its output, a wait on the device that also
+    # forbids recording the step as a CUDA graph.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded_counts = (counts + block_rows - 1) // block_rows * block_rows
     padded_ends = torch.cumsum(padded_counts, dim=0)
     sorted_experts = flat[order]

@@ -455,7 +455,10 @@ def test_engine_kwargs_match_the_engine() -> None:
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
         "speculative": SpeculativeConfig(),
+        "enforce_eager": False,
     }
+    assert ModelSettings(enforce_eager=True).engine_kwargs()["enforce_eager"] is True
+    assert load_config(**{"model.enforce_eager": True}).model.enforce_eager is True
     inspect.signature(LLMEngine.from_pretrained).bind("tiny", **kwargs)
     assert set(kwargs) <= set(inspect.signature(LLMEngine.__init__).parameters)
 

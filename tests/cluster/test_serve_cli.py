@@ -335,7 +335,7 @@ def test_help_reads_like_vllm_serve_and_holds_no_markup() -> None:
         "  MODEL ", "  --model MODEL ", "  --config FILE ", "  --host HOST ", "  --port PORT, --http-port PORT\n",
         "  --grpc-port GRPC_PORT\n", "  --api-key API_KEY ", "  --served-model-name NAME\n",
         "  --max-model-len MAX_MODEL_LEN\n", "  --dtype {auto,bfloat16,float,float16,float32,half}\n",
-        "  --tool-call-parser NAME\n", "  --address ADDRESS ", "  --log-level {debug,info,warning,error,critical}\n",
+        "  --tool-call-parser NAME\n", "  --enforce-eager ", "  --address ADDRESS ", "  --log-level {debug,info,warning,error,critical}\n",
     )  # fmt: skip
     assert [flag for flag in flags if flag not in serve.stdout] == []
     assert "RAYTURN_API_KEY" in serve.stdout and "(default: 8000" in serve.stdout
@@ -368,3 +368,17 @@ def test_serve_refuses_a_port_another_server_holds_before_starting_anything() ->
     assert f"address already in use: 127.0.0.1:{GRPC_PORT} (server.grpc_port)" in result.stderr
     assert "Ray" not in result.stderr + result.stdout  # refused before Ray started
     assert time.monotonic() - started < 60
+
+
+def test_serve_flags_set_only_the_config_keys_given() -> None:
+    from rayturn.cli import build_parser, config_overrides
+
+    parser, _ = build_parser()
+    given = parser.parse_args(["serve", "--enforce-eager", "--max-model-len", "4k", "--port", "8100"])
+    assert config_overrides(given, "small") == {
+        "model.name": "small",
+        "model.max_model_len": 4000,
+        "model.enforce_eager": True,
+        "server.http_port": 8100,
+    }
+    assert config_overrides(parser.parse_args(["serve"]), None) == {}  # all left to --config and its defaults

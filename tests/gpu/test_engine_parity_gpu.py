@@ -6,7 +6,9 @@ float32: greedy tokens equal transformers' (run on the CPU) for 11 prompts of
 1-300 tokens decoded together, prefilled in 64-token chunks, and again with
 their full pages served from the prefix cache; the last prompt position's
 logits within 1e-4 relative. The fused-MoE, paged-attention, norm and rotary
-kernels run compiled, not interpreted. Skipped without a GPU.
+kernels run compiled, not interpreted. Again after the start-up warm-up, whose
+decode steps replay CUDA graphs (but GPT-OSS's, whose window layers keep a
+cache of their own). Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hf_models import make_hf_checkpoint, parity_prompts, transformers_reference
 from moe_models import make_moe_checkpoint
 
 from rayturn.engine import LLMEngine, SamplingParams
+from rayturn.engine.warm_up import warm_up_kernels
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,3 +82,22 @@ def test_greedy_tokens_and_logits_equal_transformers(checkpoint: tuple[Any, Path
         ours = out.logits[row[str(i)]].float().cpu()
         relative = (ours - theirs).abs().max() / theirs.abs().max()
         assert relative < 1e-4, f"prompt {i}: relative logits error {relative:.2e}"
+
+
+def test_greedy_tokens_equal_transformers_with_decode_graphs(checkpoint: tuple[Any, Path]) -> None:
+    model, path = checkpoint
+    prompts = parity_prompts()
+    expected_tokens, _ = transformers_reference(model, prompts, MAX_NEW_TOKENS)
+    engine = gpu_engine(path)
+    warm_up_kernels(engine)
+    graphs = engine.runner.decode_graphs
+    if engine.runner.window_cache is not None:
+        assert graphs is None  # every step eager
+    else:
+        assert graphs is not None and graphs.captured
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [list(out.token_ids) for out in engine.generate(prompts, params)] == expected_tokens
+    for prompt, tokens in zip(prompts, expected_tokens):  # one at a time: batches of one, replayed
+        assert list(engine.generate([prompt], params)[0].token_ids) == tokens
+    if graphs is not None:
+        assert graphs.num_replays >= len(prompts) * (MAX_NEW_TOKENS - 1)
