@@ -335,7 +335,8 @@ def test_help_reads_like_vllm_serve_and_holds_no_markup() -> None:
         "  MODEL ", "  --model MODEL ", "  --config FILE ", "  --host HOST ", "  --port PORT, --http-port PORT\n",
         "  --grpc-port GRPC_PORT\n", "  --api-key API_KEY ", "  --served-model-name NAME\n",
         "  --max-model-len MAX_MODEL_LEN\n", "  --dtype {auto,bfloat16,float,float16,float32,half}\n",
-        "  --tool-call-parser NAME\n", "  --enforce-eager ", "  --address ADDRESS ", "  --log-level {debug,info,warning,error,critical}\n",
+        "  --tool-call-parser NAME\n", "  --enforce-eager ", "  --address ADDRESS ",
+        "  --log-level {debug,info,warning,error,critical}\n",
     )  # fmt: skip
     assert [flag for flag in flags if flag not in serve.stdout] == []
     assert "RAYTURN_API_KEY" in serve.stdout and "(default: 8000" in serve.stdout

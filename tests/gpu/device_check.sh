@@ -8,7 +8,8 @@
 #   3. bench/prefix_ttft.py: cold and cached time to first token of the `small` preset on the GPU, with the
 #      Triton backend (the GPU's default) and with the torch backend;
 #   4. bench/engine_throughput.py and bench/moe_throughput.py --quick: the engine against transformers, both on
-#      the GPU.
+#      the GPU;
+#   5. bench/decode_step.py: one decode step's time with CUDA graphs, without, and transformers'.
 # Each step's log, whose last line is the benchmark's JSON, lands in OUT_DIR beside machine.txt.
 # Each step has its own time limit, and a failed step does not stop the later ones.
 #
@@ -59,5 +60,6 @@ step prefix_ttft 60 python3 bench/prefix_ttft.py --out "$site/prefix_ttft"
 step prefix_ttft_torch 60 python3 bench/prefix_ttft.py --backend torch --out "$site/prefix_ttft_torch"
 step engine_throughput 90 python3 bench/engine_throughput.py --quick --out "$site/engine_throughput"
 step moe_throughput 90 python3 bench/moe_throughput.py --quick --out "$site/moe_throughput"
+step decode_step 90 python3 bench/decode_step.py --out "$site/decode_step"
 echo "== failed steps: $failed"
 exit "$failed"

@@ -1,0 +1,30 @@
+"""``bench/decode_step.py --quick`` on ``tiny``: the JSON object on its last line, with both sides timed and
+their greedy tokens compared. On a CPU no graphs are recorded, so there is no eager side to add."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_times_both_sides_and_prints_its_json_last(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "decode_step.py"), "--quick", "--model", "tiny", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    result = json.loads(done.stdout.rstrip().splitlines()[-1])
+    assert result["bench"] == "decode_step" and result["batches"] == [1, 8] and result["steps"] == 8
+    assert result["graphs"] is False and result["rayturn_eager_ms"] is None and result["graphs_speedup"] is None
+    for side in ("rayturn_ms", "hf_ms"):
+        assert set(result[side]) == {"1", "8"} and all(ms > 0 for ms in result[side].values())
+    assert result["outputs_match_hf"] is True  # float32, the same weights: the same greedy tokens
+    assert json.loads((tmp_path / "decode_step.json").read_text()) == result
