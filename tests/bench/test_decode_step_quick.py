@@ -4,24 +4,13 @@ their greedy tokens compared. On a CPU no graphs are recorded, so there is no ea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_script import run_bench
 
 
 def test_quick_run_times_both_sides_and_prints_its_json_last(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "decode_step.py"), "--quick", "--model", "tiny", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-4000:]
-    result = json.loads(done.stdout.rstrip().splitlines()[-1])
+    result = run_bench("decode_step.py", "--quick", "--model", "tiny", "--out", str(tmp_path))
     assert result["bench"] == "decode_step" and result["batches"] == [1, 8] and result["steps"] == 8
     assert result["graphs"] is False and result["rayturn_eager_ms"] is None and result["graphs_speedup"] is None
     for side in ("rayturn_ms", "hf_ms"):
