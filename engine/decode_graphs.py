@@ -120,7 +120,7 @@ class DecodeGraphs:
 
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether this step is one the graphs replay (see the module docstring)."""
-        if not self._replays or len(chunks) > self.sizes[-1]:
+        if not self._replays or not chunks or len(chunks) > self.sizes[-1]:
             return False
         page_size = self.runner.page_size
         for chunk in chunks:

@@ -149,6 +149,7 @@ def test_steps_the_graphs_cannot_replay_run_eagerly() -> None:
     assert not graphs.can_run(decodes)
     graphs.max_pages = 64
     assert not graphs.can_run(decodes * 3)  # more sequences than the largest graph
+    assert not graphs.can_run([])
 
 
 def test_drafts_to_verify_run_eagerly_with_the_same_tokens() -> None:
