@@ -103,8 +103,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self.drafter.propose)
         slots = window_slots.num_slots if window_slots is not None else 0
         self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device, slots)
-        # No decode graphs even where the backend could replay them (vLLM's --enforce-eager; decode_graphs.py).
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = enforce_eager  # no decode graphs, even where the backend could replay them
         # A finished request of a session holds its pages this long (see session_holds.py).
         self.session_hold_s = session_hold_s
         self.session_holds = SessionHolds(
@@ -133,15 +132,8 @@ class LLMEngine:
         )
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.limits)
         self.energy = EnergyLedger.for_device(self.device, page_size, moves_pages=self.kv_connector is not None)
-        logger.info(
-            "rayturn engine: %s (%s), %s on %s, %d KV pages of %d tokens",
-            model_dir.name,
-            self.config.architecture,
-            self.dtype,
-            self.device,
-            self.num_pages,
-            page_size,
-        )
+        info = (model_dir.name, self.config.architecture, self.dtype, self.device, self.num_pages, page_size)
+        logger.info("rayturn engine: %s (%s), %s on %s, %d KV pages of %d tokens", *info)
 
     @classmethod
     def from_pretrained(
