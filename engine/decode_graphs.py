@@ -13,9 +13,10 @@ samples, no prompt positions are scored and the batch fits the largest size; any
 eagerly, as every step does with ``enforce_eager`` and in a model whose sliding-window layers keep
 a cache of their own (``window_slots.py``: their page tables would need graphs of their own). Padding rows
 get token 0 at position 0, slot -1 (the backends write nothing for a negative slot) and one key
-(page 0's first slot: any page will do, nothing of it reaches a real row); their logits are
-dropped. The page table spans ``max_model_len``. The logits are copied out of the graph's
-output, which the next replay overwrites.
+(the first slot of whatever page their row of the table still names, page 0 or an earlier step's:
+any page will do, nothing of it reaches a real row); their logits are dropped. The page table
+spans ``max_model_len``. The logits are copied out of the graph's output, which the next replay
+overwrites.
 
 Life cycle: ``DecodeGraphs(runner, ...)`` allocates the static tensors; :meth:`capture` records
 each size (largest first, all in one memory pool), after two eager runs of it on a side stream
@@ -132,9 +133,9 @@ class DecodeGraphs:
                 return False
         return True
 
-    @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The logits of a step ``can_run`` accepted, one row per chunk in their order."""
+        """The logits of a step ``can_run`` accepted, one row per chunk in their order (called inside the
+        runner's inference mode)."""
         num_seqs = len(chunks)
         size = next(size for size in self.sizes if size >= num_seqs)
         page_size = self.runner.page_size
@@ -142,22 +143,19 @@ class DecodeGraphs:
         positions = np.zeros(size, dtype=np.int64)
         slots = np.full(size, -1, dtype=np.int64)
         seq_lens = np.ones(size, dtype=np.int32)
-        width = max(chunk.seq.num_computed_tokens // page_size + 1 for chunk in chunks)
-        table = np.zeros((size, width), dtype=np.int32)
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
             position = seq.num_computed_tokens
-            pages = seq.pages[:width]
             ids[row] = seq.token_ids[position]
             positions[row] = position
-            slots[row] = pages[position // page_size].page_id * page_size + position % page_size
+            slots[row] = seq.pages[position // page_size].page_id * page_size + position % page_size
             seq_lens[row] = position + 1
-            table[row, : len(pages)] = [page.page_id for page in pages]
+        table = self.runner.page_table_of(chunks, seq_lens[:num_seqs].tolist())
         self.input_ids[:size].copy_(torch.from_numpy(ids))
         self.positions[:size].copy_(torch.from_numpy(positions))
         self.slot_mapping[:size].copy_(torch.from_numpy(slots))
         self.seq_lens[:size].copy_(torch.from_numpy(seq_lens))
-        self.page_table[:size, :width].copy_(torch.from_numpy(table))
+        self.page_table[:num_seqs, : table.shape[1]].copy_(table)
         self.num_replays += 1
         return self._replays[size]()[:num_seqs].clone()
 

@@ -87,9 +87,11 @@ class ModelRunner:
                 dst = torch.tensor([d for _, d in pairs], device=self.device)
                 self.backend.copy_pages(cache, src, dst)
 
-    def _page_table(
+    def page_table_of(
         self, chunks: list[ScheduledChunk], num_tokens_after: list[int], window: bool = False
     ) -> torch.Tensor:
+        """[len(chunks), pages of the longest] page ids (window slots with ``window``) of the chunks' sequences,
+        holding ``num_tokens_after`` tokens each once the step has run; zeros past a sequence's pages."""
         max_pages = max((n + self.page_size - 1) // self.page_size for n in num_tokens_after)
         table = np.zeros((len(chunks), max_pages), dtype=np.int32)
         for row, chunk in enumerate(chunks):
@@ -110,9 +112,9 @@ class ModelRunner:
         """The sliding layers' part of a step: their cache, the window slots written, page tables of slots."""
         assert self.window_cache is not None
         if decode is not None:
-            decode = replace(decode, page_table=self._page_table(decodes, list(decode.seq_lens_host), True))
+            decode = replace(decode, page_table=self.page_table_of(decodes, list(decode.seq_lens_host), True))
         if prefill is not None:
-            prefill = replace(prefill, page_table=self._page_table(prefills, list(prefill.seq_lens_host), True))
+            prefill = replace(prefill, page_table=self.page_table_of(prefills, list(prefill.seq_lens_host), True))
         return ForwardBatch(
             kv_cache=self.window_cache,
             slot_mapping=torch.tensor(window_slots, dtype=torch.int64, device=self.device),
@@ -163,7 +165,7 @@ class ModelRunner:
         if decodes:
             seq_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
             decode_batch = DecodeBatch(
-                page_table=self._page_table(decodes, seq_lens),
+                page_table=self.page_table_of(decodes, seq_lens),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
                 max_seq_len=max(seq_lens),
                 seq_lens_host=tuple(seq_lens),
@@ -174,7 +176,7 @@ class ModelRunner:
             seq_lens = [c.seq.num_computed_tokens + c.num_scheduled_tokens for c in prefills]
             context_lens = [c.seq.num_computed_tokens for c in prefills]
             prefill_batch = PrefillBatch(
-                page_table=self._page_table(prefills, seq_lens),
+                page_table=self.page_table_of(prefills, seq_lens),
                 query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32).to(
                     self.device
                 ),
@@ -219,14 +221,14 @@ class ModelRunner:
             return SampledRows(index, None)
         seq_lens = [positions[row] + 1 for row in rows]
         decode = DecodeBatch(
-            page_table=self._page_table(chunks, seq_lens),
+            page_table=self.page_table_of(chunks, seq_lens),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             max_seq_len=max(seq_lens),
             seq_lens_host=tuple(seq_lens),
         )
-        window = (
-            None if self.window_cache is None else replace(decode, page_table=self._page_table(chunks, seq_lens, True))
-        )
+        window = None
+        if self.window_cache is not None:
+            window = replace(decode, page_table=self.page_table_of(chunks, seq_lens, True))
         return SampledRows(index, decode, window)
 
 
