@@ -47,7 +47,7 @@ from agent_server import rayturn_serve  # noqa: E402
 
 from rayturn.replay.harness import emit, machine  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18531, 19531
+HTTP_PORT, GRPC_PORT = 28531, 29531
 API_KEY = "sk-bench-agents"
 SOURCES = ("api", "engine", "decode", "router", "kvstore")
 CLAUDE_CODE_FIGURES = (

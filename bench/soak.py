@@ -336,8 +336,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--overload-prompt-chars", type=int, default=None, help="characters per burst prompt (default 1000, quick 500)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-port", type=int, default=18090)
-    parser.add_argument("--grpc-port", type=int, default=19090)
+    parser.add_argument("--http-port", type=int, default=28090)
+    parser.add_argument("--grpc-port", type=int, default=29090)
     add_out_argument(parser, "soak")
     return parser.parse_args(argv)
 

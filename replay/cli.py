@@ -171,8 +171,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         "user starts typing (default: never)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-port", type=int, default=18080)
-    parser.add_argument("--grpc-port", type=int, default=19080)
+    parser.add_argument("--http-port", type=int, default=28080)
+    parser.add_argument("--grpc-port", type=int, default=29080)
     add_out_argument(parser, "replay")
     args = parser.parse_args(argv)
     if args.url and (args.compare or args.systems):

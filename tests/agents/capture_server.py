@@ -2,7 +2,7 @@
 
 Run it, point a CLI at it, and read what the CLI asked for::
 
-    python tests/agents/capture_server.py --port 18493 --out /tmp/agent_captures/claude
+    python tests/agents/capture_server.py --port 28493 --out /tmp/agent_captures/claude
 
 Each request lands in ``OUT/NNN-METHOD-PATH.json`` (method, path, query, headers, the
 body parsed as JSON where it is JSON, and the status answered). It answers the three

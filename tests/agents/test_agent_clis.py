@@ -17,7 +17,7 @@ import pytest
 from agent_clis import AgentClis, AgentRun, AgentsUnavailable, Server, installed_clis
 from agent_server import rayturn_serve
 
-HTTP_PORT, GRPC_PORT = 18491, 19491
+HTTP_PORT, GRPC_PORT = 28491, 29491
 API_KEY = "sk-agents-5c1f"
 RUN_TIMEOUT_S = 120.0
 

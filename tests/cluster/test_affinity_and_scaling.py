@@ -33,7 +33,7 @@ from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.engine.outputs import RequestOutput  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18441, 19441
+HTTP_PORT, GRPC_PORT = 28441, 29441
 THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes the prompt
 OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD)
 SETTLE_TIMEOUT_S = 90.0

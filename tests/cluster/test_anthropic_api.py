@@ -26,7 +26,7 @@ from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18511, 19511
+HTTP_PORT, GRPC_PORT = 28511, 29511
 API_KEY = "anthropic-test-key"
 THRESHOLD = 48
 MAX_MODEL_LEN = 1024

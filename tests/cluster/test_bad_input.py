@@ -46,7 +46,7 @@ from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18641, 19641
+HTTP_PORT, GRPC_PORT = 28641, 29641
 API_KEY = "sk-fuzz-7d3e9a1c5b8f"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_LIMIT = 1 << 20

@@ -30,7 +30,7 @@ from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18431, 19431
+HTTP_PORT, GRPC_PORT = 28431, 29431
 API_KEY = "test-key"
 THRESHOLD = 48  # uncached prompt tokens from which a prefill replica computes the prompt
 OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD, **{"server.api_keys": [API_KEY]})

@@ -35,7 +35,7 @@ from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.router.scoring import preferred_replica  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18611, 19611
+HTTP_PORT, GRPC_PORT = 28611, 29611
 THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes the prompt
 CALL_TIMEOUT_S = 120.0  # a call still running after this is hung
 SETTLE_TIMEOUT_S = 240.0  # a replacement replica starts slowly on a busy 2-core host

@@ -32,7 +32,7 @@ from rayturn.engine.tokenizer import Tokenizer  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18561, 19561
+HTTP_PORT, GRPC_PORT = 28561, 29561
 THRESHOLD = 48  # uncached prompt tokens from which a prefill replica computes the prompt
 PAGE_SIZE = 16
 METADATA = (("application", "rayturn"),)

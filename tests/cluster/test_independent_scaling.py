@@ -39,7 +39,7 @@ from rayturn.cluster.config import ClusterConfig, load_config  # noqa: E402
 from rayturn.cluster.runner import running_cluster  # noqa: E402
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kuberay" / "rayservice-cpu.yaml"
-HTTP_PORT, GRPC_PORT = 18671, 19671
+HTTP_PORT, GRPC_PORT = 28671, 29671
 RAY_PORT = 26671  # and the Ray client server on the next port
 POOLS = ("prefill", "decode")
 NODES_PER_GROUP = 2  # a 2-core host: each group grows from one node to at most two

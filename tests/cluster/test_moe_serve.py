@@ -27,7 +27,7 @@ from small_cluster import serving, small_cluster  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18711, 19711
+HTTP_PORT, GRPC_PORT = 28711, 29711
 THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes the prompt
 ARCH = "gptoss-e4-top2-window20"
 MAX_TOKENS = 10

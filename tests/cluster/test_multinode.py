@@ -30,7 +30,7 @@ from rayturn.cluster.config import load_config  # noqa: E402
 from rayturn.cluster.runner import running_cluster  # noqa: E402
 from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18461, 19461
+HTTP_PORT, GRPC_PORT = 28461, 29461
 PAGE_SIZE = 16
 THRESHOLD = 16  # every prompt with a page to compute goes to the prefill pool
 OVERRIDES = small_cluster(

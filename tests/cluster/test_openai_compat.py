@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 from rayturn.engine.presets import preset_dir  # noqa: E402
 from rayturn.engine.tokenizer import Tokenizer  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18581, 19581
+HTTP_PORT, GRPC_PORT = 28581, 29581
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
 STARTUP_TIMEOUT_S = 240.0
 THRESHOLD = 64  # prompts this long go to the prefill pool, unless they ask for prompt logprobs

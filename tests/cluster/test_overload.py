@@ -34,7 +34,7 @@ from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 from rayturn.router.scoring import preferred_replica  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18621, 19621
+HTTP_PORT, GRPC_PORT = 28621, 29621
 THRESHOLD = 4096  # every prompt is prefilled on the decode replica
 MAX_ONGOING, MAX_QUEUED = 4, 2
 OVERRIDES = small_cluster(

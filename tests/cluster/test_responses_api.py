@@ -28,7 +28,7 @@ from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18481, 19481
+HTTP_PORT, GRPC_PORT = 28481, 29481
 ALICE_KEY, BOB_KEY = "responses-alice-key", "responses-bob-key"
 THRESHOLD = 96  # uncached prompt tokens from which a prefill replica computes the prompt
 OVERRIDES = small_cluster(

@@ -38,7 +38,7 @@ from rayturn.engine import LLMEngine  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18471, 19471
+HTTP_PORT, GRPC_PORT = 28471, 29471
 KEY_A, KEY_B = "sk-alice-2f7c9e1d5a8b4c3e", "sk-bob-8d1e4b7a2c9f6e5d"
 TEAM_KEYS = ["sk-team-one-3b8e1f2a", "sk-team-two-9c4d7a1e"]
 BODY_LIMIT = 1 << 20

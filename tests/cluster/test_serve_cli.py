@@ -34,7 +34,7 @@ from rayturn.engine.presets import preset_dir
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-HTTP_PORT, GRPC_PORT = 18451, 19451
+HTTP_PORT, GRPC_PORT = 28451, 29451
 API_KEY = "sk-from-the-environment-7e2d"
 MODEL_ID = "rayturn-test/tiny-from-the-hub"
 SERVED_NAME = "tiny-served"

@@ -35,7 +35,7 @@ from rayturn.engine import LLMEngine, SamplingParams  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18461, 19461
+HTTP_PORT, GRPC_PORT = 28591, 29591
 SNAPSHOT_DIR = tempfile.mkdtemp(prefix="rayturn-lifecycle-")
 NUM_PAGES = 96
 PAGE_SIZE = 16

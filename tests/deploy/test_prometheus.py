@@ -36,7 +36,7 @@ from small_cluster import serving, small_cluster  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
-HTTP_PORT, GRPC_PORT = 18661, 19661
+HTTP_PORT, GRPC_PORT = 28661, 29661
 SCRAPE_INTERVAL_S = 1.0
 # Ray's own config name (case-sensitive): how often every process hands its metrics to the node's agent.
 REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"

@@ -27,7 +27,7 @@ from rayturn.cluster.config import API_KEYS_ENV  # noqa: E402
 from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
 from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
-HTTP_PORT, GRPC_PORT = 18691, 19691
+HTTP_PORT, GRPC_PORT = 28691, 29691
 MANIFEST = REPO / "deploy" / "kuberay" / "rayservice-cpu.yaml"
 API_KEY = "sk-from-the-secret"
 # Building the app and starting three replicas on a loaded 2-core host; Serve's own proxy check allows 5 s.

@@ -15,7 +15,7 @@ import pytest
 from rayturn.cli import main
 from rayturn.replay import cli as replay
 
-HTTP_PORT, GRPC_PORT = 18571, 19571
+HTTP_PORT, GRPC_PORT = 28571, 29571
 
 
 def test_quick_replay_without_traces_runs_on_sample_traces_and_writes_under_out(
