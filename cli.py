@@ -98,6 +98,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="Kernel backend (torch, triton). (default: chosen per device)")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt. (default: 32)")
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature. (default: 0.0)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Always run the model eagerly: no CUDA graphs of decode steps, which a GPU backend otherwise "
+        "captures before generating.",
+    )
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -183,9 +189,17 @@ def _dtype(choice: str | None, model: str) -> str | None:
 
 def _generate(args: argparse.Namespace, prompts: Sequence[str], chat: bool) -> int:
     from rayturn.engine import LLMEngine, SamplingParams
+    from rayturn.engine.warm_up import warm_up_kernels
 
     dtype = _dtype(args.dtype, args.model) or DEFAULT_DTYPE
-    engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype=dtype)
+    engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype=dtype, enforce_eager=args.enforce_eager)
+    if engine.backend.compiles_kernels() or engine.backend.captures_cuda_graphs():
+        # As a served replica starts (Triton on a GPU): kernels built and decode steps recorded as CUDA graphs
+        # before the clock below starts. A CPU backend has nothing that needs it; its first steps build lazily.
+        warm_up_start = time.perf_counter()
+        warm_up_kernels(engine)
+        graphs = "decode steps as CUDA graphs" if engine.runner.decode_graphs is not None else "eager"
+        print(f"warmed up in {time.perf_counter() - warm_up_start:.1f} s ({graphs})")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if chat and engine.tokenizer.chat_template is not None:
         inputs: list[str | list[int]] = [
