@@ -4,20 +4,14 @@ builds kernels or records decode graphs (Triton on a GPU)."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from rayturn_cli import rayturn_command
 
 from rayturn import cli
 from rayturn.engine import warm_up
 from rayturn.kernels.backend import KernelBackend
-
-
-def rayturn_command() -> list[str]:
-    script = Path(sys.executable).with_name("rayturn")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cli"]
 
 
 def test_generate_prints_each_answer_and_the_rate() -> None:

@@ -13,14 +13,13 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rayturn_cli import rayturn_command
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
@@ -56,8 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = directory / "rayturn.yaml"
     config.write_text(CONFIG)
     log = directory / "serve.log"
-    script = Path(sys.executable).with_name("rayturn")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cli"]
+    command = rayturn_command()
     command += ["serve", "--model", "tiny", "--config", str(config)]
     command += ["--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
     with log.open("wb") as output:

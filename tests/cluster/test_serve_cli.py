@@ -21,13 +21,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hf_cache import cache_model
+from rayturn_cli import rayturn_command
 
 from rayturn.engine.presets import preset_dir
 
@@ -64,11 +64,6 @@ kvstore:
 
 # A process as (pid, start time in clock ticks since boot): pids are reused, the pair is not.
 Process = tuple[int, int]
-
-
-def rayturn_command() -> list[str]:
-    script = Path(sys.executable).with_name("rayturn")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "rayturn.cli"]
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
