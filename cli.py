@@ -87,6 +87,16 @@ def _add_dtype(parser: argparse.ArgumentParser, default_note: str) -> None:
     )
 
 
+def _add_enforce_eager(parser: argparse.ArgumentParser, captured: str, default: bool | None, default_note: str) -> None:
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=default,
+        help="Always run the model eagerly: no CUDA graphs of decode steps, which a GPU backend otherwise "
+        f"captures {captured}. (default: {default_note})",
+    )
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -98,12 +108,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="Kernel backend (torch, triton). (default: chosen per device)")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt. (default: 32)")
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature. (default: 0.0)")
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="Always run the model eagerly: no CUDA graphs of decode steps, which a GPU backend otherwise "
-        "captures before generating.",
-    )
+    _add_enforce_eager(parser, "before generating", False, "false")
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -166,13 +171,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json, mistral or harmony. "
         "(default: the one its chat template shows)",
     )
-    serve.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="Always run the model eagerly: no CUDA graphs of decode steps, which a GPU backend otherwise "
-        "captures at start. (default: model.enforce_eager in --config, else false)",
-    )
+    _add_enforce_eager(serve, "at start", None, "model.enforce_eager in --config, else false")
     serve.add_argument("--address", default=None, help="Join the Ray cluster at this address instead of starting one.")
     _add_log_level(serve, argparse.SUPPRESS)
 
