@@ -8,6 +8,7 @@ bind a port in either can find it already taken by a worker or a connection ("Fa
 from __future__ import annotations
 
 import ast
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -18,8 +19,10 @@ SCANNED = ("tests", "bench", "replay")
 PORT_NAMES = ("HTTP_PORT", "GRPC_PORT", "RAY_PORT")
 
 
-def fixed_ports() -> list[tuple[str, str, int]]:
-    """(file, what, port) for each module-level port constant and each ``--*-port`` option default."""
+@functools.cache
+def fixed_ports() -> tuple[tuple[str, str, int], ...]:
+    """(file, what, port) for each module-level port constant and each ``--*-port`` option default (the sources
+    are read once for all the tests here)."""
     found: list[tuple[str, str, int]] = []
     for folder in SCANNED:
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -31,7 +34,7 @@ def fixed_ports() -> list[tuple[str, str, int]]:
                     for keyword in node.keywords:
                         if keyword.arg == "default" and _is_int(keyword.value):
                             found.append((where, str(_first_arg(node)), _int(keyword.value)))
-    return found
+    return tuple(found)
 
 
 def _assigned_ports(node: ast.Assign) -> list[tuple[str, int]]:
