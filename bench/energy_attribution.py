@@ -35,7 +35,8 @@ ones (0: equal, 2: disjoint): per request over a workload (``shapley_l1``,
 ``proportional_l1``), and in (a) per step of two requests or more
 (``step_...``); each also on the workloads or steps where the token split is
 off by 0.40 or more (``..._where_proportional_at_least_floor``). The cost of
-attribution: the ledger's own time (work, split, calibration, accounts) over
+attribution: the ledger's own time (work, split, calibration, accounts; steps
+recorded ``flush_steps`` at a time, as a served engine's ledger does) over
 the steps' model-run time (wall clock) and over the whole engine steps
 (scheduling, sampling and outputs too), the same in CPU time where the meter
 is the power model, and the split alone on bigger batches.
@@ -328,6 +329,7 @@ def on_engine(model: str, repeats: int, full: bool, step_tokens: int, seed: int)
         "model_run_ms_per_step": round(ledger.step_s / ledger.num_steps * 1e3, 3),
         "accounting_us_per_step": round(ledger.accounting_s / ledger.num_steps * 1e6, 1),
         "accounting_fraction": round(float(stats["accounting_fraction"]), 5),
+        "flush_steps": ledger.flush_steps,  # steps the ledger records together, as in a served engine
         # The same time over whole engine steps (every step of the run), not only their model runs.
         "engine_step_ms_per_step": round(ledger.engine_step_s / ledger.engine_steps * 1e3, 3),
         "accounting_fraction_of_engine_step": round(ledger.accounting_s / ledger.engine_step_s, 5),

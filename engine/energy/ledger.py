@@ -3,16 +3,27 @@
 Per step (``LLMEngine._run``)::
 
     step(chunks) --enter: each chunk's work, meter read--> the model runs
-        --exit: meter read--> record: Shapley split of the step's joules (cost model with
-        the current coefficients), token split beside it, both added to each request
-        and its session; then the calibrator sees the step
+        --exit: meter read--> queued; every ``flush_steps`` steps, and whenever
+        an account is read: record, in order: Shapley split of the step's joules
+        (cost model with the current coefficients), token split beside it, both
+        added to each request and its session; then the calibrator sees the step
+
+Why queued: on a small model a step's split is Python right after the model
+ran, with the interpreter's data out of the caches; the same splits made back
+to back cost a third as much (``bench/energy_attribution.py``'s
+``accounting_*`` figures). Recording in order keeps every figure what it would
+be step by step: each split uses the coefficients the steps before it left.
 
 A request's account opens when it is queued (``open``, with its session) and
 is dropped when its finished output has been reported (``annotate``) or it is
 aborted (``close``); a session's total outlives its requests (the most recent
 ``max_sessions`` sessions are kept). Every output reported carries the
-request's joules so far and the meter's name. The time the accounting takes
-(work, split, calibration, accounts) is kept beside the steps' own time.
+request's joules so far and the meter's name: complete for a finished output
+(its steps are recorded first), and at most ``flush_steps - 1`` steps behind
+for one still running (never decreasing). Reading an account
+(``request_energy``, ``session_energy_j``, ``stats``) or closing one records
+the queued steps first. The time the accounting takes (work, split,
+calibration, accounts) is kept beside the steps' own time.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ ACCELERATOR_DEFAULTS = CostCoefficients(
     fixed_j=0.5, token_j=0.0135, knee_tokens=128, request_j=0.01, context_j=2e-5, attention_j=4e-7, page_move_j=1e-3
 )
 MAX_SESSIONS = 4096
+FLUSH_STEPS = 16
+"""Steps queued before they are recorded together (see the module docstring)."""
 
 
 @dataclass(slots=True)
@@ -77,13 +90,18 @@ class EnergyLedger:
         moves_pages: bool = False,
         seed: int = 0,
         max_sessions: int = MAX_SESSIONS,
+        flush_steps: int = FLUSH_STEPS,
     ) -> None:
+        if flush_steps < 1:
+            raise ValueError(f"flush_steps must be >= 1, got {flush_steps}")
         self.meter = meter
         self.page_size = page_size
         self.calibrator = calibrator
         # Whether the engine saves and loads pages through a KV store (whose moves the model charges).
         self.moves_pages = moves_pages
         self.max_sessions = max_sessions
+        self.flush_steps = flush_steps
+        self._queued: list[tuple[Seq[RequestWork], float, float]] = []
         self._rng = np.random.default_rng(seed)
         self._requests: dict[str, RequestEnergy] = {}
         self._sessions: OrderedDict[str, float] = OrderedDict()
@@ -102,8 +120,13 @@ class EnergyLedger:
     def scratch(self) -> EnergyLedger:
         """A ledger of no account on the same meter (a meter may hold a thread: no second one is opened), with
         this ledger's coefficients: for steps that must not count, such as the start-up warm-up's."""
+        self.flush()
         return EnergyLedger(
-            self.meter, self.page_size, OnlineCalibrator(self.calibrator.coefficients), self.moves_pages
+            self.meter,
+            self.page_size,
+            OnlineCalibrator(self.calibrator.coefficients),
+            self.moves_pages,
+            flush_steps=self.flush_steps,
         )
 
     # -- accounts -----------------------------------------------------------
@@ -113,17 +136,22 @@ class EnergyLedger:
 
     def close(self, request_id: str) -> None:
         """Drop an aborted request's account (its session keeps what it spent)."""
+        self.flush()
         self._requests.pop(request_id, None)
 
     def request_energy(self, request_id: str) -> RequestEnergy | None:
+        self.flush()
         return self._requests.get(request_id)
 
     def session_energy_j(self, session_id: str) -> float:
+        self.flush()
         return self._sessions.get(session_id, 0.0)
 
     def annotate(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs, fresh from this step, with each request's joules so far; finished requests' accounts are
         dropped."""
+        if self._queued and any(output.finished for output in outputs):
+            self.flush()  # a finished output carries all its joules, and its account goes
         start_s = time.perf_counter()
         meter_name = self.meter.name
         for output in outputs:
@@ -147,8 +175,23 @@ class EnergyLedger:
         self.accounting_s += time.perf_counter() - start_s
         return _StepMeasurement(self, works)
 
+    def queue(self, works: Seq[RequestWork], energy_j: float, step_s: float) -> None:
+        """Keep one step's measurement for :meth:`record`, which runs once ``flush_steps`` are queued."""
+        self._queued.append((works, energy_j, step_s))
+        if len(self._queued) >= self.flush_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the queued steps, in the order they ran."""
+        queued, self._queued = self._queued, []
+        for works, energy_j, step_s in queued:
+            self.record(works, energy_j, step_s)
+
     def record(self, works: Seq[RequestWork], energy_j: float, step_s: float) -> StepAttribution:
-        """Split one step's measured joules among its works, add them to the accounts, calibrate."""
+        """Split one step's measured joules among its works, add them to the accounts, calibrate; steps queued
+        before it are recorded first."""
+        if self._queued:
+            self.flush()
         start_s = time.perf_counter()
         split = shapley_split(works, self.calibrator.coefficients, self._rng)
         modelled_j = sum(split.values_j)
@@ -173,6 +216,7 @@ class EnergyLedger:
         return StepAttribution(energy_j, shapley_j, proportional_j, split.exact)
 
     def stats(self) -> dict[str, float | int | str]:
+        self.flush()
         coefficients = self.calibrator.coefficients
         return {
             "meter": self.meter.name,
@@ -228,4 +272,4 @@ class _StepMeasurement:
     ) -> None:
         if exc_type is None:
             energy_j = self._ledger.meter.read_j() - self._start_j
-            self._ledger.record(self._works, energy_j, time.perf_counter() - self._run_start_s)
+            self._ledger.queue(self._works, energy_j, time.perf_counter() - self._run_start_s)

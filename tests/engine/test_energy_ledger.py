@@ -148,4 +148,76 @@ def test_a_chunk_charges_its_store_loads_once_and_its_prompt_pages_saved_once() 
     seq.token_ids.append(1)
     with ledger.step([ScheduledChunk(seq, 1)]):
         seq.num_computed_tokens += 1
+    assert ledger.works == []  # both steps queued (fewer than flush_steps), recorded together below
+    ledger.flush()
     assert ledger.works == [[RequestWork.chunk("r", 32, 48, pages_moved=2 + 3)], [RequestWork.chunk("r", 80, 1)]]
+
+
+def varying_ledger(page_size: int, flush_steps: int) -> EnergyLedger:
+    """A ledger whose meter measures a different, known number of joules each step and whose model refits every
+    few steps: a step's split depends on the steps recorded before it."""
+    ticks = itertools.count()
+    readings = itertools.accumulate(1.0 + (next(ticks) % 7) * 0.25 for _ in itertools.count())
+    calibrator = OnlineCalibrator(MODEL, window_steps=64, refit_every=4, min_steps=4)
+    return EnergyLedger(ModelMeter(lambda: next(readings), 1.0), page_size, calibrator, flush_steps=flush_steps)
+
+
+def run_calls(engine: LLMEngine, ledger: EnergyLedger, token: int) -> list[list[RequestOutput]]:
+    """Three calls of two sessions, one aborted halfway, their prompts made of ``token`` (another for each run: no
+    prefix of one run is cached for the next, so the runs' steps are the same); every step's outputs."""
+    engine.energy = ledger
+    short, gone = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 60))
+    engine.add_request([token] * 300, GREEDY, request_id="long", session_id="agent")
+    engine.add_request([token + 1] * 20, short, request_id="short", session_id="agent")
+    engine.add_request([token + 2] * 40, gone, request_id="gone", session_id="other")
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(engine.step())
+        if len(steps) == 12:
+            engine.abort("gone")
+    return steps
+
+
+def test_queued_steps_are_recorded_as_they_would_be_one_by_one(engine: LLMEngine) -> None:
+    queued, immediate = varying_ledger(engine.page_size, 8), varying_ledger(engine.page_size, 1)
+    queued_steps, immediate_steps = run_calls(engine, queued, 11), run_calls(engine, immediate, 21)
+    assert len(queued_steps) == len(immediate_steps) > 2 * queued.flush_steps
+    assert queued.calibrator.num_fits == immediate.calibrator.num_fits > 2
+    seen: dict[str, float] = {}
+    lagged = 0
+    for queued_outputs, immediate_outputs in zip(queued_steps, immediate_steps):
+        assert [out.request_id for out in queued_outputs] == [out.request_id for out in immediate_outputs]
+        for out, exact in zip(queued_outputs, immediate_outputs):
+            assert out.energy_j is not None and exact.energy_j is not None
+            if out.finished:  # a finished output carries every step of its request
+                assert out.energy_j == exact.energy_j
+            else:  # a running one may lag, never ahead and never going back
+                assert seen.get(out.request_id, 0.0) <= out.energy_j <= exact.energy_j
+                lagged += out.energy_j < exact.energy_j
+            seen[out.request_id] = out.energy_j
+    assert lagged > 0  # the steps were queued
+    assert {out.request_id for outputs in queued_steps for out in outputs if out.finished} == {"long", "short"}
+    for session in ("agent", "other"):  # the aborted call's steps count for its session too
+        assert queued.session_energy_j(session) == immediate.session_energy_j(session) > 0
+    assert queued.calibrator.coefficients == immediate.calibrator.coefficients
+    assert queued.energy_j == immediate.energy_j and queued.num_steps == immediate.num_steps
+    assert queued.request_energy("gone") is None
+
+
+def test_reading_an_account_records_the_queued_steps_first() -> None:
+    ledger = fixed_ledger()
+    ledger.open("a", "s")
+    for _ in range(3):
+        ledger.queue([RequestWork.chunk("a", 0, 4)], energy_j=1.0, step_s=0.01)
+    assert ledger.num_steps == 0
+    account = ledger.request_energy("a")
+    assert account is not None and account.shapley_j == pytest.approx(3.0) and ledger.num_steps == 3
+    ledger.queue([RequestWork.chunk("a", 4, 1)], energy_j=2.0, step_s=0.01)
+    assert ledger.session_energy_j("s") == pytest.approx(5.0)
+    ledger.queue([RequestWork.chunk("a", 5, 1)], energy_j=1.0, step_s=0.01)
+    assert ledger.stats()["steps"] == 5 and ledger.energy_j == pytest.approx(6.0)
+    ledger.queue([RequestWork.chunk("a", 6, 1)], energy_j=1.0, step_s=0.01)
+    ledger.close("a")
+    assert ledger.session_energy_j("s") == pytest.approx(7.0) and ledger.request_energy("a") is None
+    with pytest.raises(ValueError, match="flush_steps"):
+        EnergyLedger(joule_per_read_meter(), 16, OnlineCalibrator(MODEL), flush_steps=0)
