@@ -14,6 +14,13 @@ venv is set up: ``bash bench/peers/setup_mooncake.sh``; see
 ``vs_mooncake`` ratios are rayturn's figure over Mooncake's (bandwidth: higher
 is better for rayturn; latency: lower is).
 
+Where a one-page get's time goes: ``lookup_1_*`` times the master lookup
+alone (the one-key ``get_locations`` call every get starts with),
+and ``ucx_floor`` is ``bench/ucx_floor.py`` run in the same session: the same
+page over the same UCX runtime with no store at all, its owner on the UCX
+loop as the store's server is, and polling from a thread of its own.
+``ucx_get_1_p50_over_floor`` is the store's UCX get over the bare exchange.
+
     python bench/kvstore_bandwidth.py [--quick] [--peer mooncake|none] [--out DIR]
 
 The last line of stdout is one JSON object.
@@ -29,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import ucx_floor
 from peers import mooncake_peer
 
 from rayturn.kvstore import KVStoreClient, start_master
@@ -37,6 +45,7 @@ from rayturn.replay.harness import Progress, add_out_argument, emit
 PAGE_BYTES = 32 << 10
 BATCH_PAGES = 256  # the latency batch
 BANDWIDTH_BATCH_PAGES = 1024  # 32 MiB per get_into: one master round trip amortised over many pages
+UCX_GET_1_P50_TARGET_MS = 0.3
 
 
 @ray.remote(num_cpus=0.1)
@@ -70,7 +79,12 @@ class Worker:
                 if repeat:
                     best_s[form] = min(best_s[form], time.perf_counter() - start)
                 assert bytes(dest[-1]) == self.client.get(keys[-1])
-        one, batch = [], []
+        one, batch, lookup = [], [], []
+        for i in range(latency_iters):
+            start = time.perf_counter()
+            # The lookup every get starts with, exactly as the reader makes it (read grant included).
+            self.client.master.call("get_locations", [keys[i % num_pages]], self.client.node_id, self.client.tenant)
+            lookup.append(time.perf_counter() - start)
         for i in range(latency_iters):
             start = time.perf_counter()
             self.client.get_into([keys[i % num_pages]], [rows[0]])
@@ -87,6 +101,8 @@ class Worker:
             "get_1_p99_ms": _percentile(one, 99) * 1e3,
             "get_256_p50_ms": _percentile(batch, 50) * 1e3,
             "get_256_p99_ms": _percentile(batch, 99) * 1e3,
+            "lookup_1_p50_ms": _percentile(lookup, 50) * 1e3,
+            "lookup_1_p99_ms": _percentile(lookup, 99) * 1e3,
         }
 
     def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
@@ -124,7 +140,7 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     start_master("kv-bench")
-    progress = Progress("kvstore bandwidth", 5)
+    progress = Progress("kvstore bandwidth", 6)
     writer = Worker.remote("kv-bench", "auto", int(total_bytes * 1.5))
     keys = ray.get(writer.fill.remote(num_pages))
     progress.advance()
@@ -135,6 +151,8 @@ def main() -> None:
         progress.advance()
     memcpy = ray.get(reader.memcpy_gbps.remote(total_bytes, repeats))
     used = ray.get(reader.transports.remote())
+    progress.advance()
+    floor = ucx_floor.measure(latency_iters * 2)
     progress.advance()
     ray.shutdown()
     peer = _peer(args.peer, args.out, num_pages, repeats, latency_iters)
@@ -155,6 +173,10 @@ def main() -> None:
         "ucx": {k: round(v, 3) for k, v in ucx.items()},
         "ucx_transports": used,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+        "ucx_floor": {k: round(v, 3) for k, v in floor.items()},
+        "ucx_get_1_p50_over_floor": round(ucx["get_1_p50_ms"] / floor["owner_on_loop_p50_ms"], 3),
+        "targets": {"ucx_get_1_p50_ms_max": UCX_GET_1_P50_TARGET_MS},
+        "targets_met": {"ucx_get_1_p50": ucx["get_1_p50_ms"] <= UCX_GET_1_P50_TARGET_MS},
         **peer,
     }
     if "mooncake" in peer and "tcp" in peer["mooncake"]:
