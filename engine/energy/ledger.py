@@ -22,7 +22,9 @@ request's joules so far and the meter's name: complete for a finished output
 (its steps are recorded first), and at most ``flush_steps - 1`` steps behind
 for one still running (never decreasing). Reading an account
 (``request_energy``, ``session_energy_j``, ``stats``) or closing one records
-the queued steps first. The time the accounting takes (work, split,
+the queued steps first; the running totals (``energy_j``, ``num_steps``,
+``step_s``, ``accounting_s``) count recorded steps only (``flush`` records
+the rest). The time the accounting takes (work, split,
 calibration, accounts) is kept beside the steps' own time.
 """
 
