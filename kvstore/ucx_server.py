@@ -333,12 +333,9 @@ class _ServerConnection:
             await self._send_read(request_id, data)
 
     async def _send_read(self, request_id: int, data: memoryview) -> None:
-        # Reply and data are posted back to back (UCX keeps their order): the data does not wait
-        # for the reply's completion to make its way back to this loop.
-        await asyncio.gather(
-            self._reply(request_id, ok=True, total_bytes=data.nbytes),
-            self._channel.send_data(data, self._server._io_timeout_s),
-        )
+        # Reply and data are posted at once (UCX keeps their order) and awaited as one: the data
+        # does not wait for the reply's completion to make its way back to this loop.
+        await self._channel.send_reply_and_data(request_id, data, self._server._io_timeout_s)
 
     async def _serve_write(self, request_id: int, keys: list[bytes], ranges: list[Range], tenant: str) -> None:
         total_bytes = self._server._check_request(ranges)
