@@ -446,6 +446,43 @@ def test_unusable_frame_closes_only_that_connection(
     _still_serves(remote, client, expected)
 
 
+async def _stalled_read(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> tuple[dict[str, Any], str]:
+    """Ask for 8 MiB, take the reply but not the data for longer than the server's I/O timeout (5 s), checking
+    meanwhile that another connection is served; then try to take the data: what became of it."""
+    import ucxx
+
+    endpoint = await ucxx.create_endpoint(*remote.address)
+    try:
+        challenge = await _recv_frame(endpoint, "challenge")
+        client_nonce, proof = AUTH.answer(challenge["nonce"])
+        await endpoint.send(_frame(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof})))
+        assert (await _recv_frame(endpoint, "reply"))["ok"]
+        await endpoint.send(_frame(_read_request(7, [(0, 8 << 20)])))
+        reply = await _recv_frame(endpoint, "reply")
+        dest = bytearray(16)
+        await asyncio.to_thread(read, client, remote.address, [(4096, 16)], [dest])
+        assert dest == expected[4096:4112].tobytes()  # the stalled send holds up no other connection
+        await asyncio.sleep(6.5)
+        data = np.zeros(8 << 20, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(endpoint.recv(data), 3.0)
+        except Exception as error:  # the server hung up: UCX says so in its own words, or nothing comes
+            return reply, type(error).__name__
+        return reply, "landed" if np.array_equal(data, expected[: 8 << 20]) else "garbled"
+    finally:
+        endpoint.abort()
+
+
+def test_a_reader_that_does_not_take_its_data_is_hung_up_on_after_the_io_timeout(
+    remote: RemoteServer, client: UcxClient, expected: np.ndarray
+) -> None:
+    stalled = asyncio.wait_for(_stalled_read(remote, client, expected), 20.0)
+    reply, fate = run_in_ucx_loop(stalled, timeout_s=CALL_TIMEOUT_S)
+    assert reply == {"type": "reply", "request_id": 7, "ok": True, "total_bytes": 8 << 20}
+    assert fate not in ("landed", "garbled")
+    _still_serves(remote, client, expected)
+
+
 # -- who may connect, and which bytes a request may touch ---------------------------------------
 
 
