@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import ray
 import ucx_floor
+from _common import nearest_rank
 from peers import mooncake_peer
 
 from rayturn.kvstore import KVStoreClient, start_master
@@ -97,12 +98,12 @@ class Worker:
         return {
             "gbps": num_pages * PAGE_BYTES / best_s["batch"] / 1e9,
             "list_gbps": num_pages * PAGE_BYTES / best_s["list"] / 1e9,
-            "get_1_p50_ms": _percentile(one, 50) * 1e3,
-            "get_1_p99_ms": _percentile(one, 99) * 1e3,
-            "get_256_p50_ms": _percentile(batch, 50) * 1e3,
-            "get_256_p99_ms": _percentile(batch, 99) * 1e3,
-            "lookup_1_p50_ms": _percentile(lookup, 50) * 1e3,
-            "lookup_1_p99_ms": _percentile(lookup, 99) * 1e3,
+            "get_1_p50_ms": nearest_rank(one, 50) * 1e3,
+            "get_1_p99_ms": nearest_rank(one, 99) * 1e3,
+            "get_256_p50_ms": nearest_rank(batch, 50) * 1e3,
+            "get_256_p99_ms": nearest_rank(batch, 99) * 1e3,
+            "lookup_1_p50_ms": nearest_rank(lookup, 50) * 1e3,
+            "lookup_1_p99_ms": nearest_rank(lookup, 99) * 1e3,
         }
 
     def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
@@ -119,11 +120,6 @@ class Worker:
         from rayturn.kvstore.ucx_transport import describe_transports
 
         return describe_transports()
-
-
-def _percentile(samples: list[float], q: int) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
 def main() -> None:

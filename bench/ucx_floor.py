@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import numpy as np
 import ray
+from _common import nearest_rank
 
 from rayturn.kvstore.ucx_runtime import load_ucxx, run_in_ucx_loop
 from rayturn.replay.harness import emit
@@ -129,11 +130,6 @@ class FloorReader:
         return times
 
 
-def _percentile(samples: list[float], q: int) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
 def measure(rounds: int) -> dict[str, float]:
     """p50/p99 (ms) of the bare one-page round trip under each owner mode; needs a running Ray."""
     warm_up = max(10, rounds // 10)
@@ -144,8 +140,8 @@ def measure(rounds: int) -> dict[str, float]:
         times = ray.get(FloorReader.remote().round_trips.remote(port, warm_up + rounds))[warm_up:]
         if ray.get(owner.answered.remote()) != warm_up + rounds:
             raise RuntimeError(f"{mode}: the owner did not answer every frame")
-        figures[f"{mode}_p50_ms"] = _percentile(times, 50) * 1e3
-        figures[f"{mode}_p99_ms"] = _percentile(times, 99) * 1e3
+        figures[f"{mode}_p50_ms"] = nearest_rank(times, 50) * 1e3
+        figures[f"{mode}_p99_ms"] = nearest_rank(times, 99) * 1e3
     return figures
 
 
