@@ -363,16 +363,21 @@ async def _recv_frame(endpoint: Any, expected_type: str) -> dict[str, Any]:
     return wire.decode(slot[CONTROL_HEADER.size : CONTROL_HEADER.size + body_bytes], expected_type)
 
 
+async def _prove_the_secret(endpoint: Any) -> None:
+    """Answer the server's challenge on a raw endpoint, and check it accepted."""
+    challenge = await _recv_frame(endpoint, "challenge")
+    client_nonce, proof = AUTH.answer(challenge["nonce"])
+    await endpoint.send(_frame(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof})))
+    assert (await _recv_frame(endpoint, "reply"))["ok"]
+
+
 async def _raw_session(address: Address, messages: list[bytes], replies: int) -> list[dict[str, Any]]:
     """Prove the secret on a fresh endpoint, send ``messages`` as they are, then decode ``replies`` reply frames."""
     import ucxx
 
     endpoint = await ucxx.create_endpoint(*address)
     try:
-        challenge = await _recv_frame(endpoint, "challenge")
-        client_nonce, proof = AUTH.answer(challenge["nonce"])
-        await endpoint.send(_frame(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof})))
-        assert (await _recv_frame(endpoint, "reply"))["ok"]
+        await _prove_the_secret(endpoint)
         for message in messages:
             await endpoint.send(message)
         return [await _recv_frame(endpoint, "reply") for _ in range(replies)]
@@ -453,10 +458,7 @@ async def _stalled_read(remote: RemoteServer, client: UcxClient, expected: np.nd
 
     endpoint = await ucxx.create_endpoint(*remote.address)
     try:
-        challenge = await _recv_frame(endpoint, "challenge")
-        client_nonce, proof = AUTH.answer(challenge["nonce"])
-        await endpoint.send(_frame(wire.encode({"type": "auth", "nonce": client_nonce, "proof": proof})))
-        assert (await _recv_frame(endpoint, "reply"))["ok"]
+        await _prove_the_secret(endpoint)
         await endpoint.send(_frame(_read_request(7, [(0, 8 << 20)])))
         reply = await _recv_frame(endpoint, "reply")
         dest = bytearray(16)
