@@ -6,6 +6,9 @@ engine's cache (``[layers, 2, page_size, kv_heads, head_dim]``):
 
 - ``longest_prefix(keys, tenant)``: how many leading pages the store holds;
 - ``load(keys, pages, tenant)``: land pages straight in the engine's cache pages;
+- optionally (``PrefixConnector``), ``locate_prefix(keys, tenant)`` and
+  ``load_prefix(prefix, pages)``: the same two steps with one lookup, where
+  the store can say how much of a prefix it holds and where in one answer;
 - ``save(keys, pages, tenant)``: publish pages (a key the store has already
   counts as saved);
 - ``pin(keys, ttl_s, tenant)``: keep the tenant's stored pages from eviction
@@ -23,8 +26,8 @@ copy); on an accelerator pages pass through a host staging buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,12 +42,32 @@ class KVConnector(Protocol):
     def pin(self, keys: Sequence[bytes], ttl_s: float, tenant: str = "") -> None: ...
 
 
+class StoredPrefix(Protocol):
+    """What ``locate_prefix`` found: the leading ``num_keys`` keys are held (and the connector knows where)."""
+
+    @property
+    def num_keys(self) -> int: ...
+
+
+@runtime_checkable
+class PrefixConnector(Protocol):
+    """A connector that finds a prefix and where it is in one lookup; the engine then loads without asking again."""
+
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str = "") -> StoredPrefix: ...
+
+    def load_prefix(self, prefix: Any, pages: Sequence[torch.Tensor]) -> list[bool]: ...
+
+
 class _StoreClient(Protocol):
     """The part of ``rayturn.kvstore.KVStoreClient`` a connector uses (``tenant`` None or "": the client's own)."""
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int: ...
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[object], tenant: str | None = None) -> list[bool]: ...
+
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> Any: ...
+
+    def get_prefix_into(self, prefix: Any, buffers: Sequence[object]) -> list[bool]: ...
 
     def put_batch(
         self,
@@ -73,14 +96,18 @@ class StoreConnector:
     def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
-        if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
-            return self.client.get_into(keys, list(pages), tenant)
-        staging = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, pin_memory=_can_pin())
-        landed = self.client.get_into(keys, list(staging.unbind(0)), tenant)
-        for page, host, ok in zip(pages, staging, landed):
-            if ok:
-                page.copy_(host)
-        return landed
+        return _land(pages, lambda buffers: self.client.get_into(keys, buffers, tenant))
+
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str = "") -> StoredPrefix:
+        """The store client's ``locate_prefix``: how many leading pages it holds, and where, in one lookup."""
+        prefix: StoredPrefix = self.client.locate_prefix(keys, tenant)
+        return prefix
+
+    def load_prefix(self, prefix: Any, pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Land the first ``len(pages)`` pages of a ``locate_prefix`` answer, as ``load`` does, without a lookup."""
+        if not pages:
+            return []
+        return _land(pages, lambda buffers: self.client.get_prefix_into(prefix, buffers))
 
     def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
@@ -93,6 +120,18 @@ class StoreConnector:
     def pin(self, keys: Sequence[bytes], ttl_s: float, tenant: str = "") -> None:
         if keys:
             self.client.pin(keys, ttl_s, tenant)
+
+
+def _land(pages: Sequence[torch.Tensor], read: Callable[[list[torch.Tensor]], list[bool]]) -> list[bool]:
+    """``read`` into the cache pages themselves on a CPU, or through a host staging buffer."""
+    if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
+        return read(list(pages))
+    staging = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, pin_memory=_can_pin())
+    landed = read(list(staging.unbind(0)))
+    for page, host, ok in zip(pages, staging, landed):
+        if ok:
+            page.copy_(host)
+    return landed
 
 
 def _can_pin() -> bool:

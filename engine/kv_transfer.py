@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .kv_cache_manager import KVCacheManager
-from .kv_connector import KVConnector
+from .kv_connector import KVConnector, PrefixConnector
 from .page_hash import PageHash
 from .page_pool import Page
 from .page_views import PageViews
@@ -111,8 +111,12 @@ class KVTransfer:
         missing = hashes[len(local) :]
         if not missing or len(missing) * self.page_size < min_tokens:
             return 0
+        # No more than could land is looked up: a store leases what it locates (keeps it from eviction a while).
+        limit = (pool.num_pages if reclaim else pool.num_allocatable) - keep_free
+        if limit <= 0:
+            return 0
         try:
-            available = self.connector.longest_prefix(missing, tenant)
+            available, load = self._find(missing[:limit], tenant)
         except Exception as err:  # the store is an optimisation: never fail a request over it
             logger.warning("KV store lookup failed, computing instead: %s", err)
             return 0
@@ -123,7 +127,7 @@ class KVTransfer:
         pages = pool.allocate(max(0, min(available, pool.num_allocatable - keep_free)))
         views = self.page_views.for_load(pages)
         try:
-            landed = self.connector.load(missing[: len(pages)], views, tenant)
+            landed = load(views)
         except Exception as err:
             logger.warning("KV store load failed, computing instead: %s", err)
             landed = [False] * len(pages)
@@ -135,6 +139,19 @@ class KVTransfer:
         pool.free(reversed(pages))
         pool.free(reversed(local))
         return num_loaded
+
+    def _find(self, keys: list[PageHash], tenant: str) -> tuple[int, Callable[[list[torch.Tensor]], list[bool]]]:
+        """How many leading pages of ``keys`` the connector holds, and how to land the first ones in given views.
+
+        A ``PrefixConnector`` answers both in one lookup, which its load then reuses; any other is asked how
+        many, and its load looks the pages up again.
+        """
+        connector = self.connector
+        if isinstance(connector, PrefixConnector):
+            prefix = connector.locate_prefix(keys, tenant)
+            return prefix.num_keys, functools.partial(connector.load_prefix, prefix)
+        count = connector.longest_prefix(keys, tenant)
+        return count, lambda views: connector.load(keys[: len(views)], views, tenant)
 
     def load_for_prewarm(self, hashes: list[PageHash], tenant: str, announced: bool) -> int:
         """A session prewarm's load of the pages of ``hashes`` missing here; returns how many landed.

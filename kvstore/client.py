@@ -58,7 +58,7 @@ from .held_index import HeldIndex
 from .master_types import check_keys
 from .metrics import KVMetrics
 from .peers import PeerDirectory
-from .reader import Reader
+from .reader import LocatedPrefix, Reader
 from .segment import Segment, cleanup_stale_segments
 from .transports import TRANSPORTS
 from .ucx_transport import UcxClient, UcxServer, init_ucx
@@ -247,6 +247,21 @@ class KVStoreClient:
         """
         check_keys(keys)
         return self._reader.get_into(keys, buffers, self._tenant(tenant))
+
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> LocatedPrefix:
+        """How many leading keys are stored objects of ``tenant`` (``num_keys``), and where: what
+        ``longest_prefix`` answers, with what ``get_into`` would then ask the master, in one call.
+
+        Pass it to ``get_prefix_into`` to land (the start of) that prefix without asking again. A master that
+        does not answer gives an empty prefix.
+        """
+        check_keys(keys)
+        return self._reader.locate_prefix(keys, self._tenant(tenant))
+
+    def get_prefix_into(self, prefix: LocatedPrefix, buffers: Any) -> list[bool]:
+        """Land the first ``len(buffers)`` objects of ``prefix`` (at most ``prefix.num_keys``) in ``buffers``, as
+        ``get_into`` would; the master is asked again only if the answer's read grants have run out."""
+        return self._reader.get_prefix_into(prefix, buffers)
 
     # -- the rest ---------------------------------------------------------
 

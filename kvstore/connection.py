@@ -22,7 +22,7 @@ import ray
 from .access import AccessDenied, ReadGrant, SegmentGate, StoreAuth, WriteGrant
 from .bytes_view import as_bytes_view
 from .master import KVMaster
-from .master_lookup import LOOKUP_METHODS, LookupClient, LookupFailed
+from .master_lookup import LOCATING_METHODS, LOOKUP_METHODS, LookupClient, LookupFailed
 from .ucx_transport import PeerUnreachable, TransportError
 
 Address = tuple[str, int]
@@ -106,7 +106,7 @@ class RayMaster:
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         if self.lookup is not None and method in LOOKUP_METHODS:
             try:
-                if method == "get_locations":
+                if method in LOCATING_METHODS:
                     keys, node_id, tenant = args
                     return self.lookup.call(method, keys, tenant, node_id)
                 keys, tenant = args

@@ -158,6 +158,16 @@ class KVMaster:
         self._ensure_started()
         return self._locations(keys, reader_node_id, reader_tenant)
 
+    async def locate_prefix(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
+        self._ensure_started()
+        return self._prefix_locations(keys, reader_node_id, reader_tenant)
+
+    def _prefix_locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
+        """``get_locations`` of the leading keys ``longest_prefix`` counts: the answer has a row per key of that
+        prefix and no more, so a reader that loads a prefix asks the master once, not how much and then where."""
+        count = self.state.longest_prefix(keys, reader_tenant)
+        return self._locations(keys[:count], reader_node_id, reader_tenant)
+
     def _locations(self, keys: Sequence[bytes], reader_node_id: str | None, reader_tenant: str) -> list[Any]:
         """Replica locations, compact for batches of a thousand keys: ``[segment ids, best, more, grants,
         digests]``.
@@ -223,6 +233,8 @@ class KVMaster:
         self._ensure_started()
         if method == "get_locations":
             return self._locations(keys, node_id, tenant)
+        if method == "locate_prefix":
+            return self._prefix_locations(keys, node_id, tenant)
         if method == "exists":
             return self.state.exists(keys, tenant)
         return self.state.longest_prefix(keys, tenant)

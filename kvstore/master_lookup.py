@@ -2,7 +2,8 @@
 
 Every call a worker makes on a request's critical path asks the master one
 question about keys: where are they (``get_locations``), are they there
-(``exists``), how much of a prefix is there (``longest_prefix``). Through Ray
+(``exists``), how much of a prefix is there (``longest_prefix``), how much of
+a prefix is there and where (``locate_prefix``). Through Ray
 each costs an actor call, ~1.5-2 ms here even for one key, and a thousand
 keys' arguments and answer cost as much again in Ray's serialisation. The
 master also listens on a socket for exactly these calls: length-prefixed
@@ -41,7 +42,9 @@ from .wire import WireError
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_METHODS = ("get_locations", "exists", "longest_prefix")
+LOOKUP_METHODS = ("get_locations", "locate_prefix", "exists", "longest_prefix")
+LOCATING_METHODS = ("get_locations", "locate_prefix")
+"""The lookups that answer for a reader's node (its nearest replicas first) and grant it reads."""
 _LENGTH = struct.Struct(">I")
 # The client's patience (see LookupClient).
 CONNECT_TIMEOUT_S = 0.5

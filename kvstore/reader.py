@@ -90,9 +90,40 @@ class Reader:
             raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
         return self._read(keys, tenant, located, targets)
 
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str) -> LocatedPrefix:
+        """The leading keys that are ``tenant``'s objects, and where they are: one master call (``KVStoreClient``)."""
+        if not keys:
+            return LocatedPrefix([], tenant, None)
+        try:
+            located = self._located(self._master.call("locate_prefix", list(keys), self._node_id, tenant))
+        except MasterUnavailable as err:
+            logger.warning("kv locate_prefix answered as a miss: %s", err)
+            return LocatedPrefix([], tenant, None)
+        return LocatedPrefix(list(keys[: len(located.best)]), tenant, located)
+
+    def get_prefix_into(self, prefix: LocatedPrefix, buffers: Any) -> list[bool]:
+        """Land the first ``len(buffers)`` objects of a located prefix in ``buffers``, as ``get_into`` does, with no
+        further master call unless the grants have run out."""
+        count = len(buffers)
+        if count > len(prefix.keys):
+            raise ValueError(f"{count} buffers for a located prefix of {len(prefix.keys)} objects")
+        targets = Targets(buffers, count)
+        if prefix.located is None or not count:
+            return [False] * count
+        located = prefix.located.head(count)
+        wrong = np.flatnonzero(located.best[:, 2] != targets.sizes)
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; its object has {located.best[i, 2]}")
+        return self._read(prefix.keys[:count], prefix.tenant, located, targets)
+
     def _locate(self, keys: Sequence[bytes], tenant: str) -> _Located:
-        segment_ids, best, more, grants, digests = self._master.call("get_locations", list(keys), self._node_id, tenant)
-        rows = np.frombuffer(best, dtype=np.int64).reshape(len(keys), 3)
+        return self._located(self._master.call("get_locations", list(keys), self._node_id, tenant))
+
+    @staticmethod
+    def _located(answer: list[Any]) -> _Located:
+        segment_ids, best, more, grants, digests = answer
+        rows = np.frombuffer(best, dtype=np.int64).reshape(-1, 3)
         read_grants = [ReadGrant.from_wire(grant) for grant in grants]
         more_replicas = {entry[0]: entry[1:] for entry in more}
         return _Located(segment_ids, rows, more_replicas, read_grants, np.frombuffer(digests, dtype=np.int64))
@@ -213,3 +244,24 @@ class _Located:
     def expired(self) -> bool:
         """Whether a grant of this answer has run out (its leases are then about to)."""
         return any(grant.expires_at < time.time() for grant in self.grants)
+
+    def head(self, count: int) -> _Located:
+        """The answer for the first ``count`` keys only (the grants cover them as they covered all)."""
+        if count == len(self.best):
+            return self
+        more = {i: entry for i, entry in self.more.items() if i < count}
+        return _Located(self.segment_ids, self.best[:count], more, self.grants, self.digests[:count])
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedPrefix:
+    """The leading keys of a lookup that are stored objects of ``tenant``, with the master's answer for them
+    (``KVStoreClient.locate_prefix``); ``located`` is None when the master did not answer (no keys then)."""
+
+    keys: list[bytes]
+    tenant: str
+    located: _Located | None
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)

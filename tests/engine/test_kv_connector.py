@@ -7,13 +7,16 @@ moved between two engines give exactly the tokens one engine computes alone.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
 from rayturn.engine.kv_connector import StoreConnector
+from rayturn.engine.kv_transfer import PREWARM_FREE_FRACTION
 from rayturn.engine.sequence import TokenLogprob
 
 PAGE = 16
@@ -30,11 +33,22 @@ class DictStore:
         self.objects: dict[bytes, bytes] = {}
         self.tenants: dict[bytes, str] = {}
         self.fail = False
+        self.calls: Counter[str] = Counter()  # lookups and gets, by method
+        self.located: list[int] = []  # how many keys each locate_prefix asked about
 
     def _has(self, key: bytes, tenant: str | None) -> bool:
         return key in self.objects and self.tenants[key] == (tenant or OWN_TENANT)
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        self.calls["longest_prefix"] += 1
+        return self._held(keys, tenant)
+
+    def locate_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> DictPrefix:
+        self.calls["locate_prefix"] += 1
+        self.located.append(len(keys))
+        return DictPrefix(list(keys[: self._held(keys, tenant)]), tenant)
+
+    def _held(self, keys: Sequence[bytes], tenant: str | None) -> int:
         if self.fail:
             raise ConnectionError("store unreachable")
         count = 0
@@ -44,7 +58,16 @@ class DictStore:
             count += 1
         return count
 
+    def get_prefix_into(self, prefix: DictPrefix, buffers: Sequence[object]) -> list[bool]:
+        assert len(buffers) <= prefix.num_keys
+        self.calls["get_prefix_into"] += 1
+        return self._land(prefix.keys[: len(buffers)], buffers, prefix.tenant)
+
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[object], tenant: str | None = None) -> list[bool]:
+        self.calls["get_into"] += 1
+        return self._land(keys, buffers, tenant)
+
+    def _land(self, keys: Sequence[bytes], buffers: Sequence[object], tenant: str | None) -> list[bool]:
         landed = []
         for key, buffer in zip(keys, buffers):
             assert isinstance(buffer, torch.Tensor)
@@ -68,6 +91,16 @@ class DictStore:
             self.objects.setdefault(key, value.contiguous().view(torch.uint8).numpy().tobytes())
             self.tenants.setdefault(key, tenant or OWN_TENANT)
         return [True] * len(keys)
+
+
+@dataclass
+class DictPrefix:
+    keys: list[bytes]
+    tenant: str | None
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)
 
 
 def make_engine(store: DictStore | None, kv_save: str = "sync") -> LLMEngine:
@@ -114,6 +147,33 @@ def test_disaggregated_prefill_then_decode_matches_one_engine(reference: list[in
     assert final.finished and final.token_ids == reference
     assert final.num_loaded_prompt_tokens == 64
     assert final.text == decode.tokenizer.decode(reference)
+
+
+def test_a_load_asks_the_store_once_where_the_prefix_is_and_lands_it_without_asking_again(
+    reference: list[int],
+) -> None:
+    store = DictStore()
+    make_engine(store).generate([PROMPT], GREEDY)
+    store.calls.clear()
+    engine = make_engine(store)
+    output = engine.generate([PROMPT], GREEDY)[0]
+    assert output.token_ids == reference and output.num_loaded_prompt_tokens == len(PROMPT) // PAGE * PAGE
+    # One lookup answered how much is there and where; the load used it: no longest_prefix, no get_into.
+    assert store.calls == {"locate_prefix": 1, "get_prefix_into": 1}
+
+
+def test_a_load_looks_up_no_more_pages_than_the_cache_could_take() -> None:
+    store = DictStore()
+    engine = make_engine(store)
+    assert engine.kv_transfer is not None
+    pool = engine.kv_cache.pool
+    hashes = [i.to_bytes(8, "big") for i in range(pool.num_pages + 40)]
+    # An unannounced prewarm leaves a quarter of the pool free and reclaims nothing: it asks for what fits.
+    assert engine.kv_transfer.load_for_prewarm(hashes, "", announced=False) == 0
+    assert store.located == [pool.num_allocatable - int(pool.num_pages * PREWARM_FREE_FRACTION)]
+    # A call's arrival (or an announced prewarm) may reclaim idle holds: at most the whole pool.
+    assert engine.kv_transfer.load_for_prewarm(hashes, "", announced=True) == 0
+    assert store.located[1] == pool.num_pages
 
 
 def test_a_partial_or_failing_store_only_costs_compute(reference: list[int]) -> None:

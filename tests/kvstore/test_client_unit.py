@@ -16,6 +16,7 @@ import pytest
 from rayturn.kvstore.client import KVStoreClient
 from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster, MasterUnavailable
 from rayturn.kvstore.master import KVMaster
+from rayturn.kvstore.master_lookup import LOOKUP_METHODS
 from rayturn.kvstore.master_types import MasterConfig
 from rayturn.kvstore.segment import Segment
 
@@ -184,12 +185,18 @@ class DownMaster:
     def __init__(self, up: LocalMaster) -> None:
         self.auth = up.auth
         self.down = False
+        self.calls: list[str] = []  # the methods asked, answered or not
         self._up = up
 
     def call(self, method: str, *args: object, timeout_s: float | None = None) -> object:
+        self.calls.append(method)
         if self.down:
             raise MasterUnavailable(f"the kv master did not answer {method}")
         return self._up.call(method, *args, timeout_s=timeout_s)
+
+    def lookups(self) -> list[str]:
+        """The key lookups asked (not membership, heartbeats or the segment directory)."""
+        return [method for method in self.calls if method in LOOKUP_METHODS]
 
     def notify(self, method: str, *args: object) -> None:
         self._up.notify(method, *args)
@@ -209,5 +216,64 @@ def test_while_the_master_is_away_calls_count_as_misses(
     assert client.get_into([b"before"], [np.zeros(PAGE, dtype=np.uint8)]) == [False]
     assert client.put_batch([b"during"], [page(31)]) == [False]
     assert client.exists([b"before"]) == [False] and client.longest_prefix([b"before"]) == 0
+    assert client.locate_prefix([b"before"]).num_keys == 0
     flaky.down = False
     assert client.get_batch([b"before", b"during"]) == [page(30), None]
+
+
+@pytest.mark.parametrize("node_id", ["node-a", "node-b"])  # shared memory, the remote transport
+def test_a_located_prefix_lands_without_asking_the_master_again(
+    master: LocalMaster, make_client: Callable[..., KVStoreClient], node_id: str
+) -> None:
+    owner = make_client("node-a")
+    keys = [f"k{i}".encode() for i in range(4)]
+    assert owner.put_batch(keys, [page(40 + i) for i in range(4)]) == [True] * 4
+    assert owner.put_batch([b"alices"], [page(44)], tenant="alice") == [True]
+    counting = DownMaster(master)
+    reader = make_client(node_id, connection=counting)
+    counting.calls.clear()
+
+    prefix = reader.locate_prefix([*keys[:3], b"missing", keys[3]])
+    assert (prefix.num_keys, prefix.keys) == (3, keys[:3])  # the leading run only, as longest_prefix counts it
+    assert counting.lookups() == ["locate_prefix"]
+    rows = np.zeros((2, PAGE), dtype=np.uint8)
+    assert reader.get_prefix_into(prefix, rows) == [True, True]  # the start of the prefix: as many as buffers
+    assert [bytes(row) for row in rows] == [page(40), page(41)]
+    buffers = [bytearray(PAGE) for _ in range(3)]
+    assert reader.get_prefix_into(prefix, buffers) == [True] * 3
+    assert [bytes(b) for b in buffers] == [page(40 + i) for i in range(3)]
+    assert counting.lookups() == ["locate_prefix"]  # both loads used the one answer
+
+    with pytest.raises(ValueError, match="4 buffers for a located prefix of 3 objects"):
+        reader.get_prefix_into(prefix, [bytearray(PAGE) for _ in range(4)])
+    with pytest.raises(ValueError, match="buffer 1 has 100 bytes"):
+        reader.get_prefix_into(prefix, [bytearray(PAGE), bytearray(100)])
+    assert reader.get_prefix_into(prefix, []) == []
+
+    # Another tenant's object ends the prefix; the tenant it belongs to sees it.
+    assert reader.locate_prefix([b"alices", keys[0]]).num_keys == 0
+    theirs = reader.locate_prefix([b"alices", keys[0]], tenant="alice")
+    assert theirs.num_keys == 1 and reader.get_prefix_into(theirs, [bytearray(PAGE)]) == [True]
+
+
+def test_a_located_prefix_whose_grants_ran_out_is_located_again(
+    make_client: Callable[..., KVStoreClient],
+) -> None:
+    # Read grants last half a lease: 0.5 s here.
+    short = LocalMaster(KVMaster(MasterConfig(heartbeat_timeout_s=2.0, lease_ttl_s=1.0)))
+    try:
+        counting = DownMaster(short)
+        owner = make_client("node-a", connection=short)
+        assert owner.put_batch([b"p0", b"p1"], [page(50), page(51)]) == [True, True]
+        reader = make_client("node-b", connection=counting)
+        prefix = reader.locate_prefix([b"p0", b"p1"])
+        time.sleep(0.7)
+        counting.calls.clear()
+        rows = np.zeros((2, PAGE), dtype=np.uint8)
+        assert reader.get_prefix_into(prefix, rows) == [True, True]
+        assert [bytes(row) for row in rows] == [page(50), page(51)]
+        assert counting.lookups() == ["get_locations"]  # the owner refused the stale grant; fresh ones were asked for
+    finally:
+        for client in (owner, reader):
+            client.close()
+        short.close()

@@ -66,6 +66,13 @@ class StoreWorker:
         landed = self.client.get_into(keys, buffers)
         return landed, [b.tobytes() for b in buffers]
 
+    def load_prefix_numpy(self, keys: list[bytes], count: int) -> tuple[int, list[bool], list[bytes]]:
+        """Locate the held prefix of ``keys`` and land its first ``count`` objects: (held, landed, bytes)."""
+        prefix = self.client.locate_prefix(keys)
+        rows = np.zeros((count, PAGE), dtype=np.uint8)
+        landed = self.client.get_prefix_into(prefix, rows)
+        return prefix.num_keys, landed, [row.tobytes() for row in rows]
+
     def put_float_array(self, key: bytes, seed: int) -> bytes:
         array = np.random.default_rng(seed).standard_normal(PAGE // 4).astype(np.float32)
         assert self.client.put(key, array)
@@ -117,6 +124,11 @@ def test_put_get_across_two_processes(transport: str) -> None:
     assert landed == [True, True, True, False] and copies[:3] == values[:3]
     assert ray.get(reader.call.remote("exists", [keys[0], b"missing"])) == [True, False]
     assert ray.get(reader.call.remote("longest_prefix", keys[:4] + [b"missing"] + keys[4:])) == 4
+    # The same count and the pages' places in one lookup, over the master's socket; the load asks nothing more.
+    before = ray.get(reader.lookup_counts.remote())
+    held, landed, copies = ray.get(reader.load_prefix_numpy.remote(keys[:4] + [b"missing"] + keys[4:], 3))
+    assert (held, landed, copies) == (4, [True] * 3, values[:3])
+    assert ray.get(reader.lookup_counts.remote()) == (before[0] + 1, before[1])
     expected = ray.get(writer.put_float_array.remote(b"floats", 7))
     assert ray.get(reader.call.remote("get", b"floats")) == expected
     assert ray.get(reader.call.remote("remove", keys[:2])) == 2
