@@ -74,7 +74,7 @@ def _answer(stdout: TextIO, what: str) -> dict[str, Any]:
 
 
 def measure(config: dict[str, Any], log_dir: Path) -> dict[str, dict[str, float]]:
-    """Mooncake's figures per mode for ``config`` (page_bytes, num_pages, repeats, latency_iters)."""
+    """Mooncake's figures per mode for ``config`` (page_bytes, num_pages, repeats, latency_iters, batch_iters)."""
     venv = peer_venv()
     python = venv / "bin" / "python"
     if not python.exists() or not (venv / "bin" / "mooncake_master").exists():

@@ -2,7 +2,7 @@
 (bench/peers/setup_mooncake.sh), never in rayturn's.
 
     python mooncake_worker.py writer '{"master": "127.0.0.1:PORT", "protocol": "tcp", "num_pages": N, ...}'
-    python mooncake_worker.py reader '{... "repeats": R, "latency_iters": I}'
+    python mooncake_worker.py reader '{... "repeats": R, "latency_iters": I, "batch_iters": B}'
 
 The writer contributes a segment big enough for every page, stores them with
 ``batch_put_from`` (256 pages a call), prints ``{"ready": true}`` and keeps
@@ -102,7 +102,7 @@ def reader(config: dict[str, Any]) -> None:
         if store.get_into(key, address, page_bytes) != page_bytes:
             raise RuntimeError(f"mooncake get_into {key} failed")
         one.append(time.perf_counter() - start)
-    for i in range(max(3, config["latency_iters"] // 10)):
+    for i in range(config["batch_iters"]):
         first = (i * LATENCY_BATCH_PAGES) % num_pages
         start = time.perf_counter()
         get(first, min(LATENCY_BATCH_PAGES, num_pages - first))
