@@ -259,21 +259,21 @@ def test_a_located_prefix_lands_without_asking_the_master_again(
 def test_a_located_prefix_whose_grants_ran_out_is_located_again(
     make_client: Callable[..., KVStoreClient],
 ) -> None:
-    # Read grants last half a lease: 0.5 s here.
-    short = LocalMaster(KVMaster(MasterConfig(heartbeat_timeout_s=2.0, lease_ttl_s=1.0)))
+    # Read grants last half a lease: 1 s here, long enough for a fresh grant to outlast a slow read.
+    short = LocalMaster(KVMaster(MasterConfig(heartbeat_timeout_s=2.0, lease_ttl_s=2.0)))
+    counting = DownMaster(short)
+    owner = make_client("node-a", connection=short)
+    reader = make_client("node-b", connection=counting)
     try:
-        counting = DownMaster(short)
-        owner = make_client("node-a", connection=short)
         assert owner.put_batch([b"p0", b"p1"], [page(50), page(51)]) == [True, True]
-        reader = make_client("node-b", connection=counting)
         prefix = reader.locate_prefix([b"p0", b"p1"])
-        time.sleep(0.7)
+        time.sleep(1.2)
         counting.calls.clear()
         rows = np.zeros((2, PAGE), dtype=np.uint8)
         assert reader.get_prefix_into(prefix, rows) == [True, True]
         assert [bytes(row) for row in rows] == [page(50), page(51)]
         assert counting.lookups() == ["get_locations"]  # the owner refused the stale grant; fresh ones were asked for
-    finally:
-        for client in (owner, reader):
-            client.close()
+    finally:  # the clients leave before their master stops (the fixture's close is then a no-op)
+        owner.close()
+        reader.close()
         short.close()
