@@ -83,11 +83,7 @@ class Reader:
         except MasterUnavailable as err:
             logger.warning("kv get of %d keys answered as misses: %s", len(keys), err)
             return [False] * len(keys)
-        best = located.best
-        wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
-        if wrong.size:
-            i = int(wrong[0])
-            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
+        _check_sizes(keys, located, targets)
         return self._read(keys, tenant, located, targets)
 
     def locate_prefix(self, keys: Sequence[bytes], tenant: str) -> LocatedPrefix:
@@ -110,12 +106,9 @@ class Reader:
         targets = Targets(buffers, count)
         if prefix.located is None or not count:
             return [False] * count
-        located = prefix.located.head(count)
-        wrong = np.flatnonzero(located.best[:, 2] != targets.sizes)
-        if wrong.size:
-            i = int(wrong[0])
-            raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; its object has {located.best[i, 2]}")
-        return self._read(prefix.keys[:count], prefix.tenant, located, targets)
+        keys, located = prefix.keys[:count], prefix.located.head(count)
+        _check_sizes(keys, located, targets)
+        return self._read(keys, prefix.tenant, located, targets)
 
     def _locate(self, keys: Sequence[bytes], tenant: str) -> _Located:
         return self._located(self._master.call("get_locations", list(keys), self._node_id, tenant))
@@ -229,6 +222,15 @@ class Reader:
         except (TransportError, OSError, ValueError) as err:
             logger.warning("kv read from segment %s failed: %s", segment_id, err)
             return False
+
+
+def _check_sizes(keys: Sequence[bytes], located: _Located, targets: Targets) -> None:
+    """ValueError naming the first located object whose buffer is not its size (a miss has no size to match)."""
+    best = located.best
+    wrong = np.flatnonzero((best[:, 0] >= 0) & (best[:, 2] != targets.sizes))
+    if wrong.size:
+        i = int(wrong[0])
+        raise ValueError(f"buffer {i} has {targets.sizes[i]} bytes; object {keys[i].hex()[:16]} has {best[i, 2]}")
 
 
 @dataclass(frozen=True, slots=True)

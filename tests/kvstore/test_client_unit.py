@@ -180,7 +180,8 @@ def test_bytes_that_are_not_the_objects_own_read_as_a_miss(
 
 
 class DownMaster:
-    """A master connection whose master does not answer (it is restarting): every call times out."""
+    """A master connection that records the methods it is asked and, while ``down``, answers none: its master is
+    restarting, and every call times out."""
 
     def __init__(self, up: LocalMaster) -> None:
         self.auth = up.auth
