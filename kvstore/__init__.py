@@ -14,12 +14,14 @@ if TYPE_CHECKING:
     from .master import KVMaster, start_master
     from .master_state import MasterState
     from .master_types import Location, MasterConfig
+    from .reader import LocatedPrefix
     from .store_node import KVStoreNode, StoreNodeReplica, join_store, start_store_nodes
 
 _HOME_MODULES = {
     "KVMaster": "master",
     "KVStoreClient": "client",
     "KVStoreNode": "store_node",
+    "LocatedPrefix": "reader",
     "Location": "master_types",
     "MasterConfig": "master_types",
     "MasterState": "master_state",
@@ -33,6 +35,7 @@ __all__ = [
     "KVMaster",
     "KVStoreClient",
     "KVStoreNode",
+    "LocatedPrefix",
     "Location",
     "MasterConfig",
     "MasterState",

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from rayturn import kvstore
 from rayturn.kvstore.client import KVStoreClient
 from rayturn.kvstore.connection import InProcessClient, InProcessServer, LocalMaster, MasterUnavailable
 from rayturn.kvstore.master import KVMaster
@@ -236,6 +237,7 @@ def test_a_located_prefix_lands_without_asking_the_master_again(
 
     prefix = reader.locate_prefix([*keys[:3], b"missing", keys[3]])
     assert (prefix.num_keys, prefix.keys) == (3, keys[:3])  # the leading run only, as longest_prefix counts it
+    assert isinstance(prefix, kvstore.LocatedPrefix)  # the package exports the type the client returns
     assert counting.lookups() == ["locate_prefix"]
     rows = np.zeros((2, PAGE), dtype=np.uint8)
     assert reader.get_prefix_into(prefix, rows) == [True, True]  # the start of the prefix: as many as buffers
