@@ -80,7 +80,7 @@ class RequestLimits:
             )
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids out of vocabulary: {bad_stop}")
+            raise ValueError(f"stop_token_ids out of vocabulary [0, {self.vocab_size}): {bad_stop[:5]}")
         check_known_hashes(page_hashes, prompt_len, self.page_size)
 
     def _check_output_prefix(
@@ -95,7 +95,7 @@ class RequestLimits:
         bad = self._out_of_vocabulary(output_prefix)
         if bad:
             raise ValueError(f"output_prefix token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if prompt_len + len(output_prefix) >= self.max_model_len:
+        if prompt_len + len(output_prefix) > self.max_model_len:  # equal: it finishes on arrival ("length")
             raise ValueError(
                 f"prompt plus output_prefix is {prompt_len + len(output_prefix)} tokens; "
                 f"max_model_len is {self.max_model_len}"

@@ -198,6 +198,22 @@ def test_output_prefix_that_already_finishes_the_request() -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_output_prefix_that_fills_the_context_finishes_on_arrival() -> None:
+    """A prompt one token short of max_model_len, with the prefill replica's first token: the answer is that
+    token, cut at the context ("length"); a prefix past the context is refused."""
+    engine = LLMEngine.from_pretrained("tiny", backend="torch", dtype="float32", page_size=PAGE, max_model_len=128)
+    prompt = [(5 * i + 1) % 200 + 3 for i in range(127)]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id="full", output_prefix=[42])
+    (output,) = engine.step()
+    assert output.finished and output.token_ids == [42] and output.finish_reason == "length"
+    engine.add_request(prompt, GREEDY, request_id="longer", output_prefix=[42])  # max_tokens 10: the context cuts it
+    (output,) = engine.step()
+    assert output.finished and output.token_ids == [42] and output.finish_reason == "length"
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="prompt plus output_prefix is 129 tokens; max_model_len is 128"):
+        engine.add_request(prompt, GREEDY, output_prefix=[42, 43])
+
+
 def test_output_prefix_bad_input() -> None:
     engine = make_engine(None)
     with pytest.raises(ValueError, match="output_prefix token ids out of vocabulary"):
