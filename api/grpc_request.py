@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rayturn.engine.sampling_params import MAX_LOGPROBS
+from rayturn.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from rayturn.protos import rayturn_pb2 as pb
 
 from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments
@@ -203,6 +203,13 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         raise range_error("sampling.top_k", "an integer >= -1 (-1: no limit)", top_k)
     if not 0 <= options.n <= MAX_N:
         raise range_error("sampling.n", f"an integer in [0, {MAX_N}] (0: 1)", options.n)
+    if len(options.stop) > MAX_STOP_STRINGS:
+        message = f"Invalid 'sampling.stop': expected at most {MAX_STOP_STRINGS} sequences, got {len(options.stop)}."
+        raise invalid_request(message, param="sampling.stop")
+    if len(options.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        count = len(options.stop_token_ids)
+        message = f"Invalid 'sampling.stop_token_ids': expected at most {MAX_STOP_TOKEN_IDS} token ids, got {count}."
+        raise invalid_request(message, param="sampling.stop_token_ids")
     for i, stop in enumerate(options.stop):
         if not stop:
             path = f"sampling.stop[{i}]"

@@ -201,6 +201,7 @@ class CallPipeline:
             max_model_len=self.max_model_len,
             prompt_param=param,
             max_tokens_param=max_tokens_param,
+            vocab_size=self.vocab_size,
         )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if not prompt_ids or bad:
@@ -275,6 +276,7 @@ class CallPipeline:
             max_model_len=self.max_model_len,
             prompt_param=prompt_param,
             max_tokens_param=max_tokens_param,
+            vocab_size=self.vocab_size,
         )
         params = self.guides.guided(params, chat)
         retention = await self.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)

@@ -57,7 +57,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
 from .json_fields import INT64_MAX, INT64_MIN, Fields, is_integer, range_error, type_error
@@ -181,14 +181,20 @@ def to_sampling_params(
     max_model_len: int,
     prompt_param: str = "messages",
     max_tokens_param: str = "max_tokens",
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """Engine settings once the prompt length is known.
 
     Without ``max_tokens`` a request may fill the rest of the context, capped
     at ``default_max_tokens``. ``prompt_param`` is the field blamed when the
     prompt alone is too long (``"prompt"`` for completions), ``max_tokens_param``
-    the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses).
+    the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses). Stop token ids the
+    vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica.
     """
+    bad_stop_ids = [t for t in spec.stop_token_ids if vocab_size is not None and t >= vocab_size]
+    if bad_stop_ids:
+        message = f"Invalid 'stop_token_ids': token ids out of vocabulary [0, {vocab_size}): {bad_stop_ids[:5]}."
+        raise invalid_request(message, param="stop_token_ids")
     if prompt_tokens >= max_model_len:
         raise context_length_exceeded(prompt_tokens, max_model_len, param=prompt_param)
     room_tokens = max_model_len - prompt_tokens
@@ -352,6 +358,9 @@ def _stop(fields: Fields) -> tuple[str, ...]:
 
 def _stop_token_ids(fields: Fields) -> tuple[int, ...]:
     values = fields.array("stop_token_ids") or []
+    if len(values) > MAX_STOP_TOKEN_IDS:
+        message = f"Invalid 'stop_token_ids': expected at most {MAX_STOP_TOKEN_IDS} token ids, got {len(values)}."
+        raise invalid_request(message, param="stop_token_ids")
     for i, token_id in enumerate(values):
         if not is_integer(token_id) or token_id < 0:
             raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)

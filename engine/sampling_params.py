@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from .guided import Guide
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+"""The most stop strings a request may give (each is looked for after every token)."""
+MAX_STOP_TOKEN_IDS = 256
+"""The most stop token ids a request may give."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,16 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "entries must be non-empty strings")
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -169,6 +169,8 @@ BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="o
         (request(sampling=pb.SamplingOptions(n=17)), "sampling.n"),
         (request(sampling=pb.SamplingOptions(stop=["a", ""])), "sampling.stop[1]"),
         (request(sampling=pb.SamplingOptions(stop_token_ids=[-3])), "sampling.stop_token_ids[0]"),
+        (request(sampling=pb.SamplingOptions(stop=["s"] * 65)), "sampling.stop"),
+        (request(sampling=pb.SamplingOptions(stop_token_ids=list(range(257)))), "sampling.stop_token_ids"),
     ],
 )
 def test_bad_fields_are_400s_that_name_them(message: pb.GenerateRequest, field: str) -> None:

@@ -199,6 +199,7 @@ CHAT_400_CASES = [
     ({"stop": ""}, "stop"),
     ({"stop": ["ok", 1]}, "stop[1]"),
     ({"stop_token_ids": [5, -1]}, "stop_token_ids[1]"),
+    ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
     ({"seed": "42"}, "seed"),
     ({"seed": 2**64}, "seed"),
     ({"ignore_eos": 1}, "ignore_eos"),
