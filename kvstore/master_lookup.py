@@ -21,7 +21,10 @@ and tries the socket again after a pause that grows while failures repeat.
 Every connection starts with the store's challenge-response (``access``):
 a peer that cannot prove the store secret gets a refusal and a hang-up, and
 never a lookup; a client asks nothing of a server that cannot prove it
-back. Every lookup names the tenant it is for, and the master answers only
+back. Before its proof a peer may send one frame no longer than an ``auth``
+message needs, and at most ``MAX_UNPROVEN_CONNECTIONS`` such peers are served
+at a time (one more is hung up on at once): strangers cannot fill the master's
+memory. Every lookup names the tenant it is for, and the master answers only
 with that tenant's objects.
 """
 
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from . import wire
-from .access import HANDSHAKE_TIMEOUT_S, AccessDenied, StoreAuth, refused_peer
+from .access import HANDSHAKE_TIMEOUT_S, NONCE_BYTES, PROOF_BYTES, AccessDenied, StoreAuth, refused_peer
 from .wire import WireError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,12 @@ LOCK_WAIT_S = 0.05
 RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 _FIRST_RECV_BYTES = 64 << 10
+# The server's limits on peers that have not proven the store secret yet.
+MAX_UNPROVEN_CONNECTIONS = 64
+MAX_UNPROVEN_FRAME_BYTES = 4 * len(
+    wire.encode({"type": "auth", "nonce": bytes(NONCE_BYTES), "proof": bytes(PROOF_BYTES)})
+)
+"""The ``auth`` message (a type, a nonce and a proof: 91 bytes), with room for fields a newer client may add."""
 
 
 def _request_fields(message: dict[str, Any]) -> None:
@@ -98,6 +107,7 @@ class LookupServer:
         self.auth = auth
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None
+        self.num_unproven = 0  # connections that have still to prove the secret
 
     async def start(self, host: str) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -136,7 +146,8 @@ class LookupServer:
 
 
 class _LookupConnection(asyncio.Protocol):
-    """One peer of the lookup socket: CHALLENGED --proof--> SERVING --hang-up or unusable frame--> CLOSED."""
+    """One peer of the lookup socket: CHALLENGED --proof--> SERVING --hang-up or unusable frame--> CLOSED, or
+    CLOSED at once while ``MAX_UNPROVEN_CONNECTIONS`` others are CHALLENGED."""
 
     def __init__(self, server: LookupServer) -> None:
         self._server = server
@@ -146,16 +157,29 @@ class _LookupConnection(asyncio.Protocol):
         self._handshake_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._server.num_unproven >= MAX_UNPROVEN_CONNECTIONS:
+            reason = f"{MAX_UNPROVEN_CONNECTIONS} connections are already waiting to prove the store secret"
+            refused_peer(logger, "kv master lookup socket", transport.get_extra_info("peername"), reason)
+            transport.close()
+            return
         # A stream transport (uvloop's, in a Ray actor, does not subclass asyncio.Transport).
         self._transport = cast(asyncio.Transport, transport)
+        self._server.num_unproven += 1
         self._nonce = self._server.auth.challenge()
         self._transport.write(frame({"type": "challenge", "nonce": self._nonce}))
         self._handshake_timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._end_handshake()
+        self._transport = None
+
+    def _end_handshake(self) -> None:
+        """Proven, refused or gone: the peer no longer waits to prove the secret (a no-op the second time)."""
+        if self._nonce is not None:
+            self._nonce = None
+            self._server.num_unproven -= 1
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
-        self._transport = None
 
     def pause_writing(self) -> None:  # answers pile up unread: stop reading requests until they drain
         if self._transport is not None:
@@ -166,10 +190,13 @@ class _LookupConnection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self._transport is None:  # hung up on
+            return
         self._buffer += data
         while self._transport is not None and len(self._buffer) >= _LENGTH.size:
             (length,) = _LENGTH.unpack_from(self._buffer)
-            if length == 0 or length > wire.MAX_CONTROL_BYTES:
+            max_length = wire.MAX_CONTROL_BYTES if self._nonce is None else MAX_UNPROVEN_FRAME_BYTES
+            if length == 0 or length > max_length:  # checked before any of the body is waited for
                 # The stream cannot be resynchronised after a bad length: say why, then hang up.
                 reason = f"frame of {length} bytes refused"
                 if self._nonce is None:
@@ -192,9 +219,7 @@ class _LookupConnection(asyncio.Protocol):
         if proof is None:
             self._refuse(f"authentication refused: {reason}", reason)
             return
-        self._nonce = None
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
+        self._end_handshake()
         self._write(wire.encode({"type": "master_lookup_reply", "request_id": 0, "ok": True, "proof": proof}))
 
     def _too_slow(self) -> None:
@@ -208,9 +233,11 @@ class _LookupConnection(asyncio.Protocol):
         assert self._transport is not None
         if logged is not None:
             refused_peer(logger, "kv master lookup socket", self._transport.get_extra_info("peername"), logged)
+        self._end_handshake()
         self._write(wire.encode(_refusal(0, error)))
         self._transport.close()  # after what is written has gone
         self._transport = None
+        self._buffer.clear()
 
     def _write(self, body: bytes) -> None:
         assert self._transport is not None

@@ -8,7 +8,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -141,7 +141,7 @@ def test_a_server_that_cannot_prove_the_secret_gets_no_lookups(monkeypatch: pyte
 
 
 @pytest.fixture
-def lookup_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[tuple[str, int], list[tuple[str, list[bytes]]]]]:
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LookupServer, list[tuple[str, list[bytes]]]]]:
     """A LookupServer on its own event loop thread, answering ``exists`` with one True per key; the calls it
     answered. A peer has 0.5 s to prove the secret."""
     monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 0.5)
@@ -155,11 +155,19 @@ def lookup_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[tuple[str, 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = LookupServer(answer, AUTH)
-    address = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(timeout=10)
-    yield address, asked
+    asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(timeout=10)
+    yield server, asked
     loop.call_soon_threadsafe(server.close)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def lookup_server(served: tuple[LookupServer, Any]) -> tuple[tuple[str, int], list[tuple[str, list[bytes]]]]:
+    """The served LookupServer's address, and the calls it answered."""
+    server, asked = served
+    assert server.address is not None
+    return server.address, asked
 
 
 def _read_frame(conn: socket.socket, expected_type: str) -> dict[str, Any]:
@@ -243,3 +251,92 @@ def test_the_server_answers_a_client_and_hangs_up_on_strangers(lookup_server: An
         assert conn.recv(1) == b""
     assert asked == [("exists", [b"x", b"y"])]  # only the client that proved the secret was answered
     assert client.call("exists", [b"z"], "t") == [True]  # and it still is
+
+
+def test_a_stranger_announcing_a_large_frame_is_hung_up_on_before_its_body(
+    lookup_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame longer than an ``auth`` message is refused on its length alone: the master holds no stranger's
+    megabyte waiting for the handshake to time out. A proven peer still sends frames up to the control limit."""
+    monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 30.0)  # the refusal cannot be the timeout's
+    address, asked = lookup_server
+    with socket.create_connection(address, timeout=1.0) as conn:
+        _read_frame(conn, "challenge")
+        started = time.monotonic()
+        conn.sendall(struct.pack(">I", wire.MAX_CONTROL_BYTES))  # no body follows
+        verdict = _read_frame(conn, "master_lookup_reply")
+        assert verdict["error"] == f"authentication refused: frame of {wire.MAX_CONTROL_BYTES} bytes refused"
+        assert conn.recv(1) == b""
+        assert time.monotonic() - started < 1.0
+    keys = [b"k" * 1024] * 256  # a 260 KB request, after the proof
+    with _proven(address) as conn:
+        conn.sendall(_request(1, keys))
+        assert _read_frame(conn, "master_lookup_reply")["result"] == [True] * 256
+    assert LookupClient(lambda: address, AUTH).call("exists", [b"x"], "t") == [True]
+    assert asked == [("exists", keys), ("exists", [b"x"])]
+
+
+def _fill_unproven(server: LookupServer) -> list[socket.socket]:
+    """As many connections as may wait to prove the secret, each challenged; the next one is hung up on at once."""
+    assert server.address is not None
+    idle = []
+    for _ in range(master_lookup.MAX_UNPROVEN_CONNECTIONS):
+        idle.append(socket.create_connection(server.address, timeout=1.0))
+        _read_frame(idle[-1], "challenge")
+    assert server.num_unproven == master_lookup.MAX_UNPROVEN_CONNECTIONS
+    with socket.create_connection(server.address, timeout=1.0) as extra:
+        assert extra.recv(1) == b""  # no challenge: closed
+    return idle
+
+
+def _eventually(check: Callable[[], bool], within_s: float = 2.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_strangers_past_the_cap_are_hung_up_on_at_once_and_every_way_out_frees_a_place(
+    served: tuple[LookupServer, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only peers still to prove the secret count; one leaves the count exactly once, whether proven, refused,
+    timed out or gone."""
+    monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 30.0)
+    server, asked = served
+    address = server.address
+    assert address is not None
+    proven = _proven(address)  # counted while challenged, not once proven
+    assert server.num_unproven == 0
+    idle = _fill_unproven(server)
+    with pytest.raises(LookupFailed):
+        LookupClient(lambda: address, AUTH).call("exists", [b"x"], "t")  # the cap holds a member out too
+    half = len(idle) // 2
+    for conn in idle[:half]:  # refused: a frame too long for an auth message
+        conn.sendall(struct.pack(">I", 1 << 16))
+        assert not _read_frame(conn, "master_lookup_reply")["ok"]
+    for conn in idle[half:]:  # refused: a wrong proof
+        nonce, proof = StoreAuth(b"another-store-secret-of-32-bytes").answer(b"s" * 32)
+        conn.sendall(frame({"type": "auth", "nonce": nonce, "proof": proof}))
+        assert not _read_frame(conn, "master_lookup_reply")["ok"]
+    assert server.num_unproven == 0
+    for conn in idle:
+        conn.close()
+    monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 0.2)
+    slow = [socket.create_connection(address, timeout=1.0) for _ in range(3)]
+    for conn in slow:  # timed out
+        _read_frame(conn, "challenge")
+        assert "no proof of the store secret in time" in _read_frame(conn, "master_lookup_reply")["error"]
+        conn.close()
+    assert server.num_unproven == 0
+    monkeypatch.setattr(master_lookup, "HANDSHAKE_TIMEOUT_S", 30.0)
+    for conn in _fill_unproven(server):  # gone without a word: the master sees each hang-up a moment later
+        conn.close()
+    _eventually(lambda: server.num_unproven == 0)
+    assert LookupClient(lambda: address, AUTH).call("exists", [b"y"], "t") == [True]
+    for conn in _fill_unproven(server):  # exactly the cap again: no connection above left the count twice
+        conn.close()
+    _eventually(lambda: server.num_unproven == 0)
+    with proven:
+        proven.sendall(_request(7, [b"z"]))
+        assert _read_frame(proven, "master_lookup_reply")["result"] == [True]
+    assert asked == [("exists", [b"y"]), ("exists", [b"z"])]
