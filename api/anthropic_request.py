@@ -367,4 +367,6 @@ def _output_format(fields: Fields) -> JSON | None:
     schema = form.present("schema")
     if not isinstance(schema, dict):
         raise type_error(form.path("schema"), "an object", schema)
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    # ``schema_param``: where the schema sits in this API, for a schema error (``rayturn.api.guides``).
+    json_schema = {"name": "output", "schema": schema}
+    return {"type": "json_schema", "json_schema": json_schema, "schema_param": form.path("schema")}

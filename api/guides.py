@@ -9,8 +9,11 @@ The decode replica's engine masks every token the guide does not allow, so a
 forced call is a well-formed call of a declared tool with arguments valid for
 its schema, and a JSON answer parses (``rayturn.engine.guided``). When both are
 asked, the tool choice wins: the answer is a call. A guide is checked here, at
-the edge, so a bad JSON schema is a 400 naming ``response_format`` and never
-reaches a replica.
+the edge, so a bad JSON schema is a 400 naming the field that holds it (the
+request builder of each API other than chat puts its path in the format's
+``schema_param``: ``text.format.schema``, ``output_config.format.schema``), and
+a forced call of a tool whose schema cannot compile is a 400 naming the tool;
+neither reaches a replica.
 
 A forced call's arguments keep to the properties its schema declares: an
 object schema that lists ``properties`` and says nothing of
@@ -21,6 +24,7 @@ call cannot wander into keys the tool never named.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
@@ -30,7 +34,7 @@ from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.tokenizer import Tokenizer
 from rayturn.engine.tool_calls import forced_call_grammar, splits_every_answer
 
-from .errors import invalid_request
+from .errors import APIError, invalid_request
 from .protocol import ChatRequest
 
 # Agents send the same tools on every call: their grammars are made and checked once.
@@ -38,6 +42,10 @@ MAX_CACHED_GRAMMARS = 64
 # Formats whose tags are special tokens, which detokenizing drops unless told to keep them.
 SPECIAL_TAG_PARSERS = ("mistral", "harmony")
 COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "not")
+# Where a chat request holds its schema; OpenAI names ``response_format`` as the param of a schema error.
+CHAT_SCHEMA_PATH, CHAT_SCHEMA_PARAM = "response_format.json_schema.schema", "response_format"
+# ``check_guide``'s prefix, and the place in the guide's grammar it names: neither is in the caller's terms.
+_GUIDE_ERROR_PREFIX = re.compile(r"^bad \w+ guide: (at \d+\(\d+\): )?")
 
 
 class GuideMaker:
@@ -76,9 +84,9 @@ class GuideMaker:
         try:
             check_guide(guide)
         except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
-            raise invalid_request(
-                f"Invalid 'response_format.json_schema.schema': {err}", param="response_format"
-            ) from err
+            path = form.get("schema_param")
+            message = f"Invalid '{path or CHAT_SCHEMA_PATH}': {_reason(err)}"
+            raise invalid_request(message, param=path or CHAT_SCHEMA_PARAM) from err
         return guide
 
     def _forced_call(self, tools: list[dict[str, Any]], parallel: bool) -> Guide:
@@ -94,11 +102,32 @@ class GuideMaker:
             guide = Guide.lark(forced_call_grammar(self.parser, closed, parallel=parallel, token_id=token_id))
             check_guide(guide)
         except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
-            raise invalid_request(f"Cannot force a call of these tools: {err}", param="tools") from err
+            raise _uncallable(tools, err) from err
         self._grammars[key] = guide
         if len(self._grammars) > MAX_CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
         return guide
+
+
+def _uncallable(tools: list[dict[str, Any]], err: BaseException) -> APIError:
+    """The 400 for tools whose call grammar does not compile: the first tool whose parameters schema fails on its
+    own, with the compiler's reason; else the grammar's reason. Never the grammar itself, which is ours."""
+    for tool in tools:
+        function = tool["function"]
+        if "parameters" not in function:
+            continue
+        try:
+            check_guide(Guide.json_schema(function["parameters"]))
+        except (ValueError, RecursionError) as tool_err:
+            message = f"Cannot force a call of tool {function['name']!r}: its parameters schema is invalid: "
+            return invalid_request(message + _reason(tool_err), param="tools")
+    return invalid_request(f"Cannot force a call of these tools: {_reason(err)}", param="tools")
+
+
+def _reason(err: BaseException) -> str:
+    """The schema compiler's reason, on one line and in the caller's terms."""
+    lines = str(err).strip().splitlines()
+    return _GUIDE_ERROR_PREFIX.sub("", lines[0]) if lines else type(err).__name__
 
 
 def _closed_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -119,6 +119,12 @@ def _bounds(minimum: int, maximum: int, value: float) -> str:
 
 
 def json_type(value: object) -> str:
+    """What ``value`` is, as an error names it. A number too large for a float (``1e400``) parses as infinity,
+    which no number field takes: it is named apart, so "expected a number" never meets "got a number"."""
+    if isinstance(value, float) and math.isinf(value):
+        return f"a number out of range ({value})"
+    if isinstance(value, float) and math.isnan(value):
+        return "a non-finite number (nan)"
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
 

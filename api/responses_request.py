@@ -291,7 +291,8 @@ def _text(fields: Fields) -> tuple[JSON | None, JSON]:
         if value is not None:
             json_schema[key] = value
     echoed["format"] = {"type": "json_schema", **json_schema}
-    return {"type": "json_schema", "json_schema": json_schema}, echoed
+    # ``schema_param``: where the schema sits in this API, for a schema error (``rayturn.api.guides``).
+    return {"type": "json_schema", "json_schema": json_schema, "schema_param": form.path("schema")}, echoed
 
 
 def _reasoning(fields: Fields) -> JSON:

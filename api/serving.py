@@ -31,9 +31,9 @@ from .request_limits import check_json_media_type, off_loop, parse_json, read_bo
 from .session import (
     SESSION_STATE_HEADER,
     LifecycleHints,
+    header_session,
     lifecycle_hints,
     optional_session_id,
-    session_id_from_headers,
 )
 from .streaming import sse
 
@@ -132,10 +132,12 @@ class HTTPServing:
             said = lifecycle_hints(dict(request.headers))
         except ValueError as err:
             raise invalid_request(str(err), param=None) from err
+        # A session header wins over the body; a bad value is blamed on where it came from.
+        value, source = header_session(dict(request.headers)) or body_session
         try:
-            session_id = session_id_from_headers(dict(request.headers)) or optional_session_id(*body_session)
+            session_id = optional_session_id(value, source)
         except ValueError as err:
-            raise invalid_request(str(err), param=body_session[1]) from err
+            raise invalid_request(str(err), param=source) from err
         return session_id, said
 
     async def start_chat(

@@ -69,16 +69,26 @@ def session_id_from_headers(headers: Mapping[str, str], body: Mapping[str, Any] 
     Header names match case-insensitively; empty values are skipped. A value
     longer than ``MAX_SESSION_ID_CHARS`` raises ValueError naming its source.
     """
-    by_name = {name.lower(): value for name, value in headers.items()}
-    for name in SESSION_HEADERS:
-        session_id = _checked(by_name.get(name), name)
-        if session_id is not None:
-            return session_id
+    sent = header_session(headers)
+    if sent is not None:
+        return _checked(*sent)
     if body is not None:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise ValueError(f"body field 'user' must be a string, got {type(user).__name__}")
         return _checked(user, "user")
+    return None
+
+
+def header_session(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """The first session header (in ``SESSION_HEADERS`` order) with a non-blank value: (its value as sent, its
+    name), so an error about the value names the header; None when the call sends none. Names match
+    case-insensitively."""
+    by_name = {name.lower(): value for name, value in headers.items()}
+    for name in SESSION_HEADERS:
+        value = by_name.get(name)
+        if value is not None and value.strip():
+            return value, name
     return None
 
 

@@ -395,7 +395,11 @@ def test_structured_output_becomes_the_response_format() -> None:
     chat = parse_messages_request(
         body(output_config={"effort": "high", "format": {"type": "json_schema", "schema": schema}}), MODEL
     ).chat
-    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert chat.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+        "schema_param": "output_config.format.schema",
+    }
     assert parse_messages_request(body(output_config={"effort": "high"}), MODEL).chat.response_format is None
     assert error_of(body(output_config={"format": {"type": "xml"}})).param == "output_config.format.type"
     assert error_of(body(output_config={"format": {"type": "json_schema"}})).param == "output_config.format.schema"

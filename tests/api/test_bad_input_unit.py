@@ -9,6 +9,7 @@ decoder, and the OpenAPI document.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from rayturn.api.protocol import MIN_LOGIT_DIVISOR, SamplingSpec, to_sampling_pa
 from rayturn.api.request_limits import check_json_media_type, parse_json
 from rayturn.api.responses_request import parse_responses_request
 from rayturn.api.session import optional_session_id
+from rayturn.engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from rayturn.protos import rayturn_pb2 as pb
 
 MODEL, VOCAB_SIZE = "tiny", 259
@@ -101,6 +103,23 @@ def test_integers_are_json_integers_up_to_int64() -> None:
     assert "expected an integer, got a number" in refused(lambda: fields.integer("d")).message
     assert "expected an integer, got a boolean" in refused(lambda: fields.integer("e")).message
     assert "expected an integer >= 3, got 2" in refused(lambda: fields.integer("b", minimum=3)).message
+
+
+def test_numbers_past_the_float_range_are_named_as_such() -> None:
+    """``1e400`` parses as infinity, which no number field takes: the error must not say it got "a number"."""
+    body: Any = parse_json(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400, "seed": -1e400}')
+    too_hot = refused(parse_chat_request, body, MODEL)
+    assert too_hot.param == "temperature"
+    assert too_hot.message == "Invalid type for 'temperature': expected a number, got a number out of range (inf)."
+    del body["temperature"]
+    seed = refused(parse_chat_request, body, MODEL)
+    assert seed.param == "seed"
+    assert seed.message == "Invalid type for 'seed': expected an integer, got a number out of range (-inf)."
+    # NaN is no JSON, but a value may still reach a field read as one.
+    not_a_number = Fields({"n": math.nan}, "")
+    assert (
+        "got a non-finite number (nan)" in refused(lambda: not_a_number.number("n", minimum=0.0, maximum=1.0)).message
+    )
 
 
 def test_token_ids_written_as_floats_reach_the_engine_as_ints() -> None:
@@ -286,3 +305,24 @@ def test_error_shapes_are_what_the_apis_answer() -> None:
 def test_running_out_of_stack_on_a_request_is_its_400_not_a_500() -> None:
     err = client_error(RecursionError("maximum recursion depth exceeded"), "req-1")
     assert (err.status_code, err.code) == (400, "json_too_deep") and "nests too deeply" in err.message
+
+
+def test_stop_token_ids_out_of_the_vocabulary_are_refused_at_the_ingress_naming_the_field() -> None:
+    spec = SamplingSpec(stop_token_ids=(7, 300, 2, 1000))
+    with pytest.raises(APIError) as caught:
+        to_sampling_params(spec, default_max_tokens=4, prompt_tokens=3, max_model_len=64, vocab_size=256)
+    assert caught.value.status_code == 400 and caught.value.param == "stop_token_ids"
+    assert caught.value.message == "Invalid 'stop_token_ids': token ids out of vocabulary [0, 256): [300, 1000]."
+    params = to_sampling_params(
+        SamplingSpec(stop_token_ids=(255,)), default_max_tokens=4, prompt_tokens=3, max_model_len=64, vocab_size=256
+    )
+    assert params.stop_token_ids == (255,)
+
+
+def test_sampling_params_bound_how_many_stops_a_request_gives() -> None:
+    """Every token is checked against each stop: the engine refuses more than its limits, whatever API made them."""
+    SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(ValueError, match=f"SamplingParams.stop must hold at most {MAX_STOP_STRINGS} strings"):
+        SamplingParams(stop=["s"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, got"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))

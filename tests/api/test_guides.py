@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from rayturn.api.anthropic_request import parse_messages_request
 from rayturn.api.chat_request import parse_chat_request
 from rayturn.api.errors import APIError
 from rayturn.api.guides import GuideMaker, closed_schema
+from rayturn.api.responses_request import parse_responses_request
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.tokenizer import Tokenizer
@@ -64,11 +66,56 @@ def test_json_formats(tokenizer: Tokenizer) -> None:
     assert both is not None and both.kind == "lark"
 
 
+def refusal(maker: GuideMaker, request: Any) -> APIError:
+    with pytest.raises(APIError) as caught:
+        maker.guide(request)
+    assert caught.value.status_code == 400
+    return caught.value
+
+
 def test_a_schema_that_does_not_compile_is_a_400(tokenizer: Tokenizer) -> None:
     bad = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "no-such-type"}}}
-    with pytest.raises(APIError) as caught:
-        GuideMaker("hermes", tokenizer).guide(chat(response_format=bad))
-    assert caught.value.status_code == 400 and caught.value.param == "response_format"
+    error = refusal(GuideMaker("hermes", tokenizer), chat(response_format=bad))
+    assert error.param == "response_format"
+    assert error.message == "Invalid 'response_format.json_schema.schema': Invalid type: no-such-type"
+
+
+def test_a_schema_error_names_the_field_of_the_api_that_sent_it(tokenizer: Tokenizer) -> None:
+    maker = GuideMaker("hermes", tokenizer)
+    bad = {"type": "banana"}
+    form = {"type": "json_schema", "name": "x", "schema": bad}
+    responses = parse_responses_request({"model": MODEL, "input": "hi", "text": {"format": form}}, MODEL).chat()
+    error = refusal(maker, responses)
+    assert error.param == "text.format.schema"
+    assert error.message == "Invalid 'text.format.schema': Invalid type: banana"
+    config = {"format": {"type": "json_schema", "schema": bad}}
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_config": config}
+    error = refusal(maker, parse_messages_request(body, MODEL).chat)
+    assert error.param == "output_config.format.schema"
+    assert error.message == "Invalid 'output_config.format.schema': Invalid type: banana"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "harmony"])
+def test_a_forced_call_of_a_tool_with_a_bad_schema_names_the_tool_not_the_grammar(
+    tokenizer: Tokenizer, parser: str
+) -> None:
+    bad_tool = {"type": "function", "function": {"name": "bad_tool", "parameters": {"type": "banana"}}}
+    error = refusal(GuideMaker(parser, tokenizer), chat(tools=[TOOL, bad_tool], tool_choice="required"))
+    assert error.param == "tools"
+    assert (
+        error.message
+        == "Cannot force a call of tool 'bad_tool': its parameters schema is invalid: Invalid type: banana"
+    )
+    anthropic_tool = {"name": "bad_tool", "input_schema": {"type": "banana"}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [anthropic_tool],
+        "tool_choice": {"type": "any"},
+    }
+    error = refusal(GuideMaker(parser, tokenizer), parse_messages_request(body, MODEL).chat)
+    assert "'bad_tool'" in error.message and "%json" not in error.message and "\n" not in error.message
 
 
 def test_closed_schema_closes_objects_by_keyword_never_by_property_name() -> None:

@@ -186,6 +186,7 @@ def test_text_formats_become_the_chat_response_format() -> None:
     assert parsed.chat().response_format == {
         "type": "json_schema",
         "json_schema": {"name": "out", "schema": schema, "strict": True},
+        "schema_param": "text.format.schema",
     }
     assert parsed.echo["text"] == {"format": form, "verbosity": "low"}
     json_mode = parse_responses_request(

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
+from rayturn.api.errors import APIError
+from rayturn.api.serving import HTTPServing
 from rayturn.api.session import (
     AGENT_SESSION_HEADERS,
     MAX_SESSION_ID_CHARS,
+    SESSION_HEADERS,
     classify_call,
+    header_session,
     session_id_from_grpc_metadata,
     session_id_from_headers,
 )
@@ -51,6 +57,44 @@ def test_overlong_value_is_rejected_naming_the_header() -> None:
     with pytest.raises(ValueError, match="x-claude-code-session-id"):
         session_id_from_headers({"X-Claude-Code-Session-Id": "a" * (MAX_SESSION_ID_CHARS + 1)})
     assert session_id_from_headers({"x-session-id": "a" * MAX_SESSION_ID_CHARS}) == "a" * MAX_SESSION_ID_CHARS
+
+
+def test_header_session_names_the_header_it_read() -> None:
+    headers = {"X-Session-Id": " ", "Session_Id": "codex", "x-opencode-session": "oc"}
+    assert header_session(headers) == ("codex", "session_id")
+    assert header_session({"content-type": "application/json"}) is None
+
+
+def http_request(headers: dict[str, str]) -> Request:
+    raw = [(name.encode(), value.encode()) for name, value in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": raw})
+
+
+def session_refusal(headers: dict[str, str], body_session: tuple[str | None, str]) -> APIError:
+    serving = HTTPServing(SimpleNamespace(telemetry=None, served_model="tiny"))  # type: ignore[arg-type]
+    with pytest.raises(APIError) as caught:
+        serving.call_context(http_request(headers), body_session)
+    assert caught.value.status_code == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("header", SESSION_HEADERS)
+def test_an_overlong_session_header_is_blamed_on_the_header(header: str) -> None:
+    too_long = "s" * (MAX_SESSION_ID_CHARS + 44)
+    for body_session in ((None, "user"), ("ok", "prompt_cache_key"), (None, "metadata.user_id")):
+        error = session_refusal({header: too_long}, body_session)
+        assert error.param == header
+        assert error.message == f"session id in {header!r} is 300 characters, the limit is {MAX_SESSION_ID_CHARS}"
+
+
+def test_an_overlong_body_session_is_blamed_on_its_field_and_a_header_wins_over_it() -> None:
+    too_long = "u" * (MAX_SESSION_ID_CHARS + 1)
+    for field in ("user", "prompt_cache_key", "metadata.user_id"):
+        error = session_refusal({"x-session-id": "  "}, (too_long, field))
+        assert error.param == field and repr(field) in error.message
+    serving = HTTPServing(SimpleNamespace(telemetry=None, served_model="tiny"))  # type: ignore[arg-type]
+    session_id, _ = serving.call_context(http_request({"x-session-id": "ours"}), (too_long, "user"))
+    assert session_id == "ours"
 
 
 def test_overlong_or_non_string_user_field_is_rejected() -> None:
