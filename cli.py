@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace, model: str | None) -> int:
         # Ray anyway; asking for it spares the warning that it was turned on unasked. Ray reads the
         # variable once, when it is imported (set later, Ray and its GCS would disagree).
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from rayturn.cluster.config import load_config
+    from rayturn.cluster.config import API_KEYS_ENV, load_config
     from rayturn.cluster.runner import serve_forever
 
     config = load_config(args.config, **config_overrides(args, model))
@@ -250,6 +250,9 @@ def _serve(args: argparse.Namespace, model: str | None) -> int:
     if api_keys:
         server = dataclasses.replace(config.server, api_keys=config.server.api_keys + tuple(api_keys))
         config = dataclasses.replace(config, server=server)
+    # Read: the Ray this command starts (its raylet and every worker) would inherit them with the environment.
+    for name in (API_KEY_ENV, API_KEYS_ENV):
+        os.environ.pop(name, None)
     return serve_forever(config, args.address, LOG_LEVELS[args.log_level])
 
 

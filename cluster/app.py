@@ -222,11 +222,17 @@ def serve_logging_config(log_level: int = logging.INFO) -> dict[str, Any]:
 
 def serve_start_options(config: ClusterConfig, log_level: int = logging.INFO) -> dict[str, Any]:
     """``serve.start`` options: HTTP host/port, the gRPC port with rayturn's servicer, the proxies'
-    environment that binds gRPC at the same host and caps its messages (``listeners``), and logging."""
+    environment that binds gRPC at the same host and caps its messages (``listeners``), and logging. gRPC
+    server reflection is off."""
     server = config.server
     return {
         "http_options": {"host": server.host, "port": server.http_port},
-        "grpc_options": {"port": server.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+        # No server reflection: it would list the services to any caller, key or none (the API is protos/).
+        "grpc_options": {
+            "port": server.grpc_port,
+            "grpc_servicer_functions": [SERVICER_FUNCTION],
+            "enable_reflection": False,
+        },
         "controller_options": {"runtime_env": {"env_vars": proxy_env(server.host, server.max_request_bytes)}},
         "logging_config": serve_logging_config(log_level),
     }

@@ -111,6 +111,19 @@ def test_every_grpc_method_refuses_a_missing_or_wrong_key(
             assert "API key" in (err.value.details() or "")
 
 
+def test_grpc_server_reflection_is_off(cluster: str) -> None:
+    """Reflection would list the services to a caller without a key; clients build stubs from the protos."""
+    reflection_pb2 = pytest.importorskip("grpc_reflection.v1alpha.reflection_pb2")
+    reflection_pb2_grpc = pytest.importorskip("grpc_reflection.v1alpha.reflection_pb2_grpc")
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        for metadata in ((), grpc_metadata(("authorization", f"Bearer {KEY_A}"))):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.ServerReflectionInfo(iter([ask]), metadata=metadata, timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 @pytest.mark.parametrize("header", ["authorization", "x-api-key"])
 def test_a_valid_key_passes_as_bearer_token_or_x_api_key_on_grpc_and_http(cluster: str, header: str) -> None:
     value = f"Bearer {KEY_A}" if header == "authorization" else KEY_A

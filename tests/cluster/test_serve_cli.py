@@ -99,6 +99,14 @@ def alive(processes: set[Process]) -> set[Process]:
     }
 
 
+def environment(pid: int) -> bytes:
+    """A process's environment as it started (``/proc/<pid>/environ``); empty when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def kv_segments(processes: set[Process]) -> list[str]:
     """KV store segments in /dev/shm created by these processes (named ``rayturn-kv-<pid>-<hex>``)."""
     shm = Path("/dev/shm")
@@ -228,6 +236,10 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(server: tuple[subprocess.Po
     stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):  # RAYTURN_API_KEY made keys required: a 401
         stranger.models.list()
+    workers = descendants(process.pid)  # Ray's GCS, raylet and workers, the ingress among them
+    assert len(workers) >= 2
+    leaked = [pid for pid, _ in workers if API_KEY.encode() in environment(pid)]
+    assert leaked == [], "the API key is in the environment of Ray's processes"
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     (model,) = client.models.list().data
     assert model.id == SERVED_NAME
