@@ -15,6 +15,7 @@ the same objects (``rayturn.router.request_router``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,6 +46,30 @@ class ReplicaAtCapacity(Exception):
 
     def __reduce__(self) -> tuple[type[ReplicaAtCapacity], tuple[str, str | None]]:
         return type(self), (str(self), self.replica_id)
+
+
+class RefusalLog(logging.Filter):
+    """Serve's replica logs every exception a call raises as ``Request failed.`` at ERROR with its traceback.
+    A refusal is not a failure: a replica at capacity (``ReplicaAtCapacity``, the ingress tries another or
+    answers 429) and a request the engine refuses (its ``ValueError``, which the ingress answers as a 400)
+    become one line at INFO, naming the reason; with DEBUG logging the traceback stays. Anything else is left
+    as Serve logs it. ``RefusalLog.install()`` puts it on Serve's logger, once per process."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.msg != "Request failed." or not isinstance(error, ReplicaAtCapacity | ValueError):
+            return True
+        record.msg, record.args = "Request refused: %s: %s", (type(error).__name__, error)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+    @classmethod
+    def install(cls, logger_name: str = "ray.serve") -> None:
+        serve_logger = logging.getLogger(logger_name)
+        if not any(isinstance(existing, cls) for existing in serve_logger.filters):
+            serve_logger.addFilter(cls())
 
 
 @dataclass(frozen=True, slots=True)

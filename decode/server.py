@@ -55,7 +55,7 @@ from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
-from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, SessionAnnouncement, Step
+from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, RefusalLog, SessionAnnouncement, Step
 from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
@@ -187,6 +187,7 @@ class DecodeServer:
     ) -> None:
         settings = lifecycle or LifecycleSettings()
         self.replica_id = serve_replica_id()
+        RefusalLog.install()  # a refused call is a line in the log, not a traceback
         self.metrics = ReplicaMetrics("decode", self.replica_id)
         self.admission = Admission(admission or AdmissionLimits(), self.replica_id)
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)

@@ -27,7 +27,7 @@ from rayturn.engine.async_engine import AsyncEngine
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.kvstore import join_store
 from rayturn.kvstore.settings import StoreMembership
-from rayturn.messages import Call, PrefillAnswer
+from rayturn.messages import Call, PrefillAnswer, RefusalLog
 from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
@@ -45,6 +45,7 @@ class PrefillServer:
         connector = StoreConnector(self.kv_client, replicas=kvstore.store.replicas)
         self.engine = AsyncEngine(LLMEngine.from_pretrained(model, kv_connector=connector, **dict(engine_kwargs)))
         self.replica_id = serve_replica_id()
+        RefusalLog.install()  # a refused call is a line in the log, not a traceback
         self.metrics = ReplicaMetrics("prefill", self.replica_id)
         self.started_at = time.time()
         self.counters = {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0}
