@@ -91,6 +91,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         raise invalid_request("Invalid 'messages': expected a non-empty array.", param="messages")
     for i, item in enumerate(messages):
         builder.message(Fields(item, f"messages[{i}]"))
+    prefilled = _prefilled(builder.messages[-1], f"messages[{len(messages) - 1}]")
     # A top-level ``cache_control`` (automatic caching) puts the breakpoint after the last message.
     builder.whole_prompt(_cache_ttl(fields))
     tool_choice, parallel = _tool_choice(fields, tools)
@@ -116,8 +117,21 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         cache_points=tuple(builder.cache_points),
         response_format=_output_format(fields),
         priority=body_priority(fields),
+        continue_final_message=prefilled,
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
+
+
+def _prefilled(final: JSON, path: str) -> bool:
+    """Whether the answer continues the final message: an assistant text (a prefill) is continued, not answered
+    in a new turn; like Anthropic's API, one that ends in whitespace is refused."""
+    content = final.get("content")
+    if final["role"] != "assistant" or final.get("tool_calls") or not isinstance(content, str) or not content:
+        return False
+    if content != content.rstrip():
+        message = f"Invalid '{path}.content': the final assistant content cannot end with trailing whitespace."
+        raise invalid_request(message, param=f"{path}.content")
+    return True
 
 
 def parse_count_tokens_request(body: object, served_model: str) -> ChatRequest:

@@ -61,6 +61,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
         response_format=_response_format(fields),
         priority=body_priority(fields),
+        continue_final_message=_continue_final_message(fields, messages),
     )
 
 
@@ -96,12 +97,29 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, object] = {
     "chat_template_kwargs": None,
     "documents": None,
     "mm_processor_kwargs": None,
-    "continue_final_message": False,
-    "add_generation_prompt": True,
     "echo": False,
     "add_special_tokens": False,
     "prompt_logprobs": None,
 }
+
+
+def _continue_final_message(fields: Fields, messages: list[JSON]) -> bool:
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt`` false): the answer goes on from the final
+    assistant message's text instead of starting a new turn."""
+    continues = fields.boolean("continue_final_message") or False
+    generation_prompt = fields.boolean("add_generation_prompt")
+    if continues and generation_prompt is not False:
+        message = "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true."
+        raise invalid_request(message, param="continue_final_message")
+    if generation_prompt is False and not continues:
+        message = "Unsupported 'add_generation_prompt': false is supported only with 'continue_final_message': true."
+        raise unsupported(message, param="add_generation_prompt")
+    final = messages[-1]
+    content = final.get("content")
+    if continues and (final["role"] != "assistant" or not isinstance(content, str) or not content.strip()):
+        message = "Invalid 'continue_final_message': the final message must be an assistant message with text."
+        raise invalid_request(message, param="continue_final_message")
+    return continues
 
 
 def _reject_unsupported_chat_fields(fields: Fields) -> None:

@@ -32,6 +32,7 @@ from prometheus_client import generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .anthropic_bodies import anthropic_status, error_body
 from .bodies import model_card, models_list
 from .errors import APIError, invalid_request, model_not_found, route_not_found
 from .grpc_service import GrpcService
@@ -48,14 +49,18 @@ from .settings import IngressSettings
 __all__ = ["REPLICA_HEADER", "Ingress", "app"]
 
 app = FastAPI(title="rayturn", docs_url=None, redoc_url=None, openapi_url=None)
+ANTHROPIC_ROUTE = "/v1/messages"
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
-    """A route or method that does not exist, in OpenAI's error shape (``{"error": {...}}``), not FastAPI's."""
+    """A route or method that does not exist, in OpenAI's error shape (``{"error": {...}}``), not FastAPI's; under
+    Anthropic's ``/v1/messages`` (``GET /v1/messages``, ``/v1/messages/batches``), in Anthropic's."""
     api_error = route_not_found(request.method, request.url.path, err.status_code)
-    headers = dict(err.headers or {})
-    return JSONResponse(api_error.to_dict(), status_code=api_error.status_code, headers=headers or None)
+    headers = dict(err.headers or {}) or None
+    if request.url.path == ANTHROPIC_ROUTE or request.url.path.startswith(f"{ANTHROPIC_ROUTE}/"):
+        return JSONResponse(error_body(api_error), status_code=anthropic_status(api_error), headers=headers)
+    return JSONResponse(api_error.to_dict(), status_code=api_error.status_code, headers=headers)
 
 
 @serve.ingress(app)
@@ -94,11 +99,11 @@ class Ingress:
         return await self.completion.create(request, new_request_id())
 
     # Anthropic's Messages API (Claude Code adds ``?beta=true``; query and ``anthropic-*`` headers are not read).
-    @app.post("/v1/messages")
+    @app.post(ANTHROPIC_ROUTE)
     async def create_message(self, request: Request) -> Response:
         return await self.messages.create(request, new_request_id())
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(f"{ANTHROPIC_ROUTE}/count_tokens")
     async def count_tokens(self, request: Request) -> Response:
         return await self.messages.count_tokens(request, new_request_id())
 

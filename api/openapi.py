@@ -165,7 +165,11 @@ def chat_request_schema(served_model: str) -> JSON:
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
+        # vLLM's assistant prefill: both or neither.
+        "continue_final_message": BOOLEAN,
+        "add_generation_prompt": BOOLEAN,
     }
+    continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
     return object_of(
         properties,
         ("messages",),
@@ -173,8 +177,25 @@ def chat_request_schema(served_model: str) -> JSON:
             **_STREAM_OPTIONS_NEED_STREAM,
             "top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
             "tool_choice": {"required": ["tools"]},
+            "continue_final_message": {
+                "if": continue_final,
+                "then": {
+                    "properties": {"add_generation_prompt": {"const": False}},
+                    "required": ["add_generation_prompt"],
+                },
+            },
+            "add_generation_prompt": {
+                "if": {"properties": {"add_generation_prompt": {"const": False}}},
+                "then": continue_final,
+            },
         },
-        **{"x-rayturn-rules": [*SHARED_RULES, "a named 'tool_choice' names a tool declared in 'tools'"]},
+        **{
+            "x-rayturn-rules": [
+                *SHARED_RULES,
+                "a named 'tool_choice' names a tool declared in 'tools'",
+                "'continue_final_message' needs a final assistant message with text",
+            ]
+        },
     )
 
 

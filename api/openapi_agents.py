@@ -126,6 +126,7 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
     rules = [
         "tool names are unique within 'tools'",
         "a 'tool_choice' of type 'tool' names a tool declared in 'tools'",
+        "a final assistant message's text (a prefill, continued by the answer) does not end in whitespace",
     ]
     return object_of(
         properties,

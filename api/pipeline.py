@@ -8,8 +8,7 @@
     a dead replica ---> the call sent again, resumed on another, or a retryable error (resume)
     a full replica ---> the call sent to one that has not refused it, or 429 (resume)
 
-The API modules own their wire formats; this module owns everything in
-between, so a call costs the same through every door.
+The API modules own their wire formats; this module owns all in between: a call costs the same through every door.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import resolve_model_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
-from rayturn.engine.tokenizer import Message, Tokenizer, Tool
+from rayturn.engine.tokenizer import Tokenizer
 from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.replica_stats import page_hash_key
@@ -39,7 +38,7 @@ from .errors import client_error, invalid_request, replica_unavailable, server_e
 from .guides import GuideMaker
 from .metrics import IngressMetrics
 from .pool_health import PoolHealthProbe
-from .protocol import CachePoint, ChatRequest, SamplingSpec, to_sampling_params
+from .protocol import ChatRequest, SamplingSpec, to_sampling_params
 from .request_limits import PromptBudget, off_loop
 from .resume import CallResumer, capacity_refusal, replica_died
 from .session import LifecycleHints, classify_call
@@ -134,12 +133,13 @@ class CallPipeline:
 
     # -- prompts ----------------------------------------------------------
 
-    async def chat_prompt(self, messages: Sequence[Message], tools: Sequence[Tool] | None, num_bytes: int) -> list[int]:
+    async def chat_prompt(self, chat: ChatRequest, num_bytes: int) -> list[int]:
         """Render and tokenize a chat (in a worker thread when its body was large); 400 when it cannot fit."""
+        messages, tools, open_final = chat.messages, chat.prompt_tools, chat.continue_final_message
 
         def encode() -> list[int]:
             try:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools)
+                text = self.tokenizer.apply_chat_template(messages, tools=tools, continue_final_message=open_final)
             except (ValueError, RecursionError) as err:
                 raise invalid_request(f"cannot apply the chat template: {err}", param="messages") from err
             self.budget.check(text, param="messages")
@@ -147,18 +147,13 @@ class CallPipeline:
 
         return await off_loop(num_bytes, encode)
 
-    async def retention(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Tool] | None,
-        prompt_ids: Sequence[int],
-        points: Sequence[CachePoint],
-    ) -> Retention | None:
+    async def retention(self, chat: ChatRequest, prompt_ids: Sequence[int]) -> Retention | None:
         """The retention contract of a chat's cache breakpoints: one pin per call, of the prompt up to its last
         breakpoint, for the longest TTL any breakpoint asks (a shorter-lived tail is kept longer, never less).
 
         The prefix is measured in tokens by rendering the messages up to the breakpoint and keeping what that
         rendering shares with the whole prompt, so it holds for any chat template."""
+        messages, tools, points = chat.messages, chat.prompt_tools, chat.cache_points
         if not points:
             return None
         last = max(point.num_messages for point in points)
@@ -268,7 +263,7 @@ class CallPipeline:
         that names no ``chat.sampling.max_tokens`` may write, capped by the room left), the guide it asks for, its
         retention contract. Its kind: the caller's (``said``), else the API's (``call``), else its messages'. Its
         class: ``priority`` (what the caller asked for), else its key's default, else (None) by its kind."""
-        prompt_ids = await self.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+        prompt_ids = await self.chat_prompt(chat, num_bytes)
         params = to_sampling_params(
             chat.sampling,
             default_max_tokens=max_tokens or self.max_model_len,
@@ -279,7 +274,7 @@ class CallPipeline:
             vocab_size=self.vocab_size,
         )
         params = self.guides.guided(params, chat)
-        retention = await self.retention(chat.messages, chat.prompt_tools, prompt_ids, chat.cache_points)
+        retention = await self.retention(chat, prompt_ids)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
         tools = splits_answer(chat, self.guides.parser)
         # Formats that type argument values by schema need the tools on the decode replica too.

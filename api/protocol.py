@@ -157,6 +157,8 @@ class ChatRequest:
     return_tokens_as_token_ids: bool = False
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
     priority: str | None = None
+    # The prompt ends inside the final (assistant) message, for the model to continue (Anthropic's prefill).
+    continue_final_message: bool = False
 
     @property
     def prompt_tools(self) -> list[JSON] | None:

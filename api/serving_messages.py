@@ -80,7 +80,7 @@ class ServingMessages(HTTPServing):
             self.authorize(request)
             body, num_bytes = await self.json_body(request)
             chat = parse_count_tokens_request(body, self.served_model)
-            prompt_ids = await self.pipeline.chat_prompt(chat.messages, chat.prompt_tools, num_bytes)
+            prompt_ids = await self.pipeline.chat_prompt(chat, num_bytes)
         except Exception as err:
             return self.failure("count_tokens", err, request_id)
         self.succeeded("count_tokens")

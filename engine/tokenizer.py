@@ -169,11 +169,20 @@ class Tokenizer:
         *,
         tools: Sequence[Tool] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """Render the prompt text; ``extra`` becomes template variables, overriding the special tokens."""
+        """Render the prompt text; ``extra`` becomes template variables, overriding the special tokens.
+
+        ``continue_final_message``: the prompt ends with the final message's text, left open for the model to go
+        on with (an assistant prefill), in place of a new turn; ValueError where the template does not show
+        that text.
+        """
         template = self._template_for(tools)
         variables = {**self.special_tokens, **extra}
+        if continue_final_message:
+            text = template.render(messages, tools=tools, add_generation_prompt=False, **variables)
+            return _open_final_message(text, messages[-1] if messages else {})
         return template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(
@@ -292,3 +301,16 @@ def _read_chat_template_files(model_dir: Path) -> dict[str, str]:
         for template_path in sorted(named_dir.glob("*.jinja")):
             templates[template_path.stem] = template_path.read_text(encoding="utf-8")
     return templates
+
+
+def _open_final_message(text: str, final: Message) -> str:
+    """``text`` cut right after the final message's content, dropping what closes its turn; the content's
+    trailing whitespace stays where the template kept it (as transformers' ``continue_final_message`` does)."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("the final message has no text to continue")
+    stripped, kept = content.strip(), content.lstrip()
+    start = text.rfind(stripped)
+    if start < 0:
+        raise ValueError("the chat template does not show the final message's text, so it cannot be continued")
+    return text[: start + (len(kept) if text.startswith(kept, start) else len(stripped))]

@@ -198,12 +198,30 @@ def test_tool_choice(choice: dict[str, Any], expected: object, parallel: bool) -
             400,
         ),
         ({"metadata": {"user_id": 5}}, "metadata.user_id", 400),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]},
+            "messages[1].content",
+            400,
+        ),
     ],
 )
 def test_bad_requests_name_the_field(fields: dict[str, Any], param: str, status: int) -> None:
     err = error_of(body(**fields))
     assert err.status_code == status and err.param == param, err.message
     assert param in err.message
+
+
+def test_a_final_assistant_text_is_continued_not_answered() -> None:
+    """Anthropic's prefill: the answer goes on from the final assistant text; any other final message, an empty
+    assistant one or one that calls a tool, is answered in a new turn."""
+    opened = [{"type": "text", "text": "{"}]
+    prefill = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": opened}]
+    assert parse_messages_request(body(messages=prefill), MODEL).chat.continue_final_message
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+    for final in ("", [call], [{"type": "thinking", "thinking": "hm", "signature": "s"}]):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": final}]
+        assert not parse_messages_request(body(messages=messages), MODEL).chat.continue_final_message, final
+    assert not parse_messages_request(body(), MODEL).chat.continue_final_message
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:

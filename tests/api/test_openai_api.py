@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jsonschema
 import pytest
 from openai.types import Completion, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -44,6 +45,7 @@ from rayturn.api.errors import (
     rate_limited,
     server_error,
 )
+from rayturn.api.openapi import chat_request_schema
 from rayturn.api.protocol import ChatRequest, SamplingSpec, to_sampling_params
 from rayturn.api.serving_completion import MAX_PROMPT_SCORES, _check_score_size
 from rayturn.api.streaming import SSE_DONE, ChatStreamState, sse
@@ -254,6 +256,26 @@ def test_unsupported_features_say_so() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     error = _chat_error(_with_messages({"role": "user", "content": [image]}))
     assert error.code == "unsupported_value" and "'image_url'" in error.message
+
+
+def test_continue_final_message_goes_on_from_the_assistant_text() -> None:
+    """vLLM's pair: ``continue_final_message`` with ``add_generation_prompt`` false; either alone is refused."""
+    prefill = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": '{"ok":'}]
+    both = {"continue_final_message": True, "add_generation_prompt": False}
+    assert parse_chat_request(_chat_body(messages=prefill, **both), MODEL).continue_final_message
+    assert not parse_chat_request(_chat_body(messages=prefill), MODEL).continue_final_message
+    cases = [
+        (_chat_body(messages=prefill, continue_final_message=True), "continue_final_message", "Cannot set both"),
+        (_chat_body(messages=prefill, add_generation_prompt=False), "add_generation_prompt", "only with"),
+        (_chat_body(**both), "continue_final_message", "must be an assistant message"),
+    ]
+    for body, param, words in cases:
+        error = _chat_error(body)
+        assert (error.status_code, error.param) == (400, param) and words in error.message, error.message
+    # The OpenAPI document says the same of the pair (the final message's role is one of its listed rules).
+    document = jsonschema.Draft202012Validator(chat_request_schema(MODEL))
+    assert document.is_valid(_chat_body(messages=prefill, **both))
+    assert not any(document.is_valid(body) for body, _, words in cases if words != "must be an assistant message")
 
 
 def test_response_formats_are_taken() -> None:

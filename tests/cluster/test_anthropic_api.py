@@ -25,6 +25,8 @@ requests = pytest.importorskip("requests")
 from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
+from rayturn.engine.presets import preset_dir  # noqa: E402
+from rayturn.engine.tokenizer import Tokenizer  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 28511, 29511
 API_KEY = "anthropic-test-key"
@@ -189,6 +191,11 @@ def test_errors_in_anthropics_shape(cluster: str, client: anthropic.Anthropic) -
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
     broken = requests.post(f"{cluster}/v1/messages", data=b"{not json", headers=headers, timeout=30)
     assert broken.status_code == 400 and broken.json()["type"] == "error"
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        wrong = requests.request(method, f"{cluster}{path}", json={}, headers=headers, timeout=30)
+        assert wrong.status_code == status and wrong.json()["type"] == "error", (path, wrong.text)
+        assert path in wrong.json()["error"]["message"]
+        assert wrong.json()["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     # The server is still up and answers.
     assert (
         client.messages.create(
@@ -196,6 +203,27 @@ def test_errors_in_anthropics_shape(cluster: str, client: anthropic.Anthropic) -
         ).usage.output_tokens
         == 2
     )
+
+
+def test_an_assistant_prefill_is_continued(client: anthropic.Anthropic, chat_client: openai.OpenAI) -> None:
+    """The answer goes on from the final assistant text, as the completions API goes on from the same prompt."""
+    messages = [{"role": "user", "content": "Reply in JSON: the weather."}, {"role": "assistant", "content": '{"sky":'}]
+    tokenizer = Tokenizer.from_dir(preset_dir("tiny"))
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, continue_final_message=True), add_special_tokens=False
+    )
+    expected = chat_client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    message = client.messages.create(model="tiny", max_tokens=8, extra_body=GREEDY, messages=messages)  # type: ignore[arg-type]
+    assert message.content[0].type == "text" and message.content[0].text == expected.choices[0].text
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0) == len(
+        prompt
+    )
+    with pytest.raises(anthropic.BadRequestError) as trailing:
+        client.messages.create(
+            model="tiny", max_tokens=2, messages=[messages[0], {"role": "assistant", "content": '{"sky": '}]
+        )
+    assert "trailing whitespace" in trailing.value.body["error"]["message"]  # type: ignore[index]
 
 
 def test_cache_control_pins_the_prefix(cluster: str, client: anthropic.Anthropic) -> None:

@@ -147,9 +147,27 @@ def test_the_openapi_document_asks_for_the_key_and_has_a_schema_for_every_body(c
 # -- drawn from the schemas ---------------------------------------------------------------------------
 
 
-def keeps_the_documented_rules(body: dict[str, Any]) -> bool:
+def final_text(body: dict[str, Any]) -> str | None:
+    """The text of a body's final message when it is an assistant's (a string, or its text parts); else None."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+        return None
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return "\n".join(text for text in texts if isinstance(text, str))
+    return content if isinstance(content, str) else None
+
+
+def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     """The ``x-rayturn-rules`` JSON Schema cannot state: unique tool names, a named tool choice that is
-    declared, a ``previous_response_id`` that exists (state, not shape: none is drawn)."""
+    declared, a ``previous_response_id`` that exists (state, not shape: none is drawn), a chat's
+    ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace."""
+    text = final_text(body)
+    if path == "/v1/chat/completions" and body.get("continue_final_message") is True and not (text and text.strip()):
+        return False
+    if path.startswith("/v1/messages") and text and text != text.rstrip():
+        return False
     tools = [tool for tool in body.get("tools") or [] if tool.get("type") in (None, "function", "custom")]
     names = [tool.get("name") or tool.get("function", {}).get("name") for tool in tools]
     choice = body.get("tool_choice")
@@ -194,7 +212,7 @@ def fuzz(operation: Any, mode: GenerationMode, check: Callable[[Any, Any], None]
     def call(case: Any) -> None:
         nonlocal calls
         if mode == GenerationMode.POSITIVE and isinstance(case.body, dict):
-            assume(keeps_the_documented_rules(case.body) and len(shown(case.body)) < MAX_DRAWN_BODY_CHARS)
+            assume(keeps_the_documented_rules(case.path, case.body) and len(shown(case.body)) < MAX_DRAWN_BODY_CHARS)
         case.body = bounded(case.body)
         calls += 1
         check(case, case.call(headers=AUTH, timeout=120))

@@ -346,3 +346,19 @@ def test_template_cannot_reach_python_internals() -> None:
 def test_render_errors_are_chat_template_errors() -> None:
     with pytest.raises(ChatTemplateError, match="boom"):
         ChatTemplate("{{ raise_exception('boom') }}").render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("prefill", ["Sure,", '{"city": "Oslo", ', "  Indented"])
+def test_continuing_the_final_message_matches_transformers(
+    byte_tokenizer_dir: Path, hf_chatml: Any, tools: list[dict[str, Any]] | None, prefill: str
+) -> None:
+    messages = [{"role": "user", "content": "What is the weather?"}, {"role": "assistant", "content": prefill}]
+    ours = Tokenizer.from_dir(byte_tokenizer_dir)
+    expected = hf_chatml.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    text = ours.apply_chat_template(messages, tools=tools, continue_final_message=True)
+    assert text == expected and text.rstrip().endswith(prefill.strip())
+    with pytest.raises(ValueError, match="no text to continue"):
+        ours.apply_chat_template([*messages[:1], {"role": "assistant", "content": ""}], continue_final_message=True)
