@@ -13,6 +13,13 @@ proxy bind ``<host>:<port>`` instead, and caps gRPC messages at
 ``server.max_request_bytes`` (Serve's own default is 2 GiB). Since the hook
 reaches into Serve's internals, ``check_listening_only_at`` confirms after
 start-up that neither port answers on the node's other address.
+
+Serve's HTTP proxy also reads a session header of its own, ``x-session-id`` by
+default, the one rayturn's callers send, and decodes it as UTF-8 before any of
+rayturn runs: a byte that is not UTF-8 there was a plain-text 500. rayturn
+routes sessions itself and uses none of Serve's, so ``proxy_env`` points Serve
+at a header no caller sends (``SERVE_SESSION_HEADER``); the ingress reads
+``x-session-id`` as it reads every header.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ GRPC_HOST_ENV = "RAYTURN_GRPC_HOST"
 SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 SETUP_HOOK = "rayturn.cluster.listeners.bind_grpc_to_configured_host"
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+SERVE_SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
+SERVE_SESSION_HEADER = "x-ray-serve-session-id-unused"
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -70,8 +79,9 @@ def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
 
 
 def proxy_env(host: str, max_message_bytes: int) -> dict[str, str]:
-    """Environment for Serve's controller and proxies: gRPC bound at ``host``, messages capped."""
-    env = {GRPC_MAX_MESSAGE_ENV: str(max_message_bytes)}
+    """Environment for Serve's controller and proxies: gRPC bound at ``host``, messages capped, Serve's session
+    header moved off rayturn's."""
+    env = {GRPC_MAX_MESSAGE_ENV: str(max_message_bytes), SERVE_SESSION_HEADER_ENV: SERVE_SESSION_HEADER}
     if not is_wildcard(host):
         env[GRPC_HOST_ENV] = host
         env[SETUP_HOOK_ENV] = SETUP_HOOK

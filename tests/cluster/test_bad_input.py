@@ -24,6 +24,7 @@ One cluster (API keys on, a 1 MiB body limit) for the module. Checked:
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -349,6 +350,25 @@ def test_a_bad_body_is_a_4xx_in_the_api_shape_naming_what_is_wrong(cluster: str,
     error = error_of(path, response)
     said = f"{error['message']} {error.get('param') or ''}".lower()
     assert word.lower() in said, error
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_session_header_that_is_not_utf8_is_read_as_any_header(cluster: str, path: str) -> None:
+    """Serve's proxy decoded its own session header, the one rayturn's callers send, as UTF-8: a plain-text 500.
+    Now the header reaches the ingress, which reads it as Latin-1 as it reads every header."""
+    connection = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=120)
+    try:
+        connection.putrequest("POST", path)
+        for name, value in (*AUTH.items(), ("content-type", "application/json"), ("x-session-id", b"caf\xe9-1")):
+            connection.putheader(name, value)
+        body = _prompt(path, "hi")
+        connection.putheader("content-length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        assert response.status == 200, response.read()[:500]
+        assert json.loads(response.read())["usage"]
+    finally:
+        connection.close()
 
 
 def test_the_server_is_healthy_after_the_bad_bodies(cluster: str) -> None:

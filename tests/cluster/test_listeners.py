@@ -12,6 +12,8 @@ from rayturn.cluster import listeners
 from rayturn.cluster.listeners import (
     GRPC_HOST_ENV,
     GRPC_MAX_MESSAGE_ENV,
+    SERVE_SESSION_HEADER,
+    SERVE_SESSION_HEADER_ENV,
     SETUP_HOOK,
     SETUP_HOOK_ENV,
     ListenerError,
@@ -53,8 +55,15 @@ def test_a_host_that_does_not_resolve_is_named() -> None:
 
 def test_the_proxies_bind_grpc_at_a_specific_host_only() -> None:
     env = proxy_env("127.0.0.1", 1 << 20)
-    assert env == {GRPC_MAX_MESSAGE_ENV: str(1 << 20), GRPC_HOST_ENV: "127.0.0.1", SETUP_HOOK_ENV: SETUP_HOOK}
-    assert proxy_env("0.0.0.0", 4096) == {GRPC_MAX_MESSAGE_ENV: "4096"}  # every interface: Serve's own binding
+    session = {SERVE_SESSION_HEADER_ENV: SERVE_SESSION_HEADER}  # Serve's session header, off rayturn's
+    assert env == {
+        GRPC_MAX_MESSAGE_ENV: str(1 << 20),
+        GRPC_HOST_ENV: "127.0.0.1",
+        SETUP_HOOK_ENV: SETUP_HOOK,
+        **session,
+    }
+    # Every interface: Serve's own binding.
+    assert proxy_env("0.0.0.0", 4096) == {GRPC_MAX_MESSAGE_ENV: "4096", **session}
     assert grpc_address("::1", 9000) == "[::1]:9000" and grpc_address("10.0.0.7", "9000") == "10.0.0.7:9000"
     assert grpc_address("localhost", 9000) == "localhost:9000"
 
