@@ -58,7 +58,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def body_too_large(limit_bytes: int, num_bytes: int | None = None) -> APIError:
-    size = f"is {num_bytes} bytes" if num_bytes is not None else "is larger than that"
+    # A streamed body is refused once it passes the limit, before its size is known.
+    size = f"is {num_bytes} bytes" if num_bytes is not None else "passed the limit while it was being read"
     message = f"The request body {size}; this server accepts at most {limit_bytes} bytes (server.max_request_bytes)."
     return APIError(413, message, code="request_too_large")
 

@@ -179,6 +179,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_or_while_it_streams(clus
 
     streamed = requests.post(f"{cluster}/v1/chat/completions", data=chunks(), headers=AUTH_A, timeout=60)
     assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+    assert streamed.json()["error"]["message"].startswith("The request body passed the limit while it was being read;")
     assert chat(cluster, KEY_A, "still here?").http_response.status_code == 200
 
 
