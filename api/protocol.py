@@ -193,7 +193,7 @@ def to_sampling_params(
     the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses). Stop token ids the
     vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica.
     """
-    bad_stop_ids = [t for t in spec.stop_token_ids if vocab_size is not None and t >= vocab_size]
+    bad_stop_ids = [t for t in spec.stop_token_ids if t >= vocab_size] if vocab_size is not None else []
     if bad_stop_ids:
         message = f"Invalid 'stop_token_ids': token ids out of vocabulary [0, {vocab_size}): {bad_stop_ids[:5]}."
         raise invalid_request(message, param="stop_token_ids")
