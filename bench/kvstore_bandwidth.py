@@ -27,6 +27,13 @@ page over the same UCX runtime with no store at all, its owner on the UCX
 loop as the store's server is, and polling from a thread of its own.
 ``ucx_get_1_p50_over_floor`` is the store's UCX get over the bare exchange.
 
+Small reads (up to 256 KiB) over UCX go to the owner's native reader
+(``kvstore/ucx_native.c``: no Python between UCX and the segment on either
+side); ``ucx_ucxx`` is the same reader with it turned off in its process
+(``RAYTURN_KV_NATIVE=0``: the UCXX path every read took before), run in
+the same session, and ``ucx_over_ucxx_path`` the ratios of the two (below 1:
+the native reader is faster).
+
 A decode replica loads a call's prefix at its arrival: ``prefix_load_8_*``
 times that for 8 held pages as the engine does it (``locate_prefix``, then
 ``get_prefix_into``: one master lookup), and ``prefix_load_8_two_lookups_*``
@@ -61,8 +68,13 @@ PREFIX_PAGES = 8  # a prefix load at a call's arrival: often a few pages
 PREFIX_LOAD = f"prefix_load_{PREFIX_PAGES}"
 BANDWIDTH_BATCH_PAGES = 1024  # 32 MiB per get_into: one master round trip amortised over many pages
 UCX_GET_1_P50_TARGET_MS = 0.3
-READERS = {"same_node": ("auto", None), "ucx": ("ucx", None), "ucx_tcp": ("ucx", "tcp,self")}
-"""Each reader's name in the report: the client's transport and the UCX_TLS its process runs with (None: as given)."""
+READERS: dict[str, tuple[str, dict[str, str]]] = {
+    "same_node": ("auto", {}),
+    "ucx": ("ucx", {}),
+    "ucx_tcp": ("ucx", {"UCX_TLS": "tcp,self"}),
+    "ucx_ucxx": ("ucx", {"RAYTURN_KV_NATIVE": "0"}),
+}
+"""Each reader's name in the report: the client's transport and what its process's environment adds."""
 
 
 @ray.remote(num_cpus=0.1)
@@ -173,8 +185,8 @@ def main() -> None:
     progress.advance()
     results: dict[str, dict[str, Any]] = {}
     readers = {}
-    for name, (transport, tls) in READERS.items():
-        options = {"runtime_env": {"env_vars": {"UCX_TLS": tls}}} if tls else {}
+    for name, (transport, env) in READERS.items():
+        options = {"runtime_env": {"env_vars": env}} if env else {}
         readers[name] = Worker.options(**options).remote("kv-bench", transport, 4 << 20)  # type: ignore[attr-defined]
         results[name] = ray.get(readers[name].measure.remote(keys, repeats, latency_iters, batch_iters))
         progress.advance()
@@ -206,6 +218,11 @@ def main() -> None:
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "ucx_floor": {k: round(v, 3) for k, v in floor.items()},
         "ucx_get_1_p50_over_floor": round(ucx["get_1_p50_ms"] / floor["owner_on_loop_p50_ms"], 3),
+        "ucx_ucxx": {k: round(v, 3) for k, v in results["ucx_ucxx"].items()},
+        "ucx_over_ucxx_path": {
+            figure: round(ucx[f"{figure}_ms"] / results["ucx_ucxx"][f"{figure}_ms"], 3)
+            for figure in ("get_1_p50", "get_1_p99", f"{PREFIX_LOAD}_p50", f"{PREFIX_LOAD}_p99", "get_256_p99")
+        },
         f"{PREFIX_LOAD}_p50_over_two_lookups": {
             name: round(figures[f"{PREFIX_LOAD}_p50_ms"] / figures[f"{PREFIX_LOAD}_two_lookups_p50_ms"], 3)
             for name, figures in results.items()

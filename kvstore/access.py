@@ -54,7 +54,7 @@ import logging
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +156,7 @@ class StoreAuth:
 
     def __init__(self, secret: bytes) -> None:
         self._keys = self._derive_keys(secret)
+        self._listeners: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
         return "StoreAuth(<secret>)"
@@ -168,6 +169,20 @@ class StoreAuth:
 
     def update(self, secret: bytes) -> None:
         self._keys = self._derive_keys(secret)  # one reference swap: readers see the old keys or the new
+        for listener in list(self._listeners):
+            listener()
+
+    def keys(self) -> tuple[bytes, bytes]:
+        """The peer key (handshake proofs) and the grant key (grant signatures), for the native reader."""
+        return self._keys
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every ``update``."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     # -- peers (the handshake in the module docstring) ----------------------
 
@@ -276,7 +291,26 @@ class SegmentGate:
     def __init__(self, auth: StoreAuth, segment_id: str, epoch: str | None = None) -> None:
         self.auth = auth
         self.segment_id = segment_id
-        self.epoch = epoch
+        self._epoch = epoch
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def epoch(self) -> str | None:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: str | None) -> None:
+        self._epoch = epoch
+        for listener in list(self._listeners):
+            listener()
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change of the epoch."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def check_read(self, grant: ReadGrant, ranges: Sequence[tuple[int, int]]) -> None:
         self.auth.check_read(self.segment_id, self.epoch or "", grant, ranges)

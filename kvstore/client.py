@@ -180,6 +180,7 @@ class KVStoreClient:
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            self.metrics.flush()
             try:
                 epoch = self.master.call("heartbeat", self.segment_id, timeout_s=30)
                 if epoch is None or epoch != self._epoch:  # master restarted, perhaps re-created
@@ -323,6 +324,7 @@ class KVStoreClient:
             return
         self._stop.set()
         self._heartbeat.join(timeout=5)
+        self.metrics.flush()
         try:
             self.master.call("drop_segment", self.segment_id, timeout_s=10)
         except Exception as err:

@@ -26,6 +26,7 @@ from rayturn.kvstore import wire
 from rayturn.kvstore.access import AccessDenied, ReadGrant, StoreAuth, WriteGrant
 from rayturn.kvstore.bytes_view import as_bytes_view, as_writable_view
 from rayturn.kvstore.ucx_direct import DIRECT_READ_MAX_BYTES, DirectReadFailed, read_now
+from rayturn.kvstore.ucx_errors import PeerTimedOut, PeerUnreachable, TransportError
 from rayturn.kvstore.ucx_framing import (
     DEFAULT_TIMEOUT_S,
     INLINE_BODY_BYTES,
@@ -40,6 +41,7 @@ from rayturn.kvstore.ucx_framing import (
     scatter_views,
     staging_pool,
 )
+from rayturn.kvstore.ucx_native import NativeReads
 from rayturn.kvstore.ucx_runtime import (
     in_ucx_loop_thread,
     load_ucxx,
@@ -60,19 +62,6 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 _LOOP_GRACE_S: Final = 5.0
 
 _Operation: TypeAlias = Callable[[Channel], Awaitable[None]]
-
-
-class TransportError(RuntimeError):
-    """A transfer failed: the server refused it (its message is included) or the connection broke."""
-
-
-class PeerUnreachable(TransportError):
-    """The server could not be reached or did not accept this peer, or the connection broke: not worth asking
-    again soon."""
-
-
-class PeerTimedOut(TransportError):
-    """The request did not finish within its timeout: the peer is slow, stopped, or busy with earlier requests."""
 
 
 class _ProtocolError(Exception):
@@ -102,6 +91,7 @@ class _ClientConnection:
         self.lock = asyncio.Lock()
         self._connect_timeout_s = connect_timeout_s
         self.channel: Channel | None = None  # connected and authenticated; None until then and once dropped
+        self.fast_port: int | None = None  # the server's native reader, as its handshake said (ucx_native)
 
     async def run(self, operation: _Operation) -> None:
         async with self.lock:
@@ -151,6 +141,7 @@ class _ClientConnection:
             self._auth.check_server(server_nonce, client_nonce, reply.get("proof"))
         except AccessDenied as error:
             raise _ConnectionFailed(str(error)) from None
+        self.fast_port = reply.get("fast_port")
 
     async def drop_on_loop(self, posted: tuple[Any, ...]) -> None:
         self.drop()  # after a failed direct read: its ``posted`` requests' futures end cancelled, seen here
@@ -248,6 +239,7 @@ class UcxClient:
         self._connect_timeout_s = connect_timeout_s
         self._request_ids = itertools.count(1)
         self._closed = False
+        self._native = NativeReads(auth)
         self._connections: dict[Address, _ClientConnection] = {}  # added to by calling threads, cleared on the loop
 
     def read(
@@ -267,11 +259,15 @@ class UcxClient:
         """
         checked = wire.validate_ranges(list(ranges))
         views = buffer_views(dests, checked, "dests", as_writable_view)
+        small = sum(view.nbytes for view in views) <= DIRECT_READ_MAX_BYTES
+        connection = self._connections.get((str(address[0]), int(address[1])))
+        wait_s = self._timeout_s if timeout_s is None else timeout_s
+        if small and self._native.read(connection, checked, grant, views, wait_s):  # no Python between: ucx_native
+            return
         request_id = next(self._request_ids)
         message = {"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]}
         body = wire.encode({**message, "grant": grant.to_wire()})
-        small = sum(view.nbytes for view in views) <= DIRECT_READ_MAX_BYTES and len(body) <= INLINE_BODY_BYTES
-        span = adjacent_span(views) if small else None
+        span = adjacent_span(views) if small and len(body) <= INLINE_BODY_BYTES else None
 
         def operation(channel: Channel) -> Awaitable[None]:
             return _read_exchange(channel, request_id, body, views)
@@ -321,6 +317,7 @@ class UcxClient:
             return
         self._closed = True
         unregister_for_shutdown(self)
+        self._native.close()
         if ucx_loop_running():
             run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
 

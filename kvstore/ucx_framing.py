@@ -140,9 +140,10 @@ class Channel:
         ok: bool,
         total_bytes: int = 0,
         error: str | None = None,
-        proof: bytes | None = None,
+        **extra: Any,
     ) -> None:
-        await self.send_control(_reply_body(request_id, ok=ok, total_bytes=total_bytes, error=error, proof=proof))
+        """A reply; ``extra``: the optional fields of the accepting reply (``proof``, ``fast_port``)."""
+        await self.send_control(_reply_body(request_id, ok=ok, total_bytes=total_bytes, error=error, **extra))
 
     async def send_reply_and_data(self, request_id: int, data: memoryview, timeout_s: float | None) -> None:
         """An ok reply announcing ``data``, then ``data``: both posted at once (UCX keeps their order) and awaited
@@ -254,15 +255,11 @@ def _inline_frame(body: bytes) -> bytes:
     return CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, 0, len(body)) + body
 
 
-def _reply_body(
-    request_id: int, *, ok: bool, total_bytes: int = 0, error: str | None = None, proof: bytes | None = None
-) -> bytes:
+def _reply_body(request_id: int, *, ok: bool, total_bytes: int = 0, error: str | None = None, **extra: Any) -> bytes:
     message: dict[str, Any] = {"type": "reply", "request_id": request_id, "ok": ok, "total_bytes": total_bytes}
     if error is not None:
         message["error"] = wire.truncate_error(error)
-    if proof is not None:
-        message["proof"] = proof
-    return wire.encode(message)
+    return wire.encode({**message, **{name: value for name, value in extra.items() if value is not None}})
 
 
 def _check_header(magic: bytes, version: int, flags: int, body_bytes: int) -> None:

@@ -36,6 +36,9 @@ The server does no locking of ranges: a read racing a write of the same bytes se
 any shared memory; which ranges are whose is the master's business, told through the grants.
 The UCX listener binds every interface (ucxx offers no bind address); ``host`` is the address the
 server advertises. A peer elsewhere can connect, and gets a challenge it cannot answer.
+
+Small reads have a faster door: the segment's native reader (:mod:`rayturn.kvstore.ucx_native`),
+bound to ``host`` on a port of its own that the accepting reply tells each client (``fast_port``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ from rayturn.kvstore.ucx_framing import (
     scatter,
     staging_pool,
 )
+from rayturn.kvstore.ucx_native import NativeServer
+from rayturn.kvstore.ucx_native import library as native_library
 from rayturn.kvstore.ucx_runtime import (
     load_ucxx,
     register_for_shutdown,
@@ -134,6 +139,7 @@ class UcxServer:
         # Touched only on the UCX loop:
         self._listener: Any = None
         self._connections: dict[Any, asyncio.Task[Any]] = {}
+        self._native: NativeServer | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -153,6 +159,7 @@ class UcxServer:
             if self._state == "stopped":
                 raise RuntimeError("a stopped UcxServer cannot be restarted; create a new one")
             self._address = run_in_ucx_loop(self._listen(), timeout_s=timeout_s)
+            self._start_native()
             self._state = "running"
             register_for_shutdown(self, UcxServer._close_on_loop)
             return self._address
@@ -164,6 +171,8 @@ class UcxServer:
         unregister_for_shutdown(self)
         if was_running and ucx_loop_running():
             run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
+        if self._native is not None:
+            self._native.stop()
         self._segment = memoryview(b"")  # release the segment's memory so its owner can unmap it
 
     def __enter__(self) -> Self:
@@ -174,6 +183,20 @@ class UcxServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.stop()
+
+    def _start_native(self) -> None:
+        """The segment's native reader (``ucx_native``), where the library builds; small reads go there."""
+        if native_library() is None:
+            return
+        try:
+            self._native = NativeServer(self._segment, self._gate, self._host)
+        except OSError as error:  # e.g. an advertised host that is a name: ucxx serves every read
+            logger.warning("kv segment %s serves no native reads: %s", self._gate.segment_id, error)
+
+    @property
+    def fast_port(self) -> int | None:
+        """The native reader's port (told to each client in the handshake), or None without one."""
+        return None if self._native is None else self._native.port
 
     async def _listen(self) -> Address:
         self._listener = load_ucxx().create_listener(self._serve_endpoint, port=self._port)
@@ -283,7 +306,8 @@ class _ServerConnection:
                     timeout=1.0,
                 )
             raise
-        accepted = self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True, proof=proof)
+        fast_port = self._server.fast_port
+        accepted = self._channel.send_reply(HANDSHAKE_REQUEST_ID, ok=True, proof=proof, fast_port=fast_port)
         await asyncio.wait_for(accepted, HANDSHAKE_TIMEOUT_S)
 
     async def _reply(self, request_id: int, *, ok: bool, total_bytes: int = 0, error: str | None = None) -> None:

@@ -282,6 +282,11 @@ def _proof_field(message: dict[str, Any]) -> None:
         raise WireError(f"{message['type']} proof must be {PROOF_BYTES} bytes, got {len(message['proof'])}")
 
 
+def _fast_port_field(message: dict[str, Any]) -> None:
+    if "fast_port" in message and not 0 < message["fast_port"] <= 0xFFFF:
+        raise WireError(f"reply field 'fast_port' must be a port in 1..65535, got {message['fast_port']}")
+
+
 # -- peer authentication, on every store socket (see rayturn.kvstore.access) ------------------
 
 register("challenge", {"nonce": bytes}, validators=[_nonce_field])
@@ -296,10 +301,11 @@ register(
     {"request_id": int, "ranges": list, "keys": list, "tenant": str, "grant": list},
     validators=[_ranges_field, _keys_field],
 )
-# ``proof``: on the reply that accepts a connection, the server's own proof of the store secret.
+# ``proof``: on the reply that accepts a connection, the server's own proof of the store secret;
+# ``fast_port``: on that reply too, the port of the segment's native reader (``ucx_native``), if it runs one.
 register(
     "reply",
     {"request_id": int, "ok": bool, "total_bytes": int},
-    optional={"error": str, "proof": bytes},
-    validators=[_reply_fields, _proof_field],
+    optional={"error": str, "proof": bytes, "fast_port": int},
+    validators=[_reply_fields, _proof_field, _fast_port_field],
 )

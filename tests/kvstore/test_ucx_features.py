@@ -11,7 +11,9 @@ a get and a put of the server's segment, over TCP as from another host:
 - against the same server in a context with RMA on (the control, ucxx's default), the get returns
   the page's bytes and the put overwrites them: the probe is real; with RMA off but the TCP
   transport's native puts on (UCX's default), the put still lands: hence ``UCX_TCP_PUT_ENABLE=n``;
-- a context someone created first with RMA on is refused at start (UnsafeUcxContext).
+- a context someone created first with RMA on is refused at start (UnsafeUcxContext);
+- the segment's native reader (``ucx_native``, a UCP context of its own on a port of its own) gives a
+  stranger's get and put nothing either, and refuses its READ message, sent without the handshake.
 """
 
 from __future__ import annotations
@@ -68,7 +70,15 @@ def _serve(mode: str) -> None:
         return
     features = ucx_features.context_features()
     print(
-        json.dumps({"host": host, "port": port, "address": segment.ctypes.data + PAGE_OFFSET, "features": features}),
+        json.dumps(
+            {
+                "host": host,
+                "port": port,
+                "fast_port": server.fast_port,
+                "address": segment.ctypes.data + PAGE_OFFSET,
+                "features": features,
+            }
+        ),
         flush=True,
     )
     for line in sys.stdin:
@@ -152,14 +162,18 @@ def victim(request: pytest.FixtureRequest) -> Iterator[Victim]:
         served.close()
 
 
-def stranger(probe: Path, victim: Victim, op: str) -> subprocess.CompletedProcess[str]:
+def stranger(probe: Path, victim: Victim, op: str, *, native: bool = False) -> subprocess.CompletedProcess[str]:
+    """The probe against the server's UCX listener, or (``native``) its native reader's."""
     info = victim.info
     assert "error" not in info, info
+    port = info["fast_port"] if native else info["port"]
+    assert port, info
+    address = PAGE_OFFSET if op == "am" else info["address"]  # "am" names an offset of the segment
     # UCX's own defaults (none of this process's UCX settings), over TCP only, as from another host.
     env = {name: value for name, value in os.environ.items() if not name.startswith("UCX")}
     env.update(UCX_TLS="tcp", UCX_TCP_PUT_ENABLE="y", UCX_WARN_UNUSED_ENV_VARS="n", UCX_LOG_LEVEL="error")
     return subprocess.run(
-        [str(probe), op, info["host"], str(info["port"]), hex(info["address"]), str(len(PAGE))],
+        [str(probe), op, info["host"], str(port), hex(address), str(len(PAGE))],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -178,6 +192,20 @@ def test_a_stranger_can_neither_read_nor_write_the_servers_memory(probe: Path, v
     assert PAGE.hex() not in read.stdout
     stranger(probe, victim, "put")  # UCX may call the put sent; the server's memory says whether it landed
     assert victim.page_once_settled(b"X" * len(PAGE)) == PAGE
+    _members_still_read(victim)
+
+
+@pytest.mark.parametrize("victim", ["safe"], indirect=True)
+def test_a_stranger_gets_nothing_from_the_native_reader(probe: Path, victim: Victim) -> None:
+    """The segment's native reader (``ucx_native``): its own UCP context, on its own port, with the same doors."""
+    read = stranger(probe, victim, "get", native=True)
+    assert read.returncode != 0 and PAGE.hex() not in read.stdout, read.stdout
+    stranger(probe, victim, "put", native=True)
+    assert victim.page_once_settled(b"X" * len(PAGE)) == PAGE
+    # The reader's own READ message, with a grant nobody signed and no handshake: refused, no data.
+    asked = stranger(probe, victim, "am", native=True)
+    assert "REFUSED authentication refused: no proof of the store secret" in asked.stdout, asked.stdout
+    assert "READ" not in asked.stdout and PAGE.hex() not in asked.stdout
     _members_still_read(victim)
 
 

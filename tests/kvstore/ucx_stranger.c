@@ -1,10 +1,12 @@
 /* A UCX peer that knows no store secret. It connects to a listener and, without saying a word of the store's
- * protocol, asks UCX for a remote read ("get") or write ("put") of an address in the listening process.
+ * protocol, asks UCX for a remote read ("get") or write ("put") of an address in the listening process; or
+ * ("am") sends a native reader (kvstore/ucx_native.c) a READ active message for LENGTH bytes at offset ADDRESS
+ * of its segment, with a grant signed by nobody, without the handshake.
  *
- *   ucx_stranger get|put HOST PORT ADDRESS LENGTH
+ *   ucx_stranger get|put|am HOST PORT ADDRESS LENGTH
  *
- * Prints "READ <hex>" (get) or "PUT COMPLETED" (put) when UCX completed the operation, else "FAILED <reason>"
- * with a non-zero exit. A completed put only says UCX sent it: whether the target wrote is seen in its memory. The rkey is one of the stranger's own memory: where no transport does RMA in hardware, UCX
+ * Prints "READ <hex>" (get, or am answered with data), "PUT COMPLETED" (put) when UCX completed the
+ * operation, "REFUSED <message>" (am refused), else "FAILED <reason>" with a non-zero exit. A completed put only says UCX sent it: whether the target wrote is seen in its memory. The rkey is one of the stranger's own memory: where no transport does RMA in hardware, UCX
  * emulates it with active messages that carry the bare address, so no key of the target is needed.
  * Used by tests/kvstore/test_ucx_features.py. */
 #include <arpa/inet.h>
@@ -13,6 +15,62 @@
 #include <string.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
+
+static double now_s(void);
+
+static char am_answer[8192]; /* what the native reader sent back: "REFUSED ..." or "READ <hex>" */
+
+static ucs_status_t on_answer(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param) {
+    (void)header, (void)header_length, (void)param;
+    size_t n = length < 1024 ? length : 1024;
+    if ((uintptr_t)arg == 13) {
+        snprintf(am_answer, sizeof(am_answer), "REFUSED %.*s", (int)n, (const char *)data);
+    } else if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        char *out = am_answer + snprintf(am_answer, sizeof(am_answer), "READ ");
+        for (size_t i = 0; i < n; i++) out += sprintf(out, "%02x", ((const unsigned char *)data)[i]);
+    } else {
+        snprintf(am_answer, sizeof(am_answer), "READ (rendezvous)");
+    }
+    return UCS_OK;
+}
+
+/* The native reader's READ: one range, granted by an all-zero signature, epoch "", for a minute. */
+static int send_read(ucp_worker_h worker, ucp_ep_h ep, uint64_t offset, uint64_t length) {
+    unsigned char body[4 + 16 + 4 + 16 + 8 + 4 + 32] = {0}, *p = body;
+    uint32_t one = 1;
+    int64_t range[2] = {(int64_t)offset, (int64_t)length};
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    double expires = (double)t.tv_sec + 60.0;
+    memcpy(p, &one, 4), p += 4, memcpy(p, range, 16), p += 16, memcpy(p, &one, 4), p += 4, memcpy(p, range, 16);
+    p += 16, memcpy(p, &expires, 8);
+    for (uintptr_t id = 13; id <= 14; id++) {
+        ucp_am_handler_param_t handler = {0};
+        handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                             UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+        handler.id = (unsigned)id, handler.cb = on_answer, handler.arg = (void *)id;
+        handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+        if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) return 1;
+    }
+    uint64_t request_id = 1;
+    ucp_request_param_t params = {0};
+    params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    params.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t request = ucp_am_send_nbx(ep, 3, &request_id, sizeof(request_id), body, sizeof(body), &params);
+    if (UCS_PTR_IS_ERR(request)) {
+        printf("FAILED am: %s\n", ucs_status_string(UCS_PTR_STATUS(request)));
+        return 1;
+    }
+    double deadline = now_s() + 3.0;
+    while (!am_answer[0] && now_s() < deadline) ucp_worker_progress(worker);
+    if (!am_answer[0]) {
+        printf("FAILED am: no answer\n");
+        return 1;
+    }
+    printf("%s\n", am_answer);
+    return 0;
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -26,8 +84,8 @@ static int fail(const char *what, ucs_status_t status) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6 || (strcmp(argv[1], "get") != 0 && strcmp(argv[1], "put") != 0)) {
-        fprintf(stderr, "usage: %s get|put HOST PORT ADDRESS LENGTH\n", argv[0]);
+    if (argc != 6 || (strcmp(argv[1], "get") != 0 && strcmp(argv[1], "put") != 0 && strcmp(argv[1], "am") != 0)) {
+        fprintf(stderr, "usage: %s get|put|am HOST PORT ADDRESS LENGTH\n", argv[0]);
         return 2;
     }
     const int is_get = strcmp(argv[1], "get") == 0;
@@ -66,6 +124,8 @@ int main(int argc, char **argv) {
     ep_params.sockaddr.addrlen = sizeof(server);
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     if ((status = ucp_ep_create(worker, &ep_params, &ep)) != UCS_OK) return fail("connect", status);
+
+    if (strcmp(argv[1], "am") == 0) return send_read(worker, ep, remote, length);
 
     static char local[4096];
     ucp_mem_map_params_t map_params = {0};
