@@ -14,8 +14,15 @@
  *   client <--AUTH_OK {HMAC(peer key, "server" S C)}---- server   (reads follow)
  *          <--REFUSED {message}, hang up-----------------         (wrong proof, none in time)
  *
- *   client --READ {request id} body--------------------> server
+ *   client --READ {request id, HMAC(session key, request id, body)} body--> server
  *   client <--READ_REPLY {request id, status, bytes} data-- server
+ *
+ * UCX names a message's connection (its reply endpoint) from an id the sender writes, so the server
+ * trusts no message for whose connection it says it is: the handshake's messages only move that
+ * connection's own handshake along, and every READ is signed with the connection's session key
+ * (HMAC(peer key, "session" S C), known to its two ends only). Anything out of order, unsigned or
+ * signed with another key is dropped unanswered (and counted); a connection still unproven after
+ * HANDSHAKE_NS is refused and hung up.
  *
  * A READ's body (little endian): u32 n, n x (i64 offset, i64 length) requested; u32 m,
  * m x (i64 offset, i64 length) granted (sorted by offset); f64 expires_at; u32 k, k bytes of epoch;
@@ -201,9 +208,9 @@ typedef struct {
 } wait_t;
 
 static void sent_cb(void *request, ucs_status_t status, void *user_data) {
-    (void)request;
-    free(user_data); /* the send's context: its header copy and iov */
     (void)status;
+    free(user_data); /* the send's iov (and copied data) */
+    ucp_request_free(request);
 }
 
 static int make_sockaddr(const char *host, int port, struct sockaddr_storage *addr, socklen_t *len) {
@@ -287,8 +294,7 @@ static int post_am(ucp_ep_h ep, unsigned id, const void *header, size_t header_l
         free(copy);
         return -1;
     }
-    ucp_request_free(r); /* the callback still runs, and frees the iov */
-    return 0;
+    return 0; /* sent_cb frees the iov and the request when the send completes (or its endpoint closes) */
 }
 
 static void *close_ep(ucp_worker_h worker, ucp_ep_h ep) {
@@ -309,6 +315,7 @@ typedef struct {
     int state;     /* 0 free, 1 connected, 2 challenged, 3 proven, 4 closing, 5 refused (closed soon) */
     int64_t since_ns;
     uint8_t nonce[NONCE];
+    uint8_t session[KEY]; /* once proven: the key every READ of this connection is signed with */
 } sconn_t;
 
 struct server {
@@ -353,10 +360,20 @@ static void refuse(sconn_t *c, const char *why, int hang_up) {
     if (hang_up && c->state >= 1 && c->state <= 3) c->state = 5, c->since_ns = now_ns(CLOCK_MONOTONIC);
 }
 
+/* Closed by the next housekeeping, outside UCX's callbacks. */
+static void close_soon(sconn_t *c) {
+    if (c->state >= 1 && c->state <= 3) c->state = 5, c->since_ns = now_ns(CLOCK_MONOTONIC) - REFUSED_CLOSE_NS;
+}
+
 static void server_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
     (void)ep, (void)status;
-    sconn_t *c = arg; /* closed by the next housekeeping, outside UCX's callback */
-    if (c->state >= 1 && c->state <= 3) c->state = 5, c->since_ns = now_ns(CLOCK_MONOTONIC) - REFUSED_CLOSE_NS;
+    close_soon(arg);
+}
+
+/* A message that cannot be this connection's: dropped unanswered (it may name another's endpoint). */
+static ucs_status_t ignore(server_t *s) {
+    __atomic_add_fetch(&s->refused, 1, __ATOMIC_RELAXED);
+    return UCS_OK;
 }
 
 static void server_conn(ucp_conn_request_h request, void *arg) {
@@ -390,11 +407,7 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_len, v
     (void)header, (void)header_len, (void)data, (void)len;
     server_t *s = arg;
     sconn_t *c = find_conn(s, (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL);
-    if (!c) return UCS_OK;
-    if (c->state != 1 || getrandom(c->nonce, NONCE, 0) != NONCE) {
-        refuse(c, "authentication refused: the handshake is out of order", 1);
-        return UCS_OK;
-    }
+    if (!c || c->state != 1 || getrandom(c->nonce, NONCE, 0) != NONCE) return ignore(s);
     c->state = 2;
     post_am(c->ep, AM_CHALLENGE, c->nonce, NONCE, NULL, 0, UCP_AM_SEND_FLAG_EAGER, 0);
     return UCS_OK;
@@ -405,22 +418,16 @@ static ucs_status_t on_auth(void *arg, const void *header, size_t header_len, vo
     (void)data, (void)len;
     server_t *s = arg;
     sconn_t *c = find_conn(s, (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL);
-    if (!c) return UCS_OK;
     uint8_t expected[32], reply[32], key[KEY];
-    if (c->state != 2 || header_len != NONCE + 32) {
-        refuse(c, "authentication refused: the handshake is out of order", 1);
-        return UCS_OK;
-    }
+    if (!c || c->state != 2 || header_len != NONCE + 32) return ignore(s);
     pthread_mutex_lock(&s->lock);
     memcpy(key, s->peer_key, KEY);
     pthread_mutex_unlock(&s->lock);
     const uint8_t *client_nonce = header, *client_proof = (const uint8_t *)header + NONCE;
     proof(key, "client", c->nonce, client_nonce, expected);
-    if (!equal_ct(expected, client_proof, 32)) {
-        refuse(c, "authentication refused: the peer does not hold the store secret", 1);
-        return UCS_OK;
-    }
+    if (!equal_ct(expected, client_proof, 32)) return ignore(s); /* refused at the handshake's deadline */
     proof(key, "server", c->nonce, client_nonce, reply);
+    proof(key, "session", c->nonce, client_nonce, c->session);
     c->state = 3;
     post_am(c->ep, AM_AUTH_OK, reply, 32, NULL, 0, UCP_AM_SEND_FLAG_EAGER, 0);
     return UCS_OK;
@@ -516,16 +523,16 @@ static ucs_status_t on_read(void *arg, const void *header, size_t header_len, vo
                             const ucp_am_recv_param_t *param) {
     server_t *s = arg;
     sconn_t *c = find_conn(s, (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL);
-    if (!c) return UCS_OK;
-    if (c->state != 3) {
-        refuse(c, "authentication refused: no proof of the store secret before the request", 1);
-        return UCS_OK;
-    }
+    if (!c || c->state != 3 || header_len != 8 + 32 || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))
+        return ignore(s);
+    uint8_t tag[32];
+    hmac_t h;
+    hmac_start(&h, c->session);
+    sha256_update(&h.inner, header, 8);
+    sha256_update(&h.inner, data, len);
+    hmac_finish(&h, tag);
+    if (!equal_ct(tag, (const uint8_t *)header + 8, 32)) return ignore(s);
     reply_header_t reply = {0};
-    if (header_len != 8 || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        refuse(c, "closing connection: a read request must be one small message", 1);
-        return UCS_OK;
-    }
     memcpy(&reply.request_id, header, 8);
     char why[MSG];
     const int64_t *ranges;
@@ -540,7 +547,7 @@ static ucs_status_t on_read(void *arg, const void *header, size_t header_len, vo
     }
     ucp_dt_iov_t stack[64], *iov = count <= 64 ? stack : malloc(count * sizeof *iov);
     if (!iov) {
-        drop_conn(c);
+        close_soon(c);
         return UCS_OK;
     }
     for (uint32_t i = 0; i < count; i++) {
@@ -549,7 +556,7 @@ static ucs_status_t on_read(void *arg, const void *header, size_t header_len, vo
         iov[i].buffer = s->segment + row[0];
         iov[i].length = (size_t)row[1];
     }
-    if (post_am(c->ep, AM_READ_REPLY, &reply, sizeof reply, iov, count, 0, 0)) drop_conn(c); /* zero copy */
+    if (post_am(c->ep, AM_READ_REPLY, &reply, sizeof reply, iov, count, 0, 0)) close_soon(c); /* zero copy */
     else __atomic_add_fetch(&s->served, 1, __ATOMIC_RELAXED);
     if (iov != stack) free(iov);
     return UCS_OK;
@@ -629,7 +636,8 @@ void *rt_server_start(const char *host, int port, void *segment, uint64_t capaci
     strcpy(s->host, host);
     memcpy(s->peer_key, peer_key, KEY);
     memcpy(s->grant_key, grant_key, KEY);
-    ucs_status_t st = make_worker(&s->context, &s->worker, UCS_THREAD_MODE_SINGLE, &s->efd);
+    /* Made here, progressed by the server thread, destroyed here after it is joined: one at a time. */
+    ucs_status_t st = make_worker(&s->context, &s->worker, UCS_THREAD_MODE_SERIALIZED, &s->efd);
     if (st != UCS_OK) {
         say(err, err_len, "UCX worker: %s", ucs_status_string(st));
         s->context = NULL;
@@ -705,6 +713,7 @@ typedef struct cconn {
     int port;
     ucp_ep_h ep;
     volatile int failed;
+    uint8_t session[KEY]; /* signs this connection's READs */
     struct cconn *next;
 } cconn_t;
 
@@ -793,6 +802,7 @@ void *rt_client_new(const uint8_t *peer_key, char *err, int err_len) {
     if (!c) return NULL;
     pthread_mutex_init(&c->lock, NULL);
     memcpy(c->peer_key, peer_key, KEY);
+    if (getrandom(&c->next_id, sizeof c->next_id, 0) != sizeof c->next_id) c->next_id = (uint64_t)now_ns(CLOCK_REALTIME);
     ucs_status_t st = make_worker(&c->context, &c->worker, UCS_THREAD_MODE_SERIALIZED, &c->efd);
     if (st == UCS_OK && (set_handler(c->worker, AM_CHALLENGE, on_challenge, c) != UCS_OK ||
                          set_handler(c->worker, AM_AUTH_OK, on_auth_ok, c) != UCS_OK ||
@@ -928,6 +938,7 @@ static int connect_to(client_t *c, const char *host, int port, int64_t deadline,
             say(err, err_len, "authentication failed: the server does not hold the store secret");
             rc = READ_FAILED;
         }
+        proof(c->peer_key, "session", server_nonce, auth, conn->session);
     }
     if (rc != READ_OK) forget(c, conn);
     if (rc == READ_TIMEOUT) rc = READ_FAILED; /* a server that never answered the handshake: unreachable */
@@ -956,11 +967,20 @@ int rt_client_read(void *handle, const char *host, int port, const uint8_t *body
     int rc = connect_to(c, host, port, deadline, err, err_len);
     if (rc != READ_OK) goto out;
     cconn_t *conn = c->current;
-    c->got = 0, c->want_id = ++c->next_id, c->dest = iov, c->dest_count = count, c->dest_bytes = total;
+    if (++c->next_id == 0) ++c->next_id; /* 0: no read waiting */
+    c->got = 0, c->header_len = 0, c->want_id = c->next_id, c->dest = iov, c->dest_count = count, c->dest_bytes = total;
     c->rndv = NULL, c->recv_state = 0, c->refusal[0] = 0;
     ucp_dt_iov_t request = {.buffer = (void *)body, .length = body_len};
+    uint8_t header[8 + 32];
+    hmac_t h;
+    memcpy(header, &c->want_id, 8);
+    hmac_start(&h, conn->session);
+    sha256_update(&h.inner, header, 8);
+    sha256_update(&h.inner, body, body_len);
+    hmac_finish(&h, header + 8);
     /* The body is the caller's until this returns; by then its send has completed or been cancelled. */
-    if (post_am(conn->ep, AM_READ, &c->want_id, 8, &request, 1, UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER, 0)) {
+    if (post_am(conn->ep, AM_READ, header, sizeof header, &request, 1, UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+                0)) {
         say(err, err_len, "cannot post the read");
         rc = READ_FAILED;
         forget(c, conn);
@@ -972,6 +992,9 @@ int rt_client_read(void *handle, const char *host, int port, const uint8_t *body
     } else if (conn->failed) {
         rc = READ_FAILED;
         say(err, err_len, "the connection failed during the read");
+    } else if (c->got != AM_READ_REPLY) {
+        rc = READ_FAILED;
+        say(err, err_len, "unexpected message during the read%s%s", c->got == AM_REFUSED ? ": " : "", c->refusal);
     } else {
         reply_header_t reply;
         memcpy(&reply, c->header, sizeof reply);
@@ -1001,6 +1024,11 @@ int rt_client_read(void *handle, const char *host, int port, const uint8_t *body
         }
     }
     if (rc == READ_TIMEOUT) say(err, err_len, "read timed out after %.3g s", timeout_s);
+    c->want_id = 0; /* from here on a late reply is a stranger's */
+    if (c->rndv) { /* a reply's data never received: give its descriptor back */
+        ucp_am_data_release(c->worker, c->rndv);
+        c->rndv = NULL;
+    }
     if (receiving && ucp_request_check_status(receiving) == UCS_INPROGRESS) ucp_request_cancel(c->worker, receiving);
     if (rc != READ_OK && rc != READ_REFUSED) forget(c, conn); /* before the destination goes back to the caller */
     if (receiving) {

@@ -13,7 +13,9 @@ Same doors as the ucxx server: a connection proves the store secret (the same ch
 :mod:`rayturn.kvstore.access`) before any read, every read carries the master's grant (checked in C
 exactly as ``SegmentGate.check_read``: signature, segment, epoch, expiry, every range granted,
 every range inside the segment), at most 64 connections wait unproven and none for more than
-``HANDSHAKE_TIMEOUT_S``.
+``HANDSHAKE_TIMEOUT_S``. UCX lets a sender name the endpoint a message claims to come from, so
+every read is also signed with its connection's session key (from the handshake's two nonces),
+and a message the server cannot take as its connection's own is dropped unanswered.
 
 The library is built once per host with the system C compiler against the UCX headers of the
 ``libucx`` wheel ucxx runs on, and cached under ``$RAYTURN_CACHE_DIR/native`` (default
@@ -23,6 +25,7 @@ with ``RAYTURN_KV_NATIVE=0``, ``library()`` is None and every read takes the ucx
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -34,6 +37,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, Protocol
@@ -48,7 +52,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE: Final = Path(__file__).with_name("ucx_native.c")
 MAX_RANGES: Final = 1024
-"""Most ranges (and destinations) one native read carries; as ``MAX_RANGES`` in the C source."""
+"""Most ranges (and destinations) one native read carries, and its grant covers; as in the C source."""
+MAX_EPOCH_BYTES: Final = 255
+"""Longest master epoch (encoded) a native read carries; as ``MAX_EPOCH`` - 1 in the C source."""
 READ_OK, READ_REFUSED, READ_TIMEOUT, READ_FAILED = 0, 1, 2, 3
 STAT_SERVED, STAT_REFUSED, STAT_ACCEPTED, STAT_REJECTED = 0, 1, 2, 3
 _ERR_BYTES: Final = 512
@@ -77,8 +83,16 @@ def _cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "rayturn") / "native"
 
 
+def _private(path: Path) -> None:
+    """OSError unless ``path`` is this user's and no one else may write it: the library is loaded from there."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} is not this user's alone (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})")
+
+
 def _compile(compiler: str, ucx: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private(target.parent)
     fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     lib = ucx / "lib"
@@ -110,6 +124,8 @@ def library() -> ctypes.CDLL | None:
         target = _cache_dir() / f"ucx_native-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
         if not target.is_file():
             _compile(compiler, ucx, target)
+        _private(target.parent)
+        _private(target)
         return _declare(ctypes.CDLL(str(target)))
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         _unavailable.append(f"{type(error).__name__}: {error}")
@@ -187,9 +203,10 @@ class NativeServer:
         self._handle: int | None = handle
         self._lock = threading.Lock()
         self.port: int = lib.rt_server_port(handle)
-        self._refresh()
-        gate.add_listener(self._refresh)
+        gate.add_listener(self._refresh)  # before the first refresh: no change falls between
         gate.auth.add_listener(self._refresh)
+        self._refresh()
+        _running.add(self)
 
     def _refresh(self) -> None:
         with self._lock:
@@ -207,10 +224,21 @@ class NativeServer:
             handle, self._handle = self._handle, None
         if handle is None:
             return
+        _running.discard(self)
         self._gate.remove_listener(self._refresh)
         self._gate.auth.remove_listener(self._refresh)
         self._lib.rt_server_stop(handle)
         del self._segment
+
+
+_running: weakref.WeakSet[NativeServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, before the interpreter lets go of the segments: no server thread sends from one after."""
+    for server in list(_running):
+        server.stop()
 
 
 class NativeClient:
@@ -276,6 +304,15 @@ class NativeClient:
             self._lib.rt_client_close(handle)
 
 
+def _carried(views: Sequence[memoryview], grant: ReadGrant) -> bool:
+    """Whether a native read can carry this one (the C side's limits): else the ucxx path takes it."""
+    return (
+        len(views) <= MAX_RANGES
+        and len(grant.ranges) // 16 <= MAX_RANGES
+        and len(grant.epoch.encode()) <= MAX_EPOCH_BYTES
+    )
+
+
 class _Connection(Protocol):
     address: tuple[str, int]
     fast_port: int | None
@@ -299,11 +336,15 @@ class NativeReads:
 
         TransportError if the server refused the read, PeerTimedOut if it did not land in time.
         """
-        if connection is None or not connection.fast_port or len(views) > MAX_RANGES or in_ucx_loop_thread():
+        if connection is None or not connection.fast_port or in_ucx_loop_thread() or not _carried(views, grant):
             return False
         with self._lock:
             if self._client is None and not self._closed and library() is not None:
-                self._client = NativeClient(self._auth)
+                try:
+                    self._client = NativeClient(self._auth)
+                except OSError as error:  # UCX could not make a worker here: ucxx serves this client's reads
+                    logger.warning("native KV reads off for this client: %s", error)
+                    self._closed = True
             client = self._client
         if client is None:
             return False

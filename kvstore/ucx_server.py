@@ -169,10 +169,12 @@ class UcxServer:
         with self._state_lock:
             was_running, self._state = self._state == "running", "stopped"
         unregister_for_shutdown(self)
-        if was_running and ucx_loop_running():
-            run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
-        if self._native is not None:
-            self._native.stop()
+        try:
+            if was_running and ucx_loop_running():
+                run_in_ucx_loop(self._close_on_loop(), timeout_s=timeout_s)
+        finally:
+            if self._native is not None:
+                self._native.stop()
         self._segment = memoryview(b"")  # release the segment's memory so its owner can unmap it
 
     def __enter__(self) -> Self:
@@ -190,7 +192,7 @@ class UcxServer:
             return
         try:
             self._native = NativeServer(self._segment, self._gate, self._host)
-        except OSError as error:  # e.g. an advertised host that is a name: ucxx serves every read
+        except Exception as error:  # e.g. an advertised host that is a name: ucxx serves every read
             logger.warning("kv segment %s serves no native reads: %s", self._gate.segment_id, error)
 
     @property

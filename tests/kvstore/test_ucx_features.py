@@ -13,7 +13,8 @@ a get and a put of the server's segment, over TCP as from another host:
   transport's native puts on (UCX's default), the put still lands: hence ``UCX_TCP_PUT_ENABLE=n``;
 - a context someone created first with RMA on is refused at start (UnsafeUcxContext);
 - the segment's native reader (``ucx_native``, a UCP context of its own on a port of its own) gives a
-  stranger's get and put nothing either, and refuses its READ message, sent without the handshake.
+  stranger's get and put nothing either, and leaves its READ message, sent without the handshake,
+  unanswered.
 """
 
 from __future__ import annotations
@@ -202,9 +203,9 @@ def test_a_stranger_gets_nothing_from_the_native_reader(probe: Path, victim: Vic
     assert read.returncode != 0 and PAGE.hex() not in read.stdout, read.stdout
     stranger(probe, victim, "put", native=True)
     assert victim.page_once_settled(b"X" * len(PAGE)) == PAGE
-    # The reader's own READ message, with a grant nobody signed and no handshake: refused, no data.
+    # The reader's own READ message, with a grant nobody signed, unsigned, without the handshake: no answer.
     asked = stranger(probe, victim, "am", native=True)
-    assert "REFUSED authentication refused: no proof of the store secret" in asked.stdout, asked.stdout
+    assert asked.returncode != 0 and "FAILED am: no answer" in asked.stdout, asked.stdout
     assert "READ" not in asked.stdout and PAGE.hex() not in asked.stdout
     _members_still_read(victim)
 

@@ -151,18 +151,18 @@ def test_every_wrong_grant_is_refused_and_the_connection_keeps_serving(
     assert server.stat(STAT_ACCEPTED) == 1  # the same connection served the read after the refusal
 
 
-def test_a_peer_without_the_secret_is_refused_and_hung_up_on(
-    auth: StoreAuth, server: NativeServer, segment: np.ndarray
-) -> None:
+def test_a_peer_without_the_secret_gets_no_answer(auth: StoreAuth, server: NativeServer, segment: np.ndarray) -> None:
+    """A wrong proof is dropped unanswered (a message may name another connection's endpoint, so none is answered
+    or hung up on for it); the peer's handshake runs out, and the server hangs up at its own deadline."""
     stranger = NativeClient(StoreAuth(b"another cluster's store secret!!"))
     try:
-        ranges = [(0, 64)]
-        with pytest.raises(NativeReadFailed, match="does not hold the store secret") as refused:
-            stranger.read("127.0.0.1", server.port, ranges, grant_for(auth, ranges), [memoryview(bytearray(64))], 5.0)
-        assert refused.value.kind == "failed"
+        ranges, into = [(0, 64)], bytearray(64)
+        with pytest.raises(NativeReadFailed, match="no handshake's answer from the server in time") as refused:
+            stranger.read("127.0.0.1", server.port, ranges, grant_for(auth, ranges), [memoryview(into)], 1.0)
+        assert refused.value.kind == "failed" and not any(into)
     finally:
         stranger.close()
-    assert server.stat(STAT_SERVED) == 0 and server.stat(STAT_REFUSED) == 1
+    assert server.stat(STAT_SERVED) == 0 and server.stat(STAT_REFUSED) >= 1
 
 
 def test_the_epoch_and_the_secret_follow_the_gate(
@@ -233,6 +233,11 @@ def test_the_client_reads_small_ranges_natively_and_falls_back_to_ucxx(auth: Sto
             assert native.stat(STAT_SERVED) == 3  # a large read: ucxx
             with pytest.raises(TransportError, match=r"refused by the server: .*not granted"):
                 client.read(address, small, [bytearray(32768)], grant_for(auth, [(0, 32768)]))
+            # A grant past what a native read carries (the master's covers a whole lookup): ucxx reads it.
+            wide = grant_for(auth, [(offset, 16) for offset in range(1 << 20, (1 << 20) + 16 * 2000, 16)] + small)
+            into = bytearray(32768)
+            client.read(address, small, [into], wide)
+            assert bytes(into) == segment[8192:40960].tobytes() and native.stat(STAT_SERVED) == 3
             native.stop()  # its native reader gone, the segment still served over ucxx
             assert fetch(small) == segment[8192:40960].tobytes()
             assert fetch(small) == segment[8192:40960].tobytes()
