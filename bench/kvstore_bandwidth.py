@@ -27,7 +27,7 @@ page over the same UCX runtime with no store at all, its owner on the UCX
 loop as the store's server is, and polling from a thread of its own.
 ``ucx_get_1_p50_over_floor`` is the store's UCX get over the bare exchange.
 
-Small reads (up to 256 KiB) over UCX go to the owner's native reader
+Reads over UCX go to the owner's native reader
 (``kvstore/ucx_native.c``: no Python between UCX and the segment on either
 side); ``ucx_ucxx`` is the same reader with it turned off in its process
 (``RAYTURN_KV_NATIVE=0``: the UCXX path every read took before), run in

@@ -4,7 +4,8 @@ Life cycle of a connection and its requests, client side (it mirrors the server'
 :mod:`rayturn.kvstore.ucx_server`): CONNECT -> WAIT_CHALLENGE -> SEND_PROOF -> WAIT_OK -> IDLE, then per
 request IDLE -> SEND_REQUEST -> WAIT_REPLY -> (read) RECV_DATA / (write) SEND_DATA -> WAIT_REPLY -> IDLE
 (a read posts its WAIT_REPLY and RECV_DATA receives at once; a small one into one span, once connected, runs
-on the calling thread instead of the loop, with the same messages and checks: :mod:`rayturn.kvstore.ucx_direct`).
+on the calling thread instead of the loop, with the same messages and checks: :mod:`rayturn.kvstore.ucx_direct`;
+once the handshake named the server's native reader, reads go there instead: :mod:`rayturn.kvstore.ucx_native`).
 A refusal (``ok=False``) becomes a :class:`TransportError` carrying the server's message and leaves
 the connection usable, except a read's (its data receive is already posted: the endpoint is dropped);
 anything else that goes wrong (timeout, broken connection, malformed reply) also raises TransportError
@@ -259,11 +260,11 @@ class UcxClient:
         """
         checked = wire.validate_ranges(list(ranges))
         views = buffer_views(dests, checked, "dests", as_writable_view)
-        small = sum(view.nbytes for view in views) <= DIRECT_READ_MAX_BYTES
         connection = self._connections.get((str(address[0]), int(address[1])))
         wait_s = self._timeout_s if timeout_s is None else timeout_s
-        if small and self._native.read(connection, checked, grant, views, wait_s):  # no Python between: ucx_native
+        if self._native.read(connection, checked, grant, views, wait_s):  # no Python between: ucx_native
             return
+        small = sum(view.nbytes for view in views) <= DIRECT_READ_MAX_BYTES
         request_id = next(self._request_ids)
         message = {"type": "read_request", "request_id": request_id, "ranges": [list(r) for r in checked]}
         body = wire.encode({**message, "grant": grant.to_wire()})

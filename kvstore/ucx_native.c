@@ -1,5 +1,5 @@
 /*
- * rayturn KV store: small reads of a segment over UCX, served and waited for in native code.
+ * rayturn KV store: reads of a segment over UCX, served and waited for in native code.
  *
  * A segment owner runs one server thread with a UCP worker of its own, bound to the address the
  * segment advertises. A reader's client owns another worker and waits on the calling thread (the

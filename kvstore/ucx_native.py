@@ -1,4 +1,4 @@
-"""Small reads served and waited for in native code: ``ucx_native.c``, over UCX, with no Python in between.
+"""Reads served and waited for in native code: ``ucx_native.c``, over UCX, with no Python in between.
 
 A one-page read through ucxx costs ~0.5 ms before the store does anything: ucxx's progress thread,
 its notifier and the asyncio loop on both ends. The same read with UCP's callbacks in C, the
@@ -6,8 +6,9 @@ grant checked there, and the reader polling its own worker takes a fraction of t
 segment's :class:`~rayturn.kvstore.ucx_server.UcxServer` also runs a :class:`NativeServer` on the
 same host (its own thread and UCP worker, bound to the advertised address, on a port of its own
 that the ucxx handshake tells each client), and :class:`~rayturn.kvstore.ucx_client.UcxClient`
-sends its small reads there once it knows the port. Writes, large reads and every peer without
-the library keep the ucxx path.
+sends its reads there once it knows the port: the pages go straight from the segment into the
+caller's buffers (UCX's rendezvous for large ones), with no staging copy on either side. Writes,
+reads of more than ``MAX_RANGES`` ranges and every peer without the library keep the ucxx path.
 
 Same doors as the ucxx server: a connection proves the store secret (the same challenge-response,
 :mod:`rayturn.kvstore.access`) before any read, every read carries the master's grant (checked in C

@@ -37,7 +37,7 @@ any shared memory; which ranges are whose is the master's business, told through
 The UCX listener binds every interface (ucxx offers no bind address); ``host`` is the address the
 server advertises. A peer elsewhere can connect, and gets a challenge it cannot answer.
 
-Small reads have a faster door: the segment's native reader (:mod:`rayturn.kvstore.ucx_native`),
+Reads have a faster door: the segment's native reader (:mod:`rayturn.kvstore.ucx_native`),
 bound to ``host`` on a port of its own that the accepting reply tells each client (``fast_port``).
 """
 
