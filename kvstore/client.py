@@ -123,7 +123,7 @@ class KVStoreClient:
         *,
         namespace: str | None = None,
         transport: str = "auto",
-        ucx_host: str = "127.0.0.1",
+        ucx_host: str | None = None,
         ucx_port: int = 0,
         ucx_config: Mapping[str, str] | None = None,
         page_bytes: int | None = None,
@@ -132,8 +132,9 @@ class KVStoreClient:
     ) -> KVStoreClient:
         """Join the store run by the named master (inside a Ray session), contributing a segment.
 
-        ``ucx_host``/``ucx_port`` are where this worker's segment is served (port 0: any free
-        one); ``ucx_config`` sets UCX options such as ``{"TLS": "rc,tcp,self", "NET_DEVICES":
+        ``ucx_host``/``ucx_port`` are where this worker's segment is served (host None: this
+        node's Ray address, the one other nodes reach it at; port 0: any free one);
+        ``ucx_config`` sets UCX options such as ``{"TLS": "rc,tcp,self", "NET_DEVICES":
         "mlx5_0:1"}`` and must come before this process first uses UCX.
         """
         if segment_bytes <= 0:
@@ -146,6 +147,7 @@ class KVStoreClient:
             logger.info("removed %d stale KV segments left by dead processes", len(removed))
         segment = Segment.create(segment_bytes)
         node_id = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address() if ucx_host is None else ucx_host
         return cls(
             RayMaster(master, timeout_s=master_timeout_s),
             segment,
@@ -155,7 +157,7 @@ class KVStoreClient:
             page_bytes=page_bytes,
             heartbeat_interval_s=heartbeat_interval_s,
             server_factory=lambda buffer, on_write, gate: UcxServer(
-                buffer, gate=gate, host=ucx_host, port=ucx_port, on_write=on_write, io_timeout_s=TRANSFER_TIMEOUT_S
+                buffer, gate=gate, host=host, port=ucx_port, on_write=on_write, io_timeout_s=TRANSFER_TIMEOUT_S
             ),
         )
 

@@ -135,6 +135,9 @@ def test_put_get_across_two_processes(transport: str) -> None:
     assert ray.get(reader.call.remote("get_batch", keys[:3])) == [None, None, values[2]]
     stats = ray.get(reader.call.remote("stats"))
     assert stats["hits"] >= 13 and stats["misses"] >= 3 and stats["client"]["bytes_in"] >= 12 * PAGE
+    # Each segment is advertised at its node's Ray address, the one a reader on another node can reach.
+    directory = ray.get(ray.get_actor(master_name).segment_directory.remote())
+    assert {info["ucx_address"][0] for info in directory.values()} == {ray.util.get_node_ip_address()}
 
 
 def test_a_second_replica_survives_its_owner_and_a_lost_page_is_a_miss() -> None:
