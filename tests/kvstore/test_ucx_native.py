@@ -210,7 +210,7 @@ def test_a_server_bound_to_a_name_or_a_busy_port_says_why(auth: StoreAuth, serve
 # -- through UcxServer / UcxClient ------------------------------------------------------------------------
 
 
-def test_the_client_reads_small_ranges_natively_and_falls_back_to_ucxx(auth: StoreAuth, segment: np.ndarray) -> None:
+def test_the_client_reads_natively_and_falls_back_to_ucxx(auth: StoreAuth, segment: np.ndarray) -> None:
     with UcxServer(segment.data, gate=SegmentGate(auth, SEGMENT_ID, EPOCH)) as server:
         assert server.fast_port is not None and server._native is not None
         native = server._native
@@ -235,13 +235,15 @@ def test_the_client_reads_small_ranges_natively_and_falls_back_to_ucxx(auth: Sto
             dests = [bytearray(16) for _ in many]
             client.read(address, many, dests, grant_for(auth, many))
             assert b"".join(dests) == segment[: 16 * 1100].tobytes() and native.stat(STAT_SERVED) == 3
+            assert fetch(small) == segment[8192:40960].tobytes() and native.stat(STAT_SERVED) == 4  # still native
             with pytest.raises(TransportError, match=r"refused by the server: .*not granted"):
                 client.read(address, small, [bytearray(32768)], grant_for(auth, [(0, 32768)]))
             # A grant past what a native read carries (the master's covers a whole lookup): ucxx reads it.
             wide = grant_for(auth, [(offset, 16) for offset in range(1 << 20, (1 << 20) + 16 * 2000, 16)] + small)
             into = bytearray(32768)
             client.read(address, small, [into], wide)
-            assert bytes(into) == segment[8192:40960].tobytes() and native.stat(STAT_SERVED) == 3
+            assert bytes(into) == segment[8192:40960].tobytes() and native.stat(STAT_SERVED) == 4
+            assert fetch(small) == segment[8192:40960].tobytes() and native.stat(STAT_SERVED) == 5  # still native
             native.stop()  # its native reader gone, the segment still served over ucxx
             assert fetch(small) == segment[8192:40960].tobytes()
             assert fetch(small) == segment[8192:40960].tobytes()
