@@ -151,12 +151,30 @@ def sorted_ranges(ranges: np.ndarray) -> bytes:
     return rows.astype("<i8").tobytes()
 
 
+class Listeners:
+    """Callbacks run after a change (the native reader follows the store's keys and a segment's epoch so)."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def remove(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def notify(self) -> None:
+        for callback in list(self._callbacks):
+            callback()
+
+
 class StoreAuth:
     """The store secret's keys; ``update`` swaps them when the master was re-created with a new secret."""
 
     def __init__(self, secret: bytes) -> None:
         self._keys = self._derive_keys(secret)
-        self._listeners: list[Callable[[], None]] = []
+        self.listeners = Listeners()  # told after every ``update``
 
     def __repr__(self) -> str:
         return "StoreAuth(<secret>)"
@@ -169,20 +187,11 @@ class StoreAuth:
 
     def update(self, secret: bytes) -> None:
         self._keys = self._derive_keys(secret)  # one reference swap: readers see the old keys or the new
-        for listener in list(self._listeners):
-            listener()
+        self.listeners.notify()
 
     def keys(self) -> tuple[bytes, bytes]:
         """The peer key (handshake proofs) and the grant key (grant signatures), for the native reader."""
         return self._keys
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` after every ``update``."""
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
 
     # -- peers (the handshake in the module docstring) ----------------------
 
@@ -292,7 +301,7 @@ class SegmentGate:
         self.auth = auth
         self.segment_id = segment_id
         self._epoch = epoch
-        self._listeners: list[Callable[[], None]] = []
+        self.listeners = Listeners()  # told after every change of the epoch
 
     @property
     def epoch(self) -> str | None:
@@ -301,16 +310,7 @@ class SegmentGate:
     @epoch.setter
     def epoch(self, epoch: str | None) -> None:
         self._epoch = epoch
-        for listener in list(self._listeners):
-            listener()
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` after every change of the epoch."""
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        self.listeners.notify()
 
     def check_read(self, grant: ReadGrant, ranges: Sequence[tuple[int, int]]) -> None:
         self.auth.check_read(self.segment_id, self.epoch or "", grant, ranges)

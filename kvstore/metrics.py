@@ -4,8 +4,8 @@ Clients count the bytes they move per segment and tenant, and the pages they
 read by where each was: ``host`` (the client's own segment, in its process's
 host memory), ``node`` (another segment on the node, shared memory) or
 ``remote`` (over UCX); a read's counts reach Ray at most ``FLUSH_EVERY_S`` later
-(a counter update costs ~10 us, a third of a one-page UCX read). The master publishes what only it knows on every
-housekeeping tick: hits, misses, evictions, lease expiries and put failures
+(a counter update costs ~10 us, a third of a one-page UCX read). The master
+publishes what only it knows on every housekeeping tick: hits, misses, evictions, lease expiries and put failures
 per tenant, bytes used and capacity per segment, objects stored.
 """
 

@@ -183,7 +183,7 @@ class NativeServer:
     """The native reader of one segment: its own thread and UCP worker, listening on ``host``.
 
     ``segment`` (any writable buffer) must outlive the server; the gate's epoch and the store's keys
-    follow the gate and its ``StoreAuth`` (both tell their listeners of every change).
+    follow the gate and its ``StoreAuth`` (through their ``listeners``).
     """
 
     def __init__(self, segment: memoryview, gate: SegmentGate, host: str, port: int = 0) -> None:
@@ -204,8 +204,8 @@ class NativeServer:
         self._handle: int | None = handle
         self._lock = threading.Lock()
         self.port: int = lib.rt_server_port(handle)
-        gate.add_listener(self._refresh)  # before the first refresh: no change falls between
-        gate.auth.add_listener(self._refresh)
+        gate.listeners.add(self._refresh)  # before the first refresh: no change falls between
+        gate.auth.listeners.add(self._refresh)
         self._refresh()
         _running.add(self)
 
@@ -226,8 +226,8 @@ class NativeServer:
         if handle is None:
             return
         _running.discard(self)
-        self._gate.remove_listener(self._refresh)
-        self._gate.auth.remove_listener(self._refresh)
+        self._gate.listeners.remove(self._refresh)
+        self._gate.auth.listeners.remove(self._refresh)
         self._lib.rt_server_stop(handle)
         del self._segment
 
@@ -269,12 +269,12 @@ class NativeClient:
         if not self._lock.acquire(timeout=BUSY_WAIT_S):
             raise NativeReadFailed("busy", "the native client is busy with another read")
         try:
-            self._read(ranges, grant, views, host, port, timeout_s)
+            self._read(host, port, ranges, grant, views, timeout_s)
         finally:
             self._lock.release()
 
     def _read(
-        self, ranges: Sequence[tuple[int, int]], grant: ReadGrant, views: Sequence[memoryview], host: str, port: int,
+        self, host: str, port: int, ranges: Sequence[tuple[int, int]], grant: ReadGrant, views: Sequence[memoryview],
         timeout_s: float,
     ) -> None:  # fmt: skip
         handle = self._handle

@@ -187,7 +187,7 @@ class UcxServer:
         self.stop()
 
     def _start_native(self) -> None:
-        """The segment's native reader (``ucx_native``), where the library builds; small reads go there."""
+        """The segment's native reader (``ucx_native``), where the library builds; clients read through it."""
         if native_library() is None:
             return
         try:
