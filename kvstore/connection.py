@@ -21,8 +21,9 @@ import ray
 
 from .access import AccessDenied, ReadGrant, SegmentGate, StoreAuth, WriteGrant
 from .bytes_view import as_bytes_view
+from .lookup_client import LookupClient, LookupFailed
 from .master import KVMaster
-from .master_lookup import LOCATING_METHODS, LOOKUP_METHODS, LookupClient, LookupFailed
+from .master_lookup import LOCATING_METHODS, LOOKUP_METHODS
 from .ucx_transport import PeerUnreachable, TransportError
 
 Address = tuple[str, int]

@@ -14,7 +14,7 @@ Ray.
 
 The server runs on the master actor's event loop, so a lookup sees the same
 state as the actor's methods and never interleaves with one. The client side
-lives in ``RayMaster``: it asks the actor for the address once, keeps one
+(``lookup_client``) lives in ``RayMaster``: it asks the actor for the address once, keeps one
 connection (calls from several threads take turns), and on any failure (the
 master restarted elsewhere, a frame it refused) answers that call through Ray
 and tries the socket again after a pause that grows while failures repeat.
@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import struct
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -48,14 +45,7 @@ logger = logging.getLogger(__name__)
 LOOKUP_METHODS = ("get_locations", "locate_prefix", "exists", "longest_prefix")
 LOCATING_METHODS = ("get_locations", "locate_prefix")
 """The lookups that answer for a reader's node (its nearest replicas first) and grant it reads."""
-_LENGTH = struct.Struct(">I")
-# The client's patience (see LookupClient).
-CONNECT_TIMEOUT_S = 0.5
-CALL_TIMEOUT_S = 2.0
-LOCK_WAIT_S = 0.05
-RETRY_AFTER_S = 1.0
-MAX_RETRY_AFTER_S = 60.0
-_FIRST_RECV_BYTES = 64 << 10
+LENGTH = struct.Struct(">I")
 # The server's limits on peers that have not proven the store secret yet.
 MAX_UNPROVEN_CONNECTIONS = 64
 MAX_UNPROVEN_FRAME_BYTES = 4 * len(
@@ -85,7 +75,7 @@ wire.register(
 
 def frame(message: dict[str, Any]) -> bytes:
     body = wire.encode(message)
-    return _LENGTH.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 # -- server (inside the master actor) -------------------------------------------------------
@@ -193,8 +183,8 @@ class _LookupConnection(asyncio.Protocol):
         if self._transport is None:  # hung up on
             return
         self._buffer += data
-        while self._transport is not None and len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
+        while self._transport is not None and len(self._buffer) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(self._buffer)
             max_length = wire.MAX_CONTROL_BYTES if self._nonce is None else MAX_UNPROVEN_FRAME_BYTES
             if length == 0 or length > max_length:  # checked before any of the body is waited for
                 # The stream cannot be resynchronised after a bad length: say why, then hang up.
@@ -204,10 +194,10 @@ class _LookupConnection(asyncio.Protocol):
                 else:
                     self._refuse(f"authentication refused: {reason}", reason)
                 return
-            end = _LENGTH.size + length
+            end = LENGTH.size + length
             if len(self._buffer) < end:
                 return
-            body = self._buffer[_LENGTH.size : end]
+            body = self._buffer[LENGTH.size : end]
             del self._buffer[:end]
             if self._nonce is None:
                 self._write(self._server._reply(body))
@@ -241,153 +231,8 @@ class _LookupConnection(asyncio.Protocol):
 
     def _write(self, body: bytes) -> None:
         assert self._transport is not None
-        self._transport.write(_LENGTH.pack(len(body)) + body)
+        self._transport.write(LENGTH.pack(len(body)) + body)
 
 
 def _refusal(request_id: int, error: str) -> dict[str, Any]:
     return {"type": "master_lookup_reply", "request_id": request_id, "ok": False, "error": wire.truncate_error(error)}
-
-
-# -- client (inside RayMaster) --------------------------------------------------------------
-
-
-class LookupFailed(Exception):
-    """The socket could not answer this call; ask Ray instead."""
-
-
-class LookupClient:
-    """One blocking connection to the master's lookup socket, shared by a process's threads.
-
-    A lookup takes a fraction of a millisecond, so the socket never makes a
-    caller wait long: connecting has ``CONNECT_TIMEOUT_S``, an answer
-    ``CALL_TIMEOUT_S``, and a thread that cannot have the connection within
-    ``LOCK_WAIT_S`` (another thread's call is stuck) asks Ray. After a failure
-    the socket rests for ``RETRY_AFTER_S``, doubling with every further
-    failure up to ``MAX_RETRY_AFTER_S`` (a port the network drops costs a
-    timeout once a minute, not every second); a success resets it.
-    """
-
-    def __init__(self, resolve: Callable[[], tuple[str, int] | None], auth: StoreAuth) -> None:
-        self._resolve = resolve
-        self._auth = auth
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._next_id = 0
-        self._retry_at = 0.0
-        self._failures = 0  # in a row
-        self.calls = 0  # answered over the socket
-        self.fallbacks = 0  # answered through Ray instead
-
-    def call(self, method: str, keys: list[bytes], tenant: str, node_id: str | None = None) -> Any:
-        """The master's answer over the socket; LookupFailed when Ray must answer instead."""
-        if not self._lock.acquire(timeout=LOCK_WAIT_S):
-            self.fallbacks += 1
-            raise LookupFailed("the lookup socket is busy")
-        try:
-            if time.monotonic() < self._retry_at:
-                self.fallbacks += 1
-                raise LookupFailed("the lookup socket failed recently")
-            self._next_id += 1
-            request: dict[str, Any] = {
-                "type": "master_lookup",
-                "request_id": self._next_id,
-                "method": method,
-                "keys": keys,
-                "tenant": tenant,
-            }
-            if node_id is not None:
-                request["node_id"] = node_id
-            try:
-                payload = frame(request)
-            except WireError as err:  # too many keys for one frame: this call goes to Ray, the socket is fine
-                self.fallbacks += 1
-                raise LookupFailed(str(err)) from err
-            try:
-                ok, result = self._round_trip(payload)
-            except Exception as err:  # the socket, the master's address, a garbled reply: rest the socket
-                self._fail(err)
-                raise LookupFailed(str(err)) from err
-            self._failures = 0
-            if not ok:  # the master refused this request (an answer too large for a frame, say)
-                self.fallbacks += 1
-                raise LookupFailed(result)
-            self.calls += 1
-            return result
-        finally:
-            self._lock.release()
-
-    def _round_trip(self, payload: bytes) -> tuple[bool, Any]:
-        if self._sock is None:
-            address = self._resolve()
-            if address is None:
-                raise LookupFailed("the master has no lookup socket")
-            self._sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-            self._sock.settimeout(CALL_TIMEOUT_S)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._authenticate()
-        self._sock.sendall(payload)
-        reply = self._read_frame("master_lookup_reply")
-        if reply["request_id"] != self._next_id:
-            raise WireError(f"reply to request {reply['request_id']}, expected {self._next_id}")
-        if not reply["ok"]:
-            return False, reply.get("error", "refused")
-        return True, reply.get("result")
-
-    def _authenticate(self) -> None:
-        """Answer the master's challenge on a new connection, and check the master's own proof; LookupFailed if
-        either side is refused."""
-        assert self._sock is not None
-        server_nonce = self._read_frame("challenge")["nonce"]
-        client_nonce, proof = self._auth.answer(server_nonce)
-        self._sock.sendall(frame({"type": "auth", "nonce": client_nonce, "proof": proof}))
-        reply = self._read_frame("master_lookup_reply")
-        if not reply["ok"]:
-            raise LookupFailed(reply.get("error", "authentication refused"))
-        try:
-            self._auth.check_server(server_nonce, client_nonce, reply.get("proof"))
-        except AccessDenied as err:
-            raise LookupFailed(str(err)) from None
-
-    def _read_frame(self, expected_type: str) -> dict[str, Any]:
-        """The next frame: one ``recv`` for a frame that has arrived whole (a lookup's answer, most often)."""
-        assert self._sock is not None
-        data = self._sock.recv(_FIRST_RECV_BYTES)
-        if not data:
-            raise ConnectionError("the master closed the lookup socket")
-        if len(data) < _LENGTH.size:
-            data += self._read(_LENGTH.size - len(data))
-        (length,) = _LENGTH.unpack_from(data)
-        if length == 0 or length > wire.MAX_CONTROL_BYTES:
-            raise WireError(f"reply frame of {length} bytes refused")
-        body = data[_LENGTH.size :]
-        if len(body) > length:  # the server spoke out of turn: the stream is out of step
-            raise WireError(f"{len(body) - length} bytes after a {length}-byte reply frame")
-        if len(body) < length:
-            body += self._read(length - len(body))
-        return wire.decode(body, expected_type)
-
-    def _read(self, num_bytes: int) -> bytes:
-        assert self._sock is not None
-        chunks, left = [], num_bytes
-        while left:
-            chunk = self._sock.recv(left)
-            if not chunk:
-                raise ConnectionError("the master closed the lookup socket")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    def _fail(self, err: Exception) -> None:
-        self.fallbacks += 1
-        self._failures += 1
-        rest_s = min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self._failures - 1))
-        logger.debug("kv master lookup socket failed, answering through Ray for %.0f s: %s", rest_s, err)
-        self.close_socket()
-        self._retry_at = time.monotonic() + rest_s
-
-    def close_socket(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None

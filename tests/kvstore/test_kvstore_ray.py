@@ -25,7 +25,8 @@ from rayturn.kvstore import (  # noqa: E402
 )
 from rayturn.kvstore.access import StoreAuth  # noqa: E402
 from rayturn.kvstore.connection import RayMaster  # noqa: E402
-from rayturn.kvstore.master_lookup import LookupClient, frame  # noqa: E402
+from rayturn.kvstore.lookup_client import LookupClient  # noqa: E402
+from rayturn.kvstore.master_lookup import frame  # noqa: E402
 from rayturn.kvstore.ucx_transport import TransportError, UcxClient  # noqa: E402
 
 PAGE = 32 << 10

@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 
-from rayturn.kvstore import master_lookup, wire
+from rayturn.kvstore import lookup_client, master_lookup, wire
 from rayturn.kvstore.access import StoreAuth
-from rayturn.kvstore.master_lookup import LookupClient, LookupFailed, LookupServer, frame
+from rayturn.kvstore.lookup_client import LookupClient, LookupFailed
+from rayturn.kvstore.master_lookup import LookupServer, frame
 
 AUTH = StoreAuth(b"test-store-secret-of-32-bytes...")
+SLOW_ANSWER_S = 0.05
 
 
 @pytest.fixture
@@ -49,8 +51,8 @@ def silent_listener() -> Iterator[tuple[str, int]]:
 def test_a_silent_socket_costs_one_short_timeout_then_rests_longer_each_time(
     silent_listener: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(master_lookup, "CALL_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(master_lookup, "RETRY_AFTER_S", 0.3)
+    monkeypatch.setattr(lookup_client, "CALL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(lookup_client, "RETRY_AFTER_S", 0.3)
     client = LookupClient(lambda: silent_listener, AUTH)
     started = time.monotonic()
     with pytest.raises(LookupFailed):
@@ -72,7 +74,7 @@ def test_a_silent_socket_costs_one_short_timeout_then_rests_longer_each_time(
 def test_a_thread_does_not_queue_behind_a_stuck_call(
     silent_listener: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(master_lookup, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(lookup_client, "CALL_TIMEOUT_S", 1.0)
     client = LookupClient(lambda: silent_listener, AUTH)
     failures: list[Exception] = []
 
@@ -149,6 +151,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LookupServer, list
 
     def answer(method: str, keys: list[bytes], node_id: str | None, tenant: str) -> Any:
         asked.append((method, keys))
+        if b"slow" in keys:  # a master busy with something else for a while
+            time.sleep(SLOW_ANSWER_S)
         return [True] * len(keys)
 
     loop = asyncio.new_event_loop()
@@ -219,6 +223,28 @@ def test_the_server_answers_frames_however_the_bytes_arrive(lookup_server: Any) 
         assert [reply["request_id"] for reply in replies] == list(range(100, 100 + many))
         assert all(reply["result"] == [True] * 8 for reply in replies)
     assert len(asked) == 4 + many
+
+
+def test_a_caller_polls_for_its_answer_only_briefly_then_sleeps_until_it_comes(
+    lookup_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller polls (yielding the CPU each turn) for ``REPLY_SPIN_S`` and then sleeps in ``recv``: a slow
+    answer still lands, and costs no core while it is awaited; a socket made again after a failure is polled
+    as the first was."""
+    address, _ = lookup_server
+    client = LookupClient(lambda: address, AUTH)
+    assert client.call("exists", [b"warm"], "t") == [True]
+    yields: list[float] = []
+    monkeypatch.setattr(lookup_client.os, "sched_yield", lambda: yields.append(time.perf_counter()))
+    for _ in range(2):
+        yields.clear()
+        start = time.perf_counter()
+        assert client.call("exists", [b"slow"], "t") == [True]
+        assert time.perf_counter() - start >= SLOW_ANSWER_S
+        assert yields, "the caller never polled for its answer"
+        assert yields[-1] - start < lookup_client.REPLY_SPIN_S + SLOW_ANSWER_S / 2, "it polled past its window"
+        client.close_socket()  # the next call connects again, and polls its new socket
+    assert (client.calls, client.fallbacks) == (3, 0)
 
 
 def test_the_server_answers_a_client_and_hangs_up_on_strangers(lookup_server: Any) -> None:
