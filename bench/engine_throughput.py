@@ -19,7 +19,9 @@ first, outside the timing, as a serving engine does when it starts.
 OpenAI server on the same model directory, float32, prefix caching off as
 on rayturn's side (the rounds repeat the same prompts), every request sent
 at once, in each round after rayturn's, the next round waiting until its
-threads stop spinning (``VllmServer.wait_idle``). rayturn is measured as an engine and
+threads stop spinning (``VllmServer.wait_idle``), and the server paused while the
+other sides run (``VllmServer.pause``: an idle vLLM server still wakes a
+thousand times a second on the first core). rayturn is measured as an engine and
 vLLM through its server: vLLM's server is its engine (the engine core runs in
 a process of its own, fed over a socket), and a rayturn server adds Ray's
 replica hops, which this benchmark is not about. The server's start-up is
@@ -228,12 +230,14 @@ def main() -> None:
             )
             server.complete([1, 2, 3], 2)  # warm-up
             server.wait_idle()
+            server.pause()  # until its own requests: the other sides are timed on a quiet host
         for _ in range(rounds):
             ours_runs.append(in_fresh_process(run_rayturn, model_dir, workload, args.backend))
             theirs_runs.append(in_fresh_process(run_transformers, model_dir, workload))
             if server is not None:
                 vllm_runs.append(run_vllm(server, workload))
                 server.wait_idle()  # its threads spin on after a request: the next timing must not share the cores
+                server.pause()
     peer = vllm_figures(workload, ours_runs, vllm_runs) if vllm_runs else {}
     result = {
         "bench": "engine_throughput",

@@ -15,7 +15,9 @@ otherwise). vLLM's TTFT is timed at the client, so it includes one local
 HTTP round trip (a few milliseconds) that rayturn's in-process engine does not
 pay; its start-up is outside the timing. vLLM's OpenMP threads spin on for
 about a second after each request, so the next repeat waits until its
-processes are idle (``VllmServer.wait_idle``) rather than share the cores.
+processes are idle (``VllmServer.wait_idle``) rather than share the cores,
+and the server is paused while rayturn is timed (``VllmServer.pause``: an
+idle vLLM server still wakes a thousand times a second on the first core).
 
     python bench/prefix_ttft.py [--quick] [--backend NAME] [--peer vllm]
 
@@ -89,6 +91,7 @@ def main() -> None:
             server = stack.enter_context(VllmServer(str(resolve_model_dir(args.model)), args.out / "vllm_server.log"))
             server.complete([1, 2, 3], 1)  # warm-up
             server.wait_idle()
+            server.pause()  # until its own requests: rayturn is timed on a quiet host
 
         cached_engine = LLMEngine.from_pretrained(args.model, backend=args.backend, dtype="float32")
         plain_engine = LLMEngine.from_pretrained(
@@ -116,6 +119,7 @@ def main() -> None:
             if server is not None:
                 peer_cold, peer_cached = server.complete(prompt, 1), server.complete(extended, 1)
                 server.wait_idle()  # its threads spin on after a request: the next timing must not share the cores
+                server.pause()
                 vllm_runs.append((peer_cold.elapsed_s, peer_cached.elapsed_s))
                 first_tokens_match &= peer_cold.token_ids == [cold_token] and peer_cached.token_ids == out.token_ids
             progress.advance()
