@@ -55,7 +55,14 @@ from .native import NativeKernels, load
 from .native_fits import native_decode_fits, native_prefill_fits, native_rotary_fits, native_sinks_fit
 from .native_moe import native_moe_fits
 from .native_norm import ExactRmsNorm
-from .torch_backend import TorchBackend, _gather_tokens, _pages_for, first_window_key, visible_keys
+from .torch_backend import (
+    TorchBackend,
+    _gather_tokens,
+    _pages_for,
+    first_window_key,
+    rows_with_room,
+    visible_keys,
+)
 
 # Up to this many rows per expert on average, the native grouped matmul beats torch's (2.8x at 4 rows, as
 # fast at 64, on a 16-expert layer of hidden 256); prefill-sized groups go to torch's.
@@ -258,7 +265,7 @@ class CpuBackend(TorchBackend):
             query = query.contiguous()
         page_size = key_cache.shape[1]
         page_table = batch.page_table.contiguous()
-        out = torch.empty_like(query)
+        out = rows_with_room(tuple(query.shape), query.dtype)  # o_proj's input: its padding rows without a copy
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
             end = start + query_len

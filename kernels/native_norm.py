@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .native import NativeKernels
+from .torch_backend import rows_with_room
 
 LANE_CANDIDATES = (8, 16, 4)  # PyTorch's float vector widths: AVX2 (its sum on AVX-512 hosts too), AVX-512, NEON
 _PROBE_ROWS = 64  # a different summation order changes some of 64 random rows' results (each ~1/3 of the time)
@@ -68,7 +69,8 @@ class ExactRmsNorm:
         )
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
-        out = torch.empty(x.shape, dtype=torch.float32)  # contiguous, as the kernel writes it
+        # Contiguous, as the kernel writes it; with room for a packed linear's padding rows (it feeds one).
+        out = rows_with_room(tuple(x.shape), torch.float32)
         dim, numel = x.shape[-1], x.numel()
         group_rows, row_stride = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
         status = self.native.rms_norm_f32(

@@ -535,7 +535,7 @@ int paged_prefill_attention_f32(
     const int64_t num_keys = context_len + query_len;
     /* Whole blocks of LANES keys: a block's loads never leave the buffer (the padding keys are zeros). */
     const int64_t kc_rows = (num_keys + LANES - 1) / LANES * LANES;
-    float *kc = (float *)calloc((size_t)(num_kv_heads * kc_rows * head_dim), sizeof(float));
+    float *kc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * kc_rows * head_dim));
     int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_kv_heads * num_keys));
     if (kc == NULL || offsets == NULL) {
         free(kc);
@@ -550,6 +550,9 @@ int paged_prefill_attention_f32(
             offsets[kv_head * num_keys + key] = offset;
             memcpy(kc + (kv_head * kc_rows + key) * head_dim, k_cache + offset, sizeof(float) * (size_t)head_dim);
         }
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) /* the padding keys: zeros (the rest is copied) */
+        memset(kc + (kv_head * kc_rows + num_keys) * head_dim, 0,
+               sizeof(float) * (size_t)((kc_rows - num_keys) * head_dim));
     /* A work item: ROWS rows, the group's heads (up to four) at ROWS / heads consecutive positions.
      * Later positions see more keys: items are dealt out last first. */
     const int64_t heads = group < 4 ? group : 4;

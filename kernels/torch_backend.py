@@ -306,18 +306,33 @@ def _best_split(sorted_lens: list[int], min_saving: int = 128) -> int:
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` on the packed weight, its rows padded with zeros up to ``_padded_rows`` (rows
-    never mix: the padding's outputs are dropped)."""
+    """``x @ weight.T + bias`` on the packed weight, its rows padded up to ``_padded_rows`` (rows never mix:
+    the padding's outputs are dropped). The padding is the rows that follow ``x`` in its storage where it has
+    them (a packed linear's output, ``rows_with_room``'s), else zeros after a copy of ``x``."""
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     padding = _padded_rows(num_rows) - num_rows
-    if padding:  # zeros in the padding rows only (a pad would zero every row, then copy the input over them)
+    if padding and _has_room(rows, num_rows + padding):
+        rows = rows.as_strided((num_rows + padding, rows.shape[1]), (rows.shape[1], 1))
+    elif padding:  # zeros in the padding rows only (a pad would zero every row, then copy the input over them)
         padded = torch.empty((num_rows + padding, rows.shape[1]), dtype=rows.dtype, device=rows.device)
         padded[:num_rows] = rows
         padded[num_rows:] = 0
         rows = padded
     out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
     return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def _has_room(rows: torch.Tensor, num_rows: int) -> bool:
+    """Whether contiguous ``rows``' storage holds ``num_rows`` rows from its first."""
+    end = rows.storage_offset() + num_rows * rows.shape[1]
+    return rows.is_contiguous() and rows.untyped_storage().nbytes() >= end * rows.element_size()
+
+
+def rows_with_room(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` whose storage goes on to the row count a packed linear of its
+    first dimension runs at (``_padded_rows``): a linear of it pads its rows without a copy."""
+    return torch.empty((_padded_rows(shape[0]), *shape[1:]), dtype=dtype)[: shape[0]]
 
 
 def _padded_rows(num_rows: int) -> int:

@@ -141,6 +141,9 @@ def test_small_budget_and_few_pages_still_match(engine: LLMEngine) -> None:
         ([], GREEDY, "prompt is empty"),
         ([1, 2, 10**6], GREEDY, "out of vocabulary"),
         ([-1], GREEDY, "out of vocabulary"),
+        ([1, True], GREEDY, r"out of vocabulary \[0, \d+\): \[True\]"),  # a bool is no token id
+        ([1, 2.0], GREEDY, r"out of vocabulary \[0, \d+\): \[2\.0\]"),
+        ([0, 263, 1, 300], GREEDY, r"out of vocabulary \[0, 263\): \[263, 300\]"),  # tiny: 263 ids
         ([1] * 5000, GREEDY, "max_model_len"),
     ],
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayturn.kernels import DecodeBatch, PrefillBatch, torch_backend
-from rayturn.kernels.torch_backend import TorchBackend, _length_groups, _padded_rows
+from rayturn.kernels.torch_backend import TorchBackend, _length_groups, _padded_rows, rows_with_room
 
 BACKEND = TorchBackend()
 PAGE, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
@@ -204,6 +204,47 @@ def test_packed_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch) -> None:
     # What an engine builds when it starts: every count met, and no other.
     assert BACKEND.linear_row_counts(299) == tuple(sorted(set(seen)))
     assert BACKEND.linear_row_counts(2048) == tuple(sorted(set(counts)))
+
+
+def test_rows_with_room_are_padded_in_place_and_give_the_same_bits(monkeypatch) -> None:
+    """A packed linear pads an input with room (``rows_with_room``, another packed linear's output) with the
+    rows its storage holds after it, whatever they hold, instead of a copy of the input: the same bits out."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no packed matmul without oneDNN")
+    monkeypatch.setattr(torch_backend, "_AVX2_PACK_MIN_ELEMENTS", 0)
+    generator = torch.Generator().manual_seed(5)
+    weight, second = torch.randn(48, 32, generator=generator), torch.randn(24, 48, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    prepared, prepared_second = BACKEND.prepare_linear(weight), BACKEND.prepare_linear(second)
+    copies = 0
+    empty = torch.empty
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:  # the padding copy allocates with torch.empty
+        nonlocal copies
+        copies += 1
+        return empty(*args, **kwargs)  # type: ignore[arg-type]
+
+    for rows in (7, 33, 200, 300):
+        assert _padded_rows(rows) > rows
+        x = torch.randn(rows, 32, generator=generator)
+        room = rows_with_room((rows, 32), torch.float32)
+        room.copy_(x)
+        assert room.untyped_storage().nbytes() == _padded_rows(rows) * 32 * 4
+        room.as_strided((_padded_rows(rows), 32), (32, 1))[rows:] = float("nan")  # garbage in the room
+        expected = BACKEND.linear(x, weight, bias, prepared)
+        monkeypatch.setattr(torch, "empty", counting)
+        copies = 0
+        out = BACKEND.linear(room, weight, bias, prepared)
+        chained = BACKEND.linear(out, second, None, prepared_second)  # an output has room for the next linear
+        monkeypatch.setattr(torch, "empty", empty)
+        assert copies == 0
+        assert torch.equal(out, expected) and out.shape == (rows, 48)
+        assert torch.equal(chained, BACKEND.linear(expected.clone(), second, None, prepared_second))
+    # A view without room (a slice of a tensor that ends with it) is copied and padded with zeros, as before.
+    tight = torch.randn(10, 32, generator=generator)
+    assert torch.equal(
+        BACKEND.linear(tight[3:], weight, None, prepared), BACKEND.linear(tight[3:].clone(), weight, None, prepared)
+    )
 
 
 def test_packed_linear_is_skipped_when_disabled_or_not_float32(monkeypatch) -> None:
