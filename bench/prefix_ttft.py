@@ -134,6 +134,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "cold_ttft_s": round(statistics.median(cold), 4),
         "cached_ttft_s": round(statistics.median(cached), 4),
+        "cold_ttft_s_each": [round(c, 4) for c in cold],
+        "cached_ttft_s_each": [round(k, 4) for k in cached],
         "no_prefix_cache_ttft_s": round(statistics.median(uncached), 4),
         "cached_prompt_tokens": cached_tokens[0],
         "cached_over_cold_ttft": round(statistics.median(ratios), 4),

@@ -131,6 +131,20 @@ class VllmServer:
         if self.process is not None and not self.paused and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGSTOP)
             self.paused = True
+            self._wait_until_stopped()
+
+    def _wait_until_stopped(self, timeout_s: float = 1.0) -> None:
+        """Until every process of the server has taken its SIGSTOP (delivered asynchronously)."""
+        import psutil
+
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(self.process.pid)
+                if all(p.status() == psutil.STATUS_STOPPED for p in (root, *root.children(recursive=True))):
+                    return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         """Continue a paused server, and wait until what it does on waking (its threads' missed wake-ups) is
