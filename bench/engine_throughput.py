@@ -20,8 +20,8 @@ OpenAI server on the same model directory, float32, prefix caching off as
 on rayturn's side (the rounds repeat the same prompts), every request sent
 at once, in each round after rayturn's, the next round waiting until its
 threads stop spinning (``VllmServer.wait_idle``), and the server paused while the
-other sides run (``VllmServer.pause``: an idle vLLM server still wakes a
-thousand times a second on the first core). rayturn is measured as an engine and
+other sides run (``VllmServer.pause``: an idle vLLM server still wakes some
+hundreds of times a second on the first core). rayturn is measured as an engine and
 vLLM through its server: vLLM's server is its engine (the engine core runs in
 a process of its own, fed over a socket), and a rayturn server adds Ray's
 replica hops, which this benchmark is not about. The server's start-up is

@@ -17,7 +17,7 @@ pay; its start-up is outside the timing. vLLM's OpenMP threads spin on for
 about a second after each request, so the next repeat waits until its
 processes are idle (``VllmServer.wait_idle``) rather than share the cores,
 and the server is paused while rayturn is timed (``VllmServer.pause``: an
-idle vLLM server still wakes a thousand times a second on the first core).
+idle vLLM server still wakes hundreds of times a second on the first core).
 
     python bench/prefix_ttft.py [--quick] [--backend NAME] [--peer vllm]
 

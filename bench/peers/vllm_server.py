@@ -12,12 +12,12 @@ for token, with its OpenMP threads bound to every core of this host.
     ready --pause()--> paused (SIGSTOP) --resume() or complete()--> ready
 
 An idle vLLM server is not idle on the CPU: its worker process, bound to
-the first core, keeps a dozen ``gloo`` threads that each wake about 100
-times a second. An engine timed beside it shares that core with ~1,000
-wake-ups a second, and its OpenMP threads wait for the one preempted at
-each barrier: rayturn's cached-prefix TTFT measured 8% slower beside an
-idle vLLM server than alone (145 against 157 ms, median of 6, Intel Xeon
-with 2 vCPUs). So a benchmark pauses the server while it times anything
+the first core, keeps ``gloo`` threads (seven or more) that each wake about
+100 times a second. An engine timed beside it shares that core with
+hundreds of wake-ups a second, and its OpenMP threads wait for the one
+preempted at each barrier: rayturn's cached-prefix TTFT measured 8% slower
+beside an idle vLLM server than alone (157 against 145 ms, median of 6,
+Intel Xeon with 2 vCPUs). So a benchmark pauses the server while it times anything
 else, and its requests resume it.
 
 Requests carry token ids and ask for token ids back, so neither side's

@@ -36,7 +36,7 @@ def _state(pid: int) -> str:
 
 
 def test_a_paused_peer_is_stopped_until_its_next_request_and_stops_cleanly(tmp_path: Path) -> None:
-    """``pause`` stops the server's whole process group (an idle vLLM still wakes ~1,000 times a second), a request
+    """``pause`` stops the server's whole process group (an idle vLLM still wakes hundreds of times a second), a request
     (here ``resume``, which ``complete`` calls first) continues it, and ``stop`` ends a paused server too."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
