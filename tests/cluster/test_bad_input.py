@@ -110,7 +110,8 @@ def assert_healthy(url: str) -> None:
     )
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-        request = pb.GenerateRequest(text="still there?", sampling=pb.SamplingOptions(max_tokens=2))
+        # Greedy, as the chat call above: sampled at gRPC's default temperature (1.0), one call in ~150 ends on EOS.
+        request = pb.GenerateRequest(text="still there?", sampling=pb.SamplingOptions(max_tokens=2, temperature=0))
         responses = list(pb_grpc.RayTurnStub(channel).Generate(request, metadata=[("x-api-key", API_KEY)]))
     assert responses and responses[-1].finish_reason == "length"
 
