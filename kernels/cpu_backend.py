@@ -93,6 +93,7 @@ class CpuBackend(TorchBackend):
             native_prefill = native.vector_bits >= NATIVE_PREFILL_MIN_VECTOR_BITS
             self.native_prefill_max_keys = NATIVE_PREFILL_MAX_KEYS.get(native.vector_bits)
         self.native_prefill = native_prefill
+        self.native_prefill_chunk_keys = 0  # keys per chunk of the native prefill kernel; 0: the kernel's default
 
     def describe(self) -> str:
         prefill = "native" if self.native_prefill else "torch flash"
@@ -137,6 +138,7 @@ class CpuBackend(TorchBackend):
             head_dim,
             key_cache.shape[1],
             scale,
+            self.native_prefill_chunk_keys,
             torch.get_num_threads(),
         )
         if status != 0:
@@ -331,6 +333,7 @@ class CpuBackend(TorchBackend):
             head_dim,
             key_cache.shape[1],
             scale,
+            self.native_prefill_chunk_keys,
             torch.get_num_threads(),
         )
         if status != 0:

@@ -57,7 +57,7 @@ class NativeKernels:
             i64, i64, i64,  # page, token and head strides (elements)
             ptr, i64, i64,  # the sequence's pages, context_len, query_len
             ptr, ptr, i64, i64, i64,  # out, lse (NULL for none), num_heads, num_kv_heads, head_dim
-            i64, ctypes.c_float, ctypes.c_int,  # page_size, scale, num_threads
+            i64, ctypes.c_float, i64, ctypes.c_int,  # page_size, scale, chunk_keys (0: default), num_threads
         ]  # fmt: skip
         self.paged_prefill_attention_f32.restype = ctypes.c_int
         self.grouped_matmul_f32 = library.grouped_matmul_f32

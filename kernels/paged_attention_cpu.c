@@ -110,10 +110,25 @@ DEFINE_MINMAX(vmax, vmin, vf, vi)
         p = p * r + 1.6666665459e-1f;                                                                          \
         p = p * r + 5.0000001201e-1f;                                                                          \
         p = p * r * r + r + 1.0f;                                                                              \
-        const VI exponent = (__builtin_convertvector(n, VI) + 127) << 23; /* 2^n */                            \
+        return TIMES_POW2(p, n);                                                                               \
+    }
+/* p * 2^n for whole n in [-126, 127]: the power of two built in the exponent bits (TIMES_POW2_BITS: for a
+ * float vector type V and the int vector type VI of its lanes), or AVX-512's scalef, one instruction for the
+ * same product. */
+#define TIMES_POW2_BITS(NAME, V, VI)                                                                           \
+    static inline V NAME(V p, V n)                                                                             \
+    {                                                                                                          \
+        const VI exponent = (__builtin_convertvector(n, VI) + 127) << 23;                                     \
         return p * (V)exponent;                                                                                \
     }
+#if defined(__AVX512F__)
+static inline vf times_pow2(vf p, vf n) { return (vf)_mm512_scalef_ps((__m512)p, (__m512)n); }
+#else
+TIMES_POW2_BITS(times_pow2, vf, vi)
+#endif
+#define TIMES_POW2 times_pow2
 DEFINE_VEXP(vexp, vf, vi, vmax, vmin)
+#undef TIMES_POW2
 
 /* The largest and the sum of a vector's lanes, halving it four times. */
 static inline float lane_max(vf v)
@@ -204,7 +219,19 @@ typedef int32_t vsi __attribute__((vector_size(SUM_LANES * sizeof(int32_t))));
 #define vexp_s vexp
 #else
 DEFINE_MINMAX(vmax_s, vmin_s, vs, vsi)
+TIMES_POW2_BITS(times_pow2_s, vs, vsi)
+#define TIMES_POW2 times_pow2_s
 DEFINE_VEXP(vexp_s, vs, vsi, vmax_s, vmin_s)
+#undef TIMES_POW2
+#endif
+/* weight * v, the weight read from memory into every lane. With AVX (no AVX-512), GCC would load eight
+ * weights as one vector and build each lane's broadcast with two shuffles, both on the one shuffle port of
+ * many cores; a broadcast load takes a load port instead. The same product either way. */
+#if SUM_LANES == 8 && defined(__AVX__)
+#include <immintrin.h>
+static inline vs splat_times(const float *weight, vs v) { return (vs)_mm256_broadcast_ss(weight) * v; }
+#else
+static inline vs splat_times(const float *weight, vs v) { return *weight * v; }
 #endif
 
 /* For ``heads`` query heads at once (rows of out and of weights, head_dim and weights_stride apart):
@@ -418,17 +445,23 @@ int paged_decode_attention_f32(
 
 /* Causal prefill attention of ROWS query rows (the heads of a GQA group at a few positions) over the
  * same kv head: keys copied key-major and padded to whole blocks (kc[key * head_dim + d]), values in place
- * (v_cache + offsets[key]). Row r is query q[r], sees keys 0 .. visible[r] - 1 and writes out[r] (and
- * lse[r] unless NULL). Online softmax over blocks of ROWS keys, with the scores kept transposed: s[j]
- * holds key k0 + j's score for every row (lane r: row r), so a block's maxima, corrections and sums are
- * lane-wise operations with no horizontal reduction, and the scaled queries (transposed once into
- * qt[d], lane r: row r) are read from one local array. Every key block's loads serve all the rows.
- * ROWS is the lanes of one register (SUM_LANES: sixteen with AVX-512, eight with AVX), so a block's
- * scores are ROWS registers. Inlined with constant ``vectors`` (head_dim / LANES). */
+ * (v_cache + offsets[key]). Row r is query q[r] and sees keys 0 .. visible[r] - 1. Online softmax over blocks
+ * of ROWS keys, with the scores kept transposed: s[j] holds key k0 + j's score for every row (lane r: row r),
+ * so a block's maxima, corrections and sums are lane-wise operations with no horizontal reduction, and the
+ * scaled queries (transposed once into qt[d], lane r: row r) are read from one local array. Every key
+ * block's loads serve all the rows. ROWS is the lanes of one register (SUM_LANES: sixteen with AVX-512,
+ * eight with AVX), so a block's scores are ROWS registers. Inlined with constant ``vectors`` (head_dim /
+ * LANES).
+ *
+ * One call runs the key blocks from k_begin (a multiple of ROWS) up to k_end or the last visible key. A call
+ * that reaches the last writes out[r] (and *lse[r] where lse[r] is not NULL); one that stops short saves the
+ * rows' running state in acc (ROWS rows of head_dim floats: the weighted values, then ROWS maxima and ROWS
+ * totals) for the call that goes on from k_end. So a row's keys can be taken in chunks, each call doing the
+ * same arithmetic in the same order as one call over them all. */
 #define ROWS SUM_LANES
 static inline __attribute__((always_inline)) void prefill_rows(
-    const float *const *q, float *const *out, float *const *lse, const int64_t *visible, const float *kc,
-    const float *v_cache, const int64_t *offsets, float scale, int vectors)
+    const float *const *q, const int64_t *visible, const float *kc, const float *v_cache, const int64_t *offsets,
+    float scale, int64_t k_begin, int64_t k_end, float *acc, float *const *out, float *const *lse, int vectors)
 {
     enum { PARTS = LANES / SUM_LANES };
     const int64_t head_dim = (int64_t)vectors * LANES;
@@ -437,11 +470,9 @@ static inline __attribute__((always_inline)) void prefill_rows(
     float weights[ROWS][ROWS] __attribute__((aligned(64)));
     float corrections[ROWS] __attribute__((aligned(64)));
     int32_t visible_lanes[ROWS];
-    vs acc[ROWS][8 * PARTS];
     int64_t last = 0, first_partial = INT64_MAX;
     for (int r = 0; r < ROWS; ++r) {
         for (int64_t d = 0; d < head_dim; ++d) qt[d * ROWS + r] = q[r][d] * scale;
-        for (int b = 0; b < parts; ++b) acc[r][b] = (vs){0};
         visible_lanes[r] = (int32_t)visible[r];
         last = visible[r] > last ? visible[r] : last;
         first_partial = visible[r] < first_partial ? visible[r] : first_partial;
@@ -450,7 +481,16 @@ static inline __attribute__((always_inline)) void prefill_rows(
     memcpy(&seen_before, visible_lanes, sizeof seen_before);
     const vs unseen = (vs){0} - INFINITY;
     vs maxima = unseen, totals = {0};
-    for (int64_t k0 = 0; k0 < last; k0 += ROWS) {
+    vs sums_of[ROWS][8 * PARTS]; /* the weighted values */
+    if (k_begin == 0)
+        memset(sums_of, 0, sizeof sums_of);
+    else {
+        for (int r = 0; r < ROWS; ++r) memcpy(sums_of[r], acc + r * head_dim, sizeof(float) * (size_t)head_dim);
+        memcpy(&maxima, acc + ROWS * head_dim, sizeof maxima);
+        memcpy(&totals, acc + ROWS * head_dim + ROWS, sizeof totals);
+    }
+    const int64_t end = k_end < last ? k_end : last;
+    for (int64_t k0 = k_begin; k0 < end; k0 += ROWS) {
         vs s[ROWS];
         for (int j = 0; j < ROWS; ++j) s[j] = (vs){0};
         const float *block = kc + k0 * head_dim;
@@ -476,7 +516,12 @@ static inline __attribute__((always_inline)) void prefill_rows(
         /* Every row sees key 0, so after the first block every maximum is finite; before it the
          * correction is vexp(-inf), ~1e-38, times sums of zero. */
         const vs current = vmax_s(maxima, block_max);
-        const vs correction = vexp_s(maxima - current);
+        /* Once a row's maximum stops growing (most blocks), its correction is exactly 1: skipped when no
+         * row's maximum moved, with the same result (a NaN differs from everything, so it takes the path). */
+        const vsi moved_lanes = current != maxima;
+        int moved = 0;
+        for (int r = 0; r < ROWS; ++r) moved |= moved_lanes[r];
+        const vs correction = moved ? vexp_s(maxima - current) : (vs){0};
         maxima = current;
         vs sum = {0};
         for (int j = 0; j < ROWS; ++j) {
@@ -485,19 +530,28 @@ static inline __attribute__((always_inline)) void prefill_rows(
             sum += e;
             memcpy(weights[j], &e, sizeof e);
         }
-        totals = totals * correction + sum;
+        totals = moved ? totals * correction + sum : totals + sum;
         memcpy(corrections, &correction, sizeof correction);
         const int64_t keys = last - k0 < ROWS ? last - k0 : ROWS;
         for (int b = 0; b < parts; ++b) {
             vs sums[ROWS];
-            for (int r = 0; r < ROWS; ++r) sums[r] = acc[r][b] * corrections[r];
+            if (moved)
+                for (int r = 0; r < ROWS; ++r) sums[r] = sums_of[r][b] * corrections[r];
+            else
+                for (int r = 0; r < ROWS; ++r) sums[r] = sums_of[r][b];
             for (int64_t j = 0; j < keys; ++j) {
                 vs v;
                 memcpy(&v, v_cache + offsets[k0 + j] + b * SUM_LANES, sizeof v);
-                for (int r = 0; r < ROWS; ++r) sums[r] += weights[j][r] * v;
+                for (int r = 0; r < ROWS; ++r) sums[r] += splat_times(&weights[j][r], v);
             }
-            for (int r = 0; r < ROWS; ++r) acc[r][b] = sums[r];
+            for (int r = 0; r < ROWS; ++r) sums_of[r][b] = sums[r];
         }
+    }
+    if (end < last) {
+        for (int r = 0; r < ROWS; ++r) memcpy(acc + r * head_dim, sums_of[r], sizeof(float) * (size_t)head_dim);
+        memcpy(acc + ROWS * head_dim, &maxima, sizeof maxima);
+        memcpy(acc + ROWS * head_dim + ROWS, &totals, sizeof totals);
+        return;
     }
     float row_totals[ROWS], row_maxima[ROWS];
     memcpy(row_totals, &totals, sizeof totals);
@@ -505,12 +559,41 @@ static inline __attribute__((always_inline)) void prefill_rows(
     for (int r = 0; r < ROWS; ++r) {
         const float inverse = 1.f / row_totals[r];
         for (int b = 0; b < parts; ++b) {
-            const vs scaled = acc[r][b] * inverse;
+            const vs scaled = sums_of[r][b] * inverse;
             memcpy(out[r] + b * SUM_LANES, &scaled, sizeof scaled);
         }
         if (lse[r]) *lse[r] = row_maxima[r] + logf(row_totals[r]);
     }
 }
+
+/* prefill_rows with a constant ``vectors`` for each head_dim it takes, out of line: its loops get the
+ * registers to themselves, whatever the work-item loop around the call keeps live. */
+static __attribute__((noinline)) void prefill_chunk(
+    const float *const *q, const int64_t *visible, const float *kc, const float *v_cache, const int64_t *offsets,
+    float scale, int64_t k_begin, int64_t k_end, float *acc, float *const *out, float *const *lse, int vectors)
+{
+    switch (vectors) {
+    case 1:
+        prefill_rows(q, visible, kc, v_cache, offsets, scale, k_begin, k_end, acc, out, lse, 1);
+        break;
+    case 2:
+        prefill_rows(q, visible, kc, v_cache, offsets, scale, k_begin, k_end, acc, out, lse, 2);
+        break;
+    case 4:
+        prefill_rows(q, visible, kc, v_cache, offsets, scale, k_begin, k_end, acc, out, lse, 4);
+        break;
+    case 8:
+        prefill_rows(q, visible, kc, v_cache, offsets, scale, k_begin, k_end, acc, out, lse, 8);
+        break;
+    default:
+        prefill_rows(q, visible, kc, v_cache, offsets, scale, k_begin, k_end, acc, out, lse, vectors);
+    }
+}
+
+/* The keys and values of one kv head per chunk of the prefill kernel, in bytes: every work item runs over
+ * one chunk of its kv head's keys before any goes on to the next, so the chunk stays in the core's L2 cache
+ * while all the query rows read it (1,024 keys at head_dim 64). */
+#define PREFILL_CHUNK_BYTES (512 * 1024)
 
 /* Causal attention of one sequence's chunk of query_len queries after context_len cached keys, float32,
  * keys and values read from the paged cache (the chunk's own already written there).
@@ -520,14 +603,15 @@ static inline __attribute__((always_inline)) void prefill_rows(
  * head_dim must be a multiple of 16 up to 128 (returns -2 otherwise). The keys are first copied
  * per kv head into one contiguous block of rows, so a block of sixteen keys' scores for sixteen query
  * rows is head_dim vector multiply-adds with the keys' elements broadcast; the query heads of a GQA group
- * at consecutive positions share those loads and the value rows, which are read in place. Returns 0,
- * -1 when out of memory, -2 for a head_dim it does not take. */
+ * at consecutive positions share those loads and the value rows, which are read in place. chunk_keys: about
+ * how many keys per chunk (0: as many as PREFILL_CHUNK_BYTES hold); the result is the same for every chunk
+ * size. Returns 0, -1 when out of memory, -2 for a head_dim it does not take. */
 int paged_prefill_attention_f32(
     const float *q, const float *k_cache, const float *v_cache,
     int64_t page_stride, int64_t token_stride, int64_t head_stride,
     const int32_t *pages, int64_t context_len, int64_t query_len,
     float *out, float *lse, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t page_size, float scale, int num_threads)
+    int64_t page_size, float scale, int64_t chunk_keys, int num_threads)
 {
     if (head_dim % LANES != 0 || head_dim > 8 * LANES) return -2;
     const int vectors = (int)(head_dim / LANES);
@@ -535,11 +619,28 @@ int paged_prefill_attention_f32(
     const int64_t num_keys = context_len + query_len;
     /* Whole blocks of LANES keys: a block's loads never leave the buffer (the padding keys are zeros). */
     const int64_t kc_rows = (num_keys + LANES - 1) / LANES * LANES;
+    /* A work item: ROWS rows, the group's heads (up to four) at ROWS / heads consecutive positions. */
+    const int64_t heads = group < 4 ? group : 4;
+    const int64_t positions = ROWS / heads;
+    const int64_t position_blocks = (query_len + positions - 1) / positions;
+    const int64_t head_blocks = (group + heads - 1) / heads;
+    const int64_t items = num_kv_heads * head_blocks * position_blocks;
+    if (chunk_keys <= 0) chunk_keys = PREFILL_CHUNK_BYTES / (int64_t)(2 * sizeof(float) * (size_t)head_dim);
+    /* The nearest whole number of chunks of about chunk_keys, equal, in whole blocks: a sequence a little
+     * longer than one chunk is one, and no chunk is a short tail (each chunk costs a barrier and a save of
+     * every item's state). */
+    const int64_t chunks = num_keys / chunk_keys + (num_keys % chunk_keys >= (chunk_keys + 1) / 2);
+    chunk_keys = chunks > 1 ? ((num_keys + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS : num_keys;
     float *kc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * kc_rows * head_dim));
     int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_kv_heads * num_keys));
-    if (kc == NULL || offsets == NULL) {
+    /* Each item's running state between chunks (ROWS rows of head_dim sums, ROWS maxima, ROWS totals), where
+     * there is more than one chunk. */
+    const int64_t state_floats = ROWS * (head_dim + 2);
+    float *acc = num_keys > chunk_keys ? (float *)malloc(sizeof(float) * (size_t)(items * state_floats)) : NULL;
+    if (kc == NULL || offsets == NULL || (acc == NULL && num_keys > chunk_keys)) {
         free(kc);
         free(offsets);
+        free(acc);
         return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) collapse(2)
@@ -553,54 +654,45 @@ int paged_prefill_attention_f32(
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) /* the padding keys: zeros (the rest is copied) */
         memset(kc + (kv_head * kc_rows + num_keys) * head_dim, 0,
                sizeof(float) * (size_t)((kc_rows - num_keys) * head_dim));
-    /* A work item: ROWS rows, the group's heads (up to four) at ROWS / heads consecutive positions.
-     * Later positions see more keys: items are dealt out last first. */
-    const int64_t heads = group < 4 ? group : 4;
-    const int64_t positions = ROWS / heads;
-    const int64_t position_blocks = (query_len + positions - 1) / positions;
-    const int64_t head_blocks = (group + heads - 1) / heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) collapse(2)
-    for (int64_t i = 0; i < position_blocks; ++i)
-        for (int64_t item = 0; item < num_kv_heads * head_blocks; ++item) {
-            const int64_t kv_head = item / head_blocks, first_head = kv_head * group + item % head_blocks * heads;
-            const int64_t first_position = (position_blocks - 1 - i) * positions;
-            const float *q_rows[ROWS];
-            float *out_rows[ROWS], *lse_rows[ROWS], spare[ROWS][8 * LANES], spare_lse[ROWS];
-            int64_t visible[ROWS];
-            for (int r = 0; r < ROWS; ++r) {
-                /* Rows past the chunk's end or the group's last head repeat a real row into spare space. */
-                int64_t position = first_position + r / heads, head = first_head + r % heads;
-                const int real = r < positions * heads && position < query_len && head < (kv_head + 1) * group;
-                if (!real) {
-                    position = first_position;
-                    head = first_head;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Chunk by chunk, a barrier between them; in each, the items of the later positions (more keys) first.
+         * An item whose rows see no key of the chunk has finished in an earlier one. */
+        for (int64_t k_begin = 0; k_begin < num_keys; k_begin += chunk_keys) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; ++item) {
+                const int64_t kv_item = item % (num_kv_heads * head_blocks), kv_head = kv_item / head_blocks;
+                const int64_t first_head = kv_head * group + kv_item % head_blocks * heads;
+                const int64_t first_position = (position_blocks - 1 - item / (num_kv_heads * head_blocks)) * positions;
+                const float *q_rows[ROWS];
+                float *out_rows[ROWS], *lse_rows[ROWS], spare[ROWS][8 * LANES], spare_lse[ROWS];
+                int64_t visible[ROWS], last = 0;
+                for (int r = 0; r < ROWS; ++r) {
+                    /* Rows past the chunk's end or the group's last head repeat a real row into spare space. */
+                    int64_t position = first_position + r / heads, head = first_head + r % heads;
+                    const int real = r < positions * heads && position < query_len && head < (kv_head + 1) * group;
+                    if (!real) {
+                        position = first_position;
+                        head = first_head;
+                    }
+                    q_rows[r] = q + (position * num_heads + head) * head_dim;
+                    out_rows[r] = real ? out + (position * num_heads + head) * head_dim : spare[r];
+                    lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
+                    visible[r] = context_len + position + 1;
+                    last = visible[r] > last ? visible[r] : last;
                 }
-                q_rows[r] = q + (position * num_heads + head) * head_dim;
-                out_rows[r] = real ? out + (position * num_heads + head) * head_dim : spare[r];
-                lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
-                visible[r] = context_len + position + 1;
-            }
-            const float *kc_head = kc + kv_head * kc_rows * head_dim;
-            const int64_t *head_offsets = offsets + kv_head * num_keys;
-            switch (vectors) {
-            case 1:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 1);
-                break;
-            case 2:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 2);
-                break;
-            case 4:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 4);
-                break;
-            case 8:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, 8);
-                break;
-            default:
-                prefill_rows(q_rows, out_rows, lse_rows, visible, kc_head, v_cache, head_offsets, scale, vectors);
+                if (k_begin >= last) continue;
+                const int64_t k_end = k_begin + chunk_keys;
+                const float *kc_head = kc + kv_head * kc_rows * head_dim;
+                const int64_t *head_offsets = offsets + kv_head * num_keys;
+                prefill_chunk(q_rows, visible, kc_head, v_cache, head_offsets, scale, k_begin, k_end,
+                              acc ? acc + item * state_floats : NULL, out_rows, lse_rows, vectors);
             }
         }
+    }
     free(kc);
     free(offsets);
+    free(acc);
     return 0;
 }
 

@@ -221,7 +221,7 @@ def test_native_prefill_refuses_a_head_dim_it_does_not_take() -> None:
     pages = torch.zeros(1, dtype=torch.int32)
     status = BACKEND.native.paged_prefill_attention_f32(
         query.data_ptr(), cache.data_ptr(), cache.data_ptr(), *cache.stride()[:3], pages.data_ptr(), 0, 1,
-        query.data_ptr(), None, 2, 2, 24, 4, 1.0, 1,
+        query.data_ptr(), None, 2, 2, 24, 4, 1.0, 0, 1,
     )  # fmt: skip
     assert status == -2
 
