@@ -25,7 +25,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 typecheck: install
-	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode -p rayturn.protos -p rayturn.api -p rayturn.replay -m rayturn.messages -m rayturn.registry -m rayturn.settings -m rayturn.cli
+	$(VENV)/bin/mypy -p rayturn.engine -p rayturn.kernels -p rayturn.cluster -p rayturn.kvstore -p rayturn.router -p rayturn.prefill -p rayturn.decode -p rayturn.protos -p rayturn.api -p rayturn.replay -m rayturn.messages -m rayturn.registry -m rayturn.settings -m rayturn.native_build -m rayturn.cli
 
 pytest: install
 	$(VENV)/bin/pytest -q --durations=25 tests

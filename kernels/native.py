@@ -4,9 +4,10 @@ The source (``paged_attention_cpu.c``) needs no Python or PyTorch headers, so
 a build takes a second or two. The library is cached under
 ``$RAYTURN_CACHE_DIR/kernels`` (default ``~/.cache/rayturn/kernels``), keyed
 by the source, the compiler, its flags and the CPU, so a host with another
-CPU (a Kubernetes pod moved to another node type) builds its own. Concurrent
-builds (several Ray actors starting at once) are safe: each compiles to a
-private file and renames it into place.
+CPU (a Kubernetes pod moved to another node type) builds its own. Building
+and loading are ``rayturn.native_build``'s: concurrent builds (several Ray
+actors starting at once) are safe, and a library is loaded only from a folder
+and a file that are this user's alone (one others may write is skipped).
 
 Where no compiler is found or the build fails, ``load()`` returns None and
 ``unavailable_reason()`` says why; the ``cpu`` backend then is not chosen by
@@ -19,12 +20,11 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from rayturn import native_build
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,11 @@ class NativeKernels:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("RAYTURN_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "rayturn") / "kernels"
+    return native_build.cache_dir("kernels")
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    return native_build.compiler()
 
 
 def _cpu_model() -> str:
@@ -116,24 +115,6 @@ def _cpu_model() -> str:
     model = next((line for line in lines if line.startswith("model name")), "")
     flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
     return f"{model}\n{flags}" if model or flags else platform.processor()
-
-
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile to ``target``; returns None, or the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if result.returncode != 0:
-            return result.stderr.strip() or f"{compiler} exited with {result.returncode}"
-        os.replace(scratch, target)
-        return None
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
 
 
 _unavailable: list[str] = []
@@ -148,22 +129,22 @@ def load() -> NativeKernels | None:
         return None
     errors = []
     try:
-        probe = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-        version = probe.stdout.splitlines()[:1]
+        version = native_build.compiler_version(compiler)
         for flags in (FLAGS, PORTABLE_FLAGS):
             key = hashlib.sha256(
-                "\0".join([SOURCE.read_text(), compiler, *version, *flags, platform.machine(), _cpu_model()]).encode()
+                "\0".join([SOURCE.read_text(), compiler, version, *flags, platform.machine(), _cpu_model()]).encode()
             ).hexdigest()[:16]
             target = cache_dir() / f"paged_attention_cpu-{key}.so"
-            if not target.is_file():
-                error = _build(compiler, flags, target)
-                if error is not None:
-                    errors.append(error.splitlines()[-1])
-                    continue
             try:
-                return NativeKernels(ctypes.CDLL(str(target)), target)
-            except OSError as err:
+                if not target.is_file():
+                    native_build.build(compiler, [*flags, str(SOURCE)], ["-lm"], target)
+                return NativeKernels(native_build.load(target), target)
+            except native_build.BuildFailed as err:  # these flags do not build here: the portable ones may
                 errors.append(str(err))
+            except OSError as err:
+                if not target.is_file():
+                    raise
+                errors.append(str(err))  # built but not loadable (not this user's, or not for this host)
     # No writable cache, a compiler that hangs: the torch backend serves instead.
     except (OSError, subprocess.SubprocessError) as err:
         errors.append(f"{type(err).__name__}: {err}")

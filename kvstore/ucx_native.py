@@ -20,7 +20,8 @@ and a message the server cannot take as its connection's own is dropped unanswer
 
 The library is built once per host with the system C compiler against the UCX headers of the
 ``libucx`` wheel ucxx runs on, and cached under ``$RAYTURN_CACHE_DIR/native`` (default
-``~/.cache/rayturn/native``), keyed by the source, compiler and UCX build. Without a compiler, or
+``~/.cache/rayturn/native``), keyed by the source, compiler and UCX build, and loaded only from a
+folder and a file that are this user's alone (``rayturn.native_build``). Without a compiler, or
 with ``RAYTURN_KV_NATIVE=0``, ``library()`` is None and every read takes the ucxx path.
 """
 
@@ -33,16 +34,15 @@ import hashlib
 import itertools
 import logging
 import os
-import shutil
 import struct
 import subprocess
-import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, Protocol
 
+from rayturn import native_build
 from rayturn.kvstore.access import ReadGrant, SegmentGate, StoreAuth
 from rayturn.kvstore.ucx_errors import PeerTimedOut, TransportError
 from rayturn.kvstore.ucx_runtime import in_ucx_loop_thread
@@ -79,55 +79,26 @@ def _ucx_root() -> Path:
     return Path(libucx.__file__).parent
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("RAYTURN_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "rayturn") / "native"
-
-
-def _private(path: Path) -> None:
-    """OSError unless ``path`` is this user's and no one else may write it: the library is loaded from there."""
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise OSError(f"{path} is not this user's alone (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})")
-
-
-def _compile(compiler: str, ucx: Path, target: Path) -> None:
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _private(target.parent)
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    lib = ucx / "lib"
-    command = [compiler, "-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SOURCE), "-o", scratch]
-    command += [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if result.returncode:
-            raise OSError((result.stderr.strip() or f"{compiler} exited {result.returncode}").splitlines()[-1])
-        os.replace(scratch, target)  # concurrent builds (actors starting at once) each rename a whole file
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The native library for this host, built on first use; None when disabled or it cannot be built."""
     if os.environ.get("RAYTURN_KV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         _unavailable.append("turned off by RAYTURN_KV_NATIVE")
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    compiler = native_build.compiler()
     try:
         if compiler is None:
             raise OSError("no C compiler found (set $CC)")
         ucx = _ucx_root()
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        parts = [SOURCE.read_text(), compiler, version.split("\n")[0], str(ucx), (ucx / "VERSION.txt").read_text()]
-        target = _cache_dir() / f"ucx_native-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+        version = native_build.compiler_version(compiler)
+        parts = [SOURCE.read_text(), compiler, version, str(ucx), (ucx / "VERSION.txt").read_text()]
+        digest = hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]
+        target = native_build.cache_dir("native") / f"ucx_native-{digest}.so"
         if not target.is_file():
-            _compile(compiler, ucx, target)
-        _private(target.parent)
-        _private(target)
-        return _declare(ctypes.CDLL(str(target)))
+            lib = ucx / "lib"
+            args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SOURCE)]
+            native_build.build(compiler, args, [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"], target)
+        return _declare(native_build.load(target))
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         _unavailable.append(f"{type(error).__name__}: {error}")
         logger.warning("native KV reads unavailable, reads take the ucxx path: %s", error)
