@@ -566,9 +566,8 @@ static inline __attribute__((always_inline)) void prefill_rows(
     }
 }
 
-/* prefill_rows with a constant ``vectors`` for each head_dim it takes, out of line: its loops get the
- * registers to themselves, whatever the work-item loop around the call keeps live. */
-static __attribute__((noinline)) void prefill_chunk(
+/* prefill_rows with a constant ``vectors`` for each head_dim it takes. */
+static inline __attribute__((always_inline)) void prefill_chunk(
     const float *const *q, const int64_t *visible, const float *kc, const float *v_cache, const int64_t *offsets,
     float scale, int64_t k_begin, int64_t k_end, float *acc, float *const *out, float *const *lse, int vectors)
 {
@@ -594,6 +593,10 @@ static __attribute__((noinline)) void prefill_chunk(
  * one chunk of its kv head's keys before any goes on to the next, so the chunk stays in the core's L2 cache
  * while all the query rows read it (1,024 keys at head_dim 64). */
 #define PREFILL_CHUNK_BYTES (512 * 1024)
+/* Work items per thread in one wave of the prefill kernel: the items go through the chunks a wave at a time,
+ * so the running state kept between chunks is a wave's (not every item's of a long prompt), while each chunk
+ * still serves this many items per thread once in cache. */
+#define PREFILL_WAVE_ITEMS_PER_THREAD 32
 
 /* Causal attention of one sequence's chunk of query_len queries after context_len cached keys, float32,
  * keys and values read from the paged cache (the chunk's own already written there).
@@ -633,10 +636,12 @@ int paged_prefill_attention_f32(
     chunk_keys = chunks > 1 ? ((num_keys + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS : num_keys;
     float *kc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * kc_rows * head_dim));
     int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_kv_heads * num_keys));
-    /* Each item's running state between chunks (ROWS rows of head_dim sums, ROWS maxima, ROWS totals), where
-     * there is more than one chunk. */
+    /* The running state of a wave's items between chunks (ROWS rows of head_dim sums, ROWS maxima, ROWS
+     * totals each), where there is more than one chunk. */
+    const int64_t wave = PREFILL_WAVE_ITEMS_PER_THREAD * (num_threads > 1 ? num_threads : 1);
     const int64_t state_floats = ROWS * (head_dim + 2);
-    float *acc = num_keys > chunk_keys ? (float *)malloc(sizeof(float) * (size_t)(items * state_floats)) : NULL;
+    const int64_t states = items < wave ? items : wave;
+    float *acc = num_keys > chunk_keys ? (float *)malloc(sizeof(float) * (size_t)(states * state_floats)) : NULL;
     if (kc == NULL || offsets == NULL || (acc == NULL && num_keys > chunk_keys)) {
         free(kc);
         free(offsets);
@@ -654,39 +659,46 @@ int paged_prefill_attention_f32(
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) /* the padding keys: zeros (the rest is copied) */
         memset(kc + (kv_head * kc_rows + num_keys) * head_dim, 0,
                sizeof(float) * (size_t)((kc_rows - num_keys) * head_dim));
+    const int64_t per_block = num_kv_heads * head_blocks; /* items per block of positions */
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Chunk by chunk, a barrier between them; in each, the items of the later positions (more keys) first.
-         * An item whose rows see no key of the chunk has finished in an earlier one. */
-        for (int64_t k_begin = 0; k_begin < num_keys; k_begin += chunk_keys) {
+        /* Wave by wave, chunk by chunk, a barrier between them; the items of the later positions (more keys)
+         * first. A wave's first item holds its latest positions, so its last key is the wave's: later chunks
+         * are not visited. An item whose rows see no key of a chunk has finished in an earlier one. */
+        for (int64_t first = 0; first < items; first += wave) {
+            const int64_t wave_end = first + wave < items ? first + wave : items;
+            const int64_t block_end = (position_blocks - first / per_block) * positions;
+            const int64_t wave_keys = context_len + (block_end < query_len ? block_end : query_len);
+            for (int64_t k_begin = 0; k_begin < wave_keys; k_begin += chunk_keys) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; ++item) {
-                const int64_t kv_item = item % (num_kv_heads * head_blocks), kv_head = kv_item / head_blocks;
-                const int64_t first_head = kv_head * group + kv_item % head_blocks * heads;
-                const int64_t first_position = (position_blocks - 1 - item / (num_kv_heads * head_blocks)) * positions;
-                const float *q_rows[ROWS];
-                float *out_rows[ROWS], *lse_rows[ROWS], spare[ROWS][8 * LANES], spare_lse[ROWS];
-                int64_t visible[ROWS], last = 0;
-                for (int r = 0; r < ROWS; ++r) {
-                    /* Rows past the chunk's end or the group's last head repeat a real row into spare space. */
-                    int64_t position = first_position + r / heads, head = first_head + r % heads;
-                    const int real = r < positions * heads && position < query_len && head < (kv_head + 1) * group;
-                    if (!real) {
-                        position = first_position;
-                        head = first_head;
+                for (int64_t item = first; item < wave_end; ++item) {
+                    const int64_t kv_item = item % per_block, kv_head = kv_item / head_blocks;
+                    const int64_t first_head = kv_head * group + kv_item % head_blocks * heads;
+                    const int64_t first_position = (position_blocks - 1 - item / per_block) * positions;
+                    const float *q_rows[ROWS];
+                    float *out_rows[ROWS], *lse_rows[ROWS], spare[ROWS][8 * LANES], spare_lse[ROWS];
+                    int64_t visible[ROWS], last = 0;
+                    for (int r = 0; r < ROWS; ++r) {
+                        /* Rows past the chunk's end or the group's last head repeat a real row into spare space. */
+                        int64_t position = first_position + r / heads, head = first_head + r % heads;
+                        const int real = r < positions * heads && position < query_len && head < (kv_head + 1) * group;
+                        if (!real) {
+                            position = first_position;
+                            head = first_head;
+                        }
+                        q_rows[r] = q + (position * num_heads + head) * head_dim;
+                        out_rows[r] = real ? out + (position * num_heads + head) * head_dim : spare[r];
+                        lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
+                        visible[r] = context_len + position + 1;
+                        last = visible[r] > last ? visible[r] : last;
                     }
-                    q_rows[r] = q + (position * num_heads + head) * head_dim;
-                    out_rows[r] = real ? out + (position * num_heads + head) * head_dim : spare[r];
-                    lse_rows[r] = !real ? spare_lse + r : (lse ? lse + head * query_len + position : NULL);
-                    visible[r] = context_len + position + 1;
-                    last = visible[r] > last ? visible[r] : last;
+                    if (k_begin >= last) continue;
+                    const float *kc_head = kc + kv_head * kc_rows * head_dim;
+                    const int64_t *head_offsets = offsets + kv_head * num_keys;
+                    float *state = acc ? acc + (item - first) * state_floats : NULL;
+                    prefill_chunk(q_rows, visible, kc_head, v_cache, head_offsets, scale, k_begin,
+                                  k_begin + chunk_keys, state, out_rows, lse_rows, vectors);
                 }
-                if (k_begin >= last) continue;
-                const int64_t k_end = k_begin + chunk_keys;
-                const float *kc_head = kc + kv_head * kc_rows * head_dim;
-                const int64_t *head_offsets = offsets + kv_head * num_keys;
-                prefill_chunk(q_rows, visible, kc_head, v_cache, head_offsets, scale, k_begin, k_end,
-                              acc ? acc + item * state_floats : NULL, out_rows, lse_rows, vectors);
             }
         }
     }
