@@ -589,9 +589,9 @@ static inline __attribute__((always_inline)) void prefill_chunk(
     }
 }
 
-/* The keys and values of one kv head per chunk of the prefill kernel, in bytes: every work item runs over
- * one chunk of its kv head's keys before any goes on to the next, so the chunk stays in the core's L2 cache
- * while all the query rows read it (1,024 keys at head_dim 64). */
+/* The keys and values of one kv head per chunk of the prefill kernel, in bytes: every work item of a wave
+ * (below) runs over one chunk of its kv head's keys before any goes on to the next, so the chunk stays in the
+ * core's L2 cache while the wave's query rows read it (1,024 keys at head_dim 64). */
 #define PREFILL_CHUNK_BYTES (512 * 1024)
 /* Work items per thread in one wave of the prefill kernel: the items go through the chunks a wave at a time,
  * so the running state kept between chunks is a wave's (not every item's of a long prompt), while each chunk
@@ -630,8 +630,8 @@ int paged_prefill_attention_f32(
     const int64_t items = num_kv_heads * head_blocks * position_blocks;
     if (chunk_keys <= 0) chunk_keys = PREFILL_CHUNK_BYTES / (int64_t)(2 * sizeof(float) * (size_t)head_dim);
     /* The nearest whole number of chunks of about chunk_keys, equal, in whole blocks: a sequence a little
-     * longer than one chunk is one, and no chunk is a short tail (each chunk costs a barrier and a save of
-     * every item's state). */
+     * longer than one chunk is one, and no chunk is a short tail (each chunk costs a barrier per wave and a
+     * save of each item's state). */
     const int64_t chunks = num_keys / chunk_keys + (num_keys % chunk_keys >= (chunk_keys + 1) / 2);
     chunk_keys = chunks > 1 ? ((num_keys + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS : num_keys;
     float *kc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * kc_rows * head_dim));
