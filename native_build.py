@@ -2,7 +2,7 @@
 
 The CPU kernels (``kernels/native.py``) and the KV store's native reader (``kvstore/ucx_native.py``) share
 this. A library goes under ``$RAYTURN_CACHE_DIR/<folder>`` (default ``~/.cache/rayturn/<folder>``), named by
-a digest of whatever its build depends on. Builds are safe to run at once (several Ray actors starting
+a digest of whatever its build depends on (``built``). Builds are safe to run at once (several Ray actors starting
 together): each compiles to a private file and renames the whole file into place. A library is loaded only
 from a folder and a file that are this user's and that no one else may write, so a cache pointed at a shared
 directory cannot hand this process another user's code.
@@ -11,6 +11,7 @@ directory cannot hand this process another user's code.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -76,6 +77,18 @@ def build(compiler_path: str, args: Sequence[str], libraries: Sequence[str], tar
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
+
+
+def built(
+    folder: str, stem: str, key: Sequence[str], compiler_path: str, args: Sequence[str], libraries: Sequence[str]
+) -> Path:
+    """The library ``<stem>-<digest of key>.so`` in ``cache_dir(folder)``, built there first if it is missing
+    (``key``: everything the build depends on); BuildFailed or OSError as ``build`` raises them."""
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    target = cache_dir(folder) / f"{stem}-{digest}.so"
+    if not target.is_file():
+        build(compiler_path, args, libraries, target)
+    return target
 
 
 def load(target: Path) -> ctypes.CDLL:

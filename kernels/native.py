@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import platform
 import subprocess
@@ -98,10 +97,6 @@ class NativeKernels:
         """The vector width the library was built for: 512 (AVX-512), 256 (AVX, AVX2) or 128."""
 
 
-def cache_dir() -> Path:
-    return native_build.cache_dir("kernels")
-
-
 def _compiler() -> str | None:
     return native_build.compiler()
 
@@ -131,20 +126,18 @@ def load() -> NativeKernels | None:
     try:
         version = native_build.compiler_version(compiler)
         for flags in (FLAGS, PORTABLE_FLAGS):
-            key = hashlib.sha256(
-                "\0".join([SOURCE.read_text(), compiler, version, *flags, platform.machine(), _cpu_model()]).encode()
-            ).hexdigest()[:16]
-            target = cache_dir() / f"paged_attention_cpu-{key}.so"
+            key = [SOURCE.read_text(), compiler, version, *flags, platform.machine(), _cpu_model()]
             try:
-                if not target.is_file():
-                    native_build.build(compiler, [*flags, str(SOURCE)], ["-lm"], target)
-                return NativeKernels(native_build.load(target), target)
+                target = native_build.built(
+                    "kernels", "paged_attention_cpu", key, compiler, [*flags, str(SOURCE)], ["-lm"]
+                )
             except native_build.BuildFailed as err:  # these flags do not build here: the portable ones may
                 errors.append(str(err))
-            except OSError as err:
-                if not target.is_file():
-                    raise
-                errors.append(str(err))  # built but not loadable (not this user's, or not for this host)
+                continue
+            try:
+                return NativeKernels(native_build.load(target), target)
+            except OSError as err:  # built but not loadable (not this user's alone, or not for this host)
+                errors.append(str(err))
     # No writable cache, a compiler that hangs: the torch backend serves instead.
     except (OSError, subprocess.SubprocessError) as err:
         errors.append(f"{type(err).__name__}: {err}")

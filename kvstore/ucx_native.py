@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import hashlib
 import itertools
 import logging
 import os
@@ -91,14 +90,11 @@ def library() -> ctypes.CDLL | None:
             raise OSError("no C compiler found (set $CC)")
         ucx = _ucx_root()
         version = native_build.compiler_version(compiler)
-        parts = [SOURCE.read_text(), compiler, version, str(ucx), (ucx / "VERSION.txt").read_text()]
-        digest = hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]
-        target = native_build.cache_dir("native") / f"ucx_native-{digest}.so"
-        if not target.is_file():
-            lib = ucx / "lib"
-            args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SOURCE)]
-            native_build.build(compiler, args, [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"], target)
-        return _declare(native_build.load(target))
+        key = [SOURCE.read_text(), compiler, version, str(ucx), (ucx / "VERSION.txt").read_text()]
+        lib = ucx / "lib"
+        args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SOURCE)]
+        libraries = [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"]
+        return _declare(native_build.load(native_build.built("native", "ucx_native", key, compiler, args, libraries)))
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         _unavailable.append(f"{type(error).__name__}: {error}")
         logger.warning("native KV reads unavailable, reads take the ucxx path: %s", error)
