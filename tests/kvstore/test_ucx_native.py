@@ -8,6 +8,7 @@ the ucxx handshake told it the port, and falls back to ucxx when it is gone.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import os
@@ -17,11 +18,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from rayturn import native_build
 from rayturn.kvstore import ucx_native
 from rayturn.kvstore.access import ReadGrant, SegmentGate, StoreAuth
 from rayturn.kvstore.ucx_native import (
@@ -39,6 +42,7 @@ SEGMENT_ID = "native-segment"
 EPOCH = "epoch-1"
 SEGMENT_BYTES = 2 << 20
 TIMEOUT_S = 10.0
+SPOILER_SOURCE = Path(__file__).with_name("ucx_session_spoiler.c")
 
 pytestmark = pytest.mark.skipif(ucx_native.library() is None, reason="no native library (no C compiler?)")
 
@@ -163,6 +167,51 @@ def test_a_peer_without_the_secret_gets_no_answer(auth: StoreAuth, server: Nativ
     finally:
         stranger.close()
     assert server.stat(STAT_SERVED) == 0 and server.stat(STAT_REFUSED) >= 1
+
+
+@pytest.fixture(scope="module")
+def spoiler_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The native reader's own source with ``rt_test_spoil_session`` added (``ucx_session_spoiler.c``), built as
+    ``ucx_native.library()`` builds the product's library."""
+    compiler = native_build.compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    ucx = ucx_native._ucx_root()
+    lib = ucx / "lib"
+    target = tmp_path_factory.mktemp("spoiler") / "ucx_session_spoiler.so"
+    args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SPOILER_SOURCE)]
+    native_build.build(compiler, args, [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"], target)
+    built = ucx_native._declare(native_build.load(target))
+    built.rt_test_spoil_session.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    built.rt_test_spoil_session.restype = ctypes.c_int
+    return built
+
+
+def test_a_read_not_signed_with_its_connections_session_key_gets_no_answer(
+    auth: StoreAuth, segment: np.ndarray, spoiler_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UCX tells the server which endpoint a message comes from by an id the sender writes, so a peer could name
+    a proven connection's endpoint: every READ must be signed with that connection's session key, and one that
+    is not is dropped unanswered (counted as refused), while the connection's own reads and other peers' go on."""
+    monkeypatch.setattr(ucx_native, "library", lambda: spoiler_library)
+    server = NativeServer(memoryview(segment), SegmentGate(auth, SEGMENT_ID, EPOCH), "127.0.0.1")
+    spoiled, other = NativeClient(auth), NativeClient(auth)
+    try:
+        ranges = [(8192, 4096)]
+        expected = [segment[8192:12288].tobytes()]
+        assert read(spoiled, server, ranges, grant_for(auth, ranges)) == expected  # proven, and served
+        assert spoiler_library.rt_test_spoil_session(spoiled._handle, b"127.0.0.1", server.port) == 0
+        into = bytearray(4096)
+        with pytest.raises(NativeReadFailed) as dropped:
+            spoiled.read("127.0.0.1", server.port, ranges, grant_for(auth, ranges), [memoryview(into)], 1.0)
+        assert dropped.value.kind == "timeout" and not any(into)  # no answer at all, not a refusal with a reason
+        assert server.stat(STAT_SERVED) == 1 and server.stat(STAT_REFUSED) == 1
+        assert read(other, server, ranges, grant_for(auth, ranges)) == expected  # the server serves on
+        assert server.stat(STAT_SERVED) == 2 and server.stat(STAT_ACCEPTED) == 2
+    finally:
+        spoiled.close()
+        other.close()
+        server.stop()
 
 
 def test_the_epoch_and_the_secret_follow_the_gate(
