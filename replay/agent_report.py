@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,13 @@ def summarize(samples: Sequence[CallSample], wall_s: float) -> dict[str, Any]:
     prompt_tokens = sum(s.prompt_tokens for s in ok)
     cached_tokens = sum(s.cached_tokens for s in ok)
     replicas: dict[str, set[str]] = {}
+    calls_by_replica: Counter[str] = Counter()
+    computed_by_replica: Counter[str] = Counter()
     for s in ok:
         if s.replica is not None:
             replicas.setdefault(s.session_id, set()).add(s.replica)
+            calls_by_replica[s.replica] += 1
+            computed_by_replica[s.replica] += s.prompt_tokens - s.cached_tokens
     return {
         "calls": len(samples),
         "failures": len(samples) - len(ok),
@@ -37,7 +42,21 @@ def summarize(samples: Sequence[CallSample], wall_s: float) -> dict[str, Any]:
         "cached_tokens": cached_tokens,
         "cached_token_fraction": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
         "replicas_per_session": round(sum(map(len, replicas.values())) / len(replicas), 2) if replicas else None,
+        "largest_replica_share": _largest_shares(calls_by_replica, computed_by_replica),
         "wall_s": round(wall_s, 2),
+    }
+
+
+def _largest_shares(calls: Counter[str], computed: Counter[str]) -> dict[str, Any] | None:
+    """How evenly the calls spread over the decode replicas that served them: the largest share of the calls
+    any one replica served, and of the prompt tokens computed for them (1 / replicas when even)."""
+    if not calls:
+        return None
+    total_computed = sum(computed.values())
+    return {
+        "replicas": len(calls),
+        "calls": round(max(calls.values()) / sum(calls.values()), 3),
+        "computed_prompt_tokens": round(max(computed.values()) / total_computed, 3) if total_computed else None,
     }
 
 

@@ -18,7 +18,9 @@ cached_tokens`` over prompt tokens: what a replica's cache or the store served;
 for a call the prefill pool computed, what the prefill replica found cached;
 ``prefill_paths`` says how many calls took that path), ``replicas_per_session``
 (the decode replicas a session's calls landed on, on average: 1.0 when every
-session stays on one). Results and TTFT samples
+session stays on one) and ``largest_replica_share`` (of the calls, and of the
+prompt tokens computed for them, the largest share one decode replica
+served: 0.5 on two replicas when even). Results and TTFT samples
 go to ``agent_sessions.json`` in the folder ``--out`` (default
 ``bench/results/agent_sessions``), with ``agent_sessions.png``, a TTFT CDF,
 when matplotlib is installed. The last line of stdout is one JSON object;
@@ -188,6 +190,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         result: dict[str, Any] = {
             "cached_token_fraction": summary["cached_token_fraction"],
             "replicas_per_session": summary["replicas_per_session"],
+            "largest_replica_share": summary["largest_replica_share"],
         }
     else:
         summaries, ttfts = run_clusters(args, sessions, shape, warmup)
@@ -197,6 +200,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             "baseline_cached_token_fraction": summaries["baseline"]["cached_token_fraction"],
             "replicas_per_session": summaries["rayturn"]["replicas_per_session"],
             "baseline_replicas_per_session": summaries["baseline"]["replicas_per_session"],
+            "largest_replica_share": summaries["rayturn"]["largest_replica_share"],
+            "baseline_largest_replica_share": summaries["baseline"]["largest_replica_share"],
         }
     result = {
         "bench": "agent_sessions",

@@ -162,6 +162,22 @@ def test_summary_of_synthetic_calls() -> None:
     assert summary["cached_tokens"] == 7_500
     assert summary["cached_token_fraction"] == pytest.approx(7_500 / 10_100, abs=1e-4)
     assert summary["replicas_per_session"] == 1.5  # a: two replicas, b: one
+    # r1 served a's 50 odd calls (25 prompt tokens computed each) and b's first (100); r2 a's 50 even ones.
+    assert summary["largest_replica_share"] == {
+        "replicas": 2,
+        "calls": round(51 / 101, 3),
+        "computed_prompt_tokens": round((50 * 25 + 100) / (100 * 25 + 100), 3),
+    }
+
+
+def test_the_largest_replica_share_shows_calls_piled_on_one_replica() -> None:
+    samples = [sample("a", 0.1, prompt_tokens=1000, cached_tokens=900, replica="r1") for _ in range(3)]
+    samples.append(sample("b", 0.1, prompt_tokens=1000, cached_tokens=0, replica="r2"))
+    samples.append(sample("c", 0.1, prompt_tokens=50, cached_tokens=50, replica=None))  # no replica named: not counted
+    shares = summarize(samples, wall_s=1.0)["largest_replica_share"]
+    assert shares == {"replicas": 2, "calls": 0.75, "computed_prompt_tokens": round(1000 / 1300, 3)}
+    cached_only = summarize([sample("a", 0.1, prompt_tokens=64, cached_tokens=64, replica="r1")], wall_s=1.0)
+    assert cached_only["largest_replica_share"] == {"replicas": 1, "calls": 1.0, "computed_prompt_tokens": None}
 
 
 def test_summary_without_successful_calls_has_no_percentiles() -> None:
@@ -170,6 +186,7 @@ def test_summary_without_successful_calls_has_no_percentiles() -> None:
     assert summary["ttft_p99_s"] is None
     assert summary["cached_token_fraction"] is None
     assert summary["replicas_per_session"] is None
+    assert summary["largest_replica_share"] is None
 
 
 def test_ratios_divide_rayturn_by_the_baseline() -> None:
