@@ -91,14 +91,20 @@ def library() -> ctypes.CDLL | None:
         ucx = _ucx_root()
         version = native_build.compiler_version(compiler)
         key = [SOURCE.read_text(), compiler, version, str(ucx), (ucx / "VERSION.txt").read_text()]
-        lib = ucx / "lib"
-        args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SOURCE)]
-        libraries = [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"]
+        args, libraries = build_flags(SOURCE)
         return _declare(native_build.load(native_build.built("native", "ucx_native", key, compiler, args, libraries)))
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         _unavailable.append(f"{type(error).__name__}: {error}")
         logger.warning("native KV reads unavailable, reads take the ucxx path: %s", error)
         return None
+
+
+def build_flags(source: Path) -> tuple[list[str], list[str]]:
+    """The compiler's arguments and libraries for a shared library of ``source`` against the UCX ucxx loads."""
+    ucx = _ucx_root()
+    lib = ucx / "lib"
+    args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(source)]
+    return args, [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"]
 
 
 def unavailable_reason() -> str | None:

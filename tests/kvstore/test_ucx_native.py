@@ -171,16 +171,13 @@ def test_a_peer_without_the_secret_gets_no_answer(auth: StoreAuth, server: Nativ
 
 @pytest.fixture(scope="module")
 def spoiler_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The native reader's own source with ``rt_test_spoil_session`` added (``ucx_session_spoiler.c``), built as
-    ``ucx_native.library()`` builds the product's library."""
+    """The native reader's own source with ``rt_test_spoil_session`` added (``ucx_session_spoiler.c``), built with
+    the product library's flags (``ucx_native.build_flags``)."""
     compiler = native_build.compiler()
     if compiler is None:
         pytest.skip("no C compiler")
-    ucx = ucx_native._ucx_root()
-    lib = ucx / "lib"
     target = tmp_path_factory.mktemp("spoiler") / "ucx_session_spoiler.so"
-    args = ["-O2", "-shared", "-fPIC", f"-I{ucx / 'include'}", str(SPOILER_SOURCE)]
-    native_build.build(compiler, args, [f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"], target)
+    native_build.build(compiler, *ucx_native.build_flags(SPOILER_SOURCE), target)
     built = ucx_native._declare(native_build.load(target))
     built.rt_test_spoil_session.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     built.rt_test_spoil_session.restype = ctypes.c_int
