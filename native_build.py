@@ -11,6 +11,7 @@ directory cannot hand this process another user's code.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -32,8 +33,9 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
+@functools.lru_cache(maxsize=8)
 def compiler_version(compiler_path: str) -> str:
-    """The first line of ``--version``: part of a library's cache key."""
+    """The first line of ``--version``: part of a library's cache key (asked once per compiler and process)."""
     done = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30)
     return done.stdout.split("\n")[0]
 
