@@ -24,6 +24,14 @@ class CallSample:
     completion_tokens: int = 0
     replica: str | None = None  # the decode replica, when the server names it
     error: str = ""
+    start_s: float = 0.0  # when the call was sent (``time.perf_counter``)
+
+    def token_times(self) -> list[float]:
+        """When each streamed token arrived (``time.perf_counter``), rebuilt from the start, TTFT and ITLs."""
+        times = [self.start_s + self.ttft_s]
+        for gap in self.itl_s:
+            times.append(times[-1] + gap)
+        return times
 
 
 async def timed_call(client: Any, model: str, call: Call, max_tokens: int) -> CallSample:
@@ -62,6 +70,7 @@ async def timed_call(client: Any, model: str, call: Call, max_tokens: int) -> Ca
         cached_tokens=(details.cached_tokens or 0) if details else 0,
         completion_tokens=usage.completion_tokens,
         replica=replica,
+        start_s=start,
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,43 @@ def summarize(samples: Sequence[CallSample], wall_s: float) -> dict[str, Any]:
         "cached_token_fraction": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else None,
         "replicas_per_session": round(sum(map(len, replicas.values())) / len(replicas), 2) if replicas else None,
         "largest_replica_share": _largest_shares(calls_by_replica, computed_by_replica),
+        "itl_p50_by_streams": itl_p50_by_streams(ok),
         "wall_s": round(wall_s, 2),
+    }
+
+
+# A stream count's ITL p50 is reported from at least this many gaps.
+MIN_GAPS_PER_STREAM_COUNT = 50
+
+
+def itl_p50_by_streams(samples: Sequence[CallSample]) -> dict[str, dict[str, float | int]]:
+    """ITL p50 by how many calls were streaming tokens on the same decode replica when the gap ended (the
+    call itself included), for counts with at least ``MIN_GAPS_PER_STREAM_COUNT`` gaps: {count: {"itl_p50_s",
+    "gaps"}}. In a closed loop a system that answers sooner has more calls decoding at once, and a decode
+    step's time grows with its batch; these p50s compare two systems' ITLs at the same batch.
+
+    A call streams from its first token to its last. Calls the server did not name a replica for are left
+    out, as are calls in prefill (which also take a replica's time)."""
+    spans: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    timed = [(s, s.token_times()) for s in samples if s.replica is not None and s.itl_s]
+    for sample, times in timed:
+        starts, ends = spans[sample.replica or ""]
+        starts.append(times[0])
+        ends.append(times[-1])
+    for starts, ends in spans.values():
+        starts.sort()
+        ends.sort()
+    gaps_by_count: dict[int, list[float]] = defaultdict(list)
+    for sample, times in timed:
+        starts, ends = spans[sample.replica or ""]
+        for gap, end_s in zip(sample.itl_s, times[1:], strict=True):
+            # Streaming at end_s: started at or before it, not ended before it.
+            count = bisect.bisect_right(starts, end_s) - bisect.bisect_left(ends, end_s)
+            gaps_by_count[count].append(gap)
+    return {
+        str(count): {"itl_p50_s": round(percentile(gaps, 50), 5), "gaps": len(gaps)}
+        for count, gaps in sorted(gaps_by_count.items())
+        if len(gaps) >= MIN_GAPS_PER_STREAM_COUNT
     }
 
 
@@ -74,8 +111,15 @@ RATIOS = {  # reported ratio -> the per-system figure it divides
 
 
 def compare(rayturn: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """rayturn over baseline: latency ratios < 1 and a throughput ratio > 1 favour rayturn."""
-    return {name: _ratio(rayturn[key], baseline[key]) for name, key in RATIOS.items()}
+    """rayturn over baseline: latency ratios < 1 and a throughput ratio > 1 favour rayturn; the ITL p50 ratio
+    also per count of calls streaming on the replica, for the counts both systems report."""
+    ratios: dict[str, Any] = {name: _ratio(rayturn[key], baseline[key]) for name, key in RATIOS.items()}
+    ours, theirs = rayturn.get("itl_p50_by_streams") or {}, baseline.get("itl_p50_by_streams") or {}
+    ratios["itl_p50_ratio_by_streams"] = {
+        count: _ratio(ours[count]["itl_p50_s"], theirs[count]["itl_p50_s"])
+        for count in sorted(ours.keys() & theirs.keys(), key=int)
+    }
+    return ratios
 
 
 def write_plot(ttfts: dict[str, list[float]], title: str, path: Path) -> Path | None:

@@ -22,7 +22,7 @@ from rayturn.cluster.listeners import ListenerError
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.tokenizer import Tokenizer
 from rayturn.replay.agent_client import CallSample
-from rayturn.replay.agent_report import compare, summarize
+from rayturn.replay.agent_report import MIN_GAPS_PER_STREAM_COUNT, compare, itl_p50_by_streams, summarize
 from rayturn.replay.agent_sessions import make_shape, parse_args, wait_for_ports
 from rayturn.replay.agent_workload import make_workload
 from rayturn.replay.cli import parse_args as replay_args
@@ -180,6 +180,28 @@ def test_the_largest_replica_share_shows_calls_piled_on_one_replica() -> None:
     assert cached_only["largest_replica_share"] == {"replicas": 1, "calls": 1.0, "computed_prompt_tokens": None}
 
 
+def test_itl_p50_by_streams_counts_the_calls_streaming_on_the_same_replica() -> None:
+    n = MIN_GAPS_PER_STREAM_COUNT
+    # On r1: call a streams alone from t=1 to 1 + n * 0.01 (n gaps of 10 ms), then call b from t=10 alone.
+    alone = sample("a", 1.0, start_s=0.0, itl_s=(0.01,) * n, replica="r1")
+    later = sample("b", 1.0, start_s=9.0, itl_s=(0.01,) * n, replica="r1")
+    # On r2, two calls stream side by side over the same span, with 20 ms gaps.
+    pair = [sample(name, 1.0, start_s=0.0, itl_s=(0.02,) * n, replica="r2") for name in ("c", "d")]
+    assert later.token_times()[:3] == pytest.approx([10.0, 10.01, 10.02])
+    assert itl_p50_by_streams([alone, later, *pair]) == {
+        "1": {"itl_p50_s": 0.01, "gaps": 2 * n},  # r2's pair does not count against r1's calls
+        "2": {"itl_p50_s": 0.02, "gaps": 2 * n},
+    }
+    # A call that starts streaming halfway between the lone call's last 10 tokens (gaps of 1/64 s, exact in
+    # binary): those 10 gaps of the lone call and the first 9 of its own saw two streams, too few to report.
+    tick = 1 / 64
+    lone = sample("a", 1.0, start_s=0.0, itl_s=(tick,) * n, replica="r1")
+    overlap = sample("e", 1.0, start_s=(n - 10) * tick + tick / 2, itl_s=(tick,) * n, replica="r1")
+    assert itl_p50_by_streams([lone, overlap]) == {"1": {"itl_p50_s": round(tick, 5), "gaps": 2 * n - 19}}
+    # Calls without a replica named, or with one token, are left out.
+    assert itl_p50_by_streams([sample("f", 1.0, itl_s=(0.01,) * n), sample("g", 1.0, replica="r1")]) == {}
+
+
 def test_summary_without_successful_calls_has_no_percentiles() -> None:
     summary = summarize([CallSample("a", ok=False, error="x")], wall_s=1.0)
     assert summary["failures"] == 1
@@ -192,13 +214,19 @@ def test_summary_without_successful_calls_has_no_percentiles() -> None:
 def test_ratios_divide_rayturn_by_the_baseline() -> None:
     ours = {"ttft_p50_s": 0.1, "ttft_p99_s": 0.3, "itl_p50_s": 0.02, "itl_p99_s": None, "output_tok_s": 120.0}
     theirs = {"ttft_p50_s": 0.2, "ttft_p99_s": 0.6, "itl_p50_s": 0.0, "itl_p99_s": 0.1, "output_tok_s": 100.0}
-    assert compare(ours, theirs) == {
+    ratios = {
         "ttft_p50_ratio_vs_baseline": 0.5,
         "ttft_p99_ratio_vs_baseline": 0.5,
         "itl_p50_ratio_vs_baseline": None,  # nothing to divide by
         "itl_p99_ratio_vs_baseline": None,
         "output_tok_s_ratio_vs_baseline": 1.2,
     }
+    assert compare(ours, theirs) == {**ratios, "itl_p50_ratio_by_streams": {}}
+    # Per stream count, for the counts both systems report, in count order.
+    ours["itl_p50_by_streams"] = {"10": {"itl_p50_s": 0.09, "gaps": 60}, "2": {"itl_p50_s": 0.03, "gaps": 70}}
+    theirs["itl_p50_by_streams"] = {"2": {"itl_p50_s": 0.02, "gaps": 80}, "3": {"itl_p50_s": 0.04, "gaps": 90},
+                                    "10": {"itl_p50_s": 0.06, "gaps": 55}}  # fmt: skip
+    assert compare(ours, theirs)["itl_p50_ratio_by_streams"] == {"2": 1.5, "10": 1.5}
 
 
 def test_rayturn_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
