@@ -45,7 +45,7 @@ async def timed_call(client: Any, model: str, call: Call, max_tokens: int) -> Ca
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
-            extra_headers={"x-session-id": call.session_id},
+            extra_headers={"x-session-id": call.session_id} if call.session_id else None,
         )
         replica = stream.response.headers.get("x-rayturn-replica")
         token_times: list[float] = []

@@ -98,7 +98,7 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    session_id: str
+    session_id: str  # "": a call of no session (a warm-up), sent without a session header
     turn: int
     gap_s: float  # idle time before the call: a tool running, or the user thinking
     messages: tuple[Message, ...]
@@ -178,11 +178,16 @@ def make_workload(shape: Shape, seed: int) -> list[list[Call]]:
 
 
 def warmup_calls(shape: Shape, seed: int, count: int) -> list[Call]:
-    """Unrelated prompts (no workload page in them): short ones, and one long enough for the prefill pool."""
+    """Unrelated prompts (no workload page in them): short ones, and one long enough for the prefill pool.
+
+    They name no session (an empty ``session_id``: sent without a session header). A warm-up call is no agent
+    session, but a replica counts a session it saw as one it follows for minutes, and rayturn's router places
+    each new session on the replica following the fewest: warm-ups sent as sessions (five, an odd number)
+    tipped the real sessions' placement to 5 and 3 on two replicas, where 4 and 4 was due."""
     rng = random.Random(f"{seed}-warmup")
     lengths = [32] * count + [min(WARMUP_LONG_TOKENS, shape.prompt_budget_tokens)]
     calls = []
-    for index, length in enumerate(lengths):
+    for length in lengths:
         messages = ({"role": "user", "content": _text(rng, length)},)
-        calls.append(Call(f"warmup-{index}", 0, 0.0, messages, estimate_tokens(messages)))
+        calls.append(Call("", 0, 0.0, messages, estimate_tokens(messages)))
     return calls

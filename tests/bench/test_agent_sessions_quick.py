@@ -9,8 +9,10 @@ hand-made samples.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
+import types
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,10 @@ from rayturn.cli import main
 from rayturn.cluster.listeners import ListenerError
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.tokenizer import Tokenizer
-from rayturn.replay.agent_client import CallSample
+from rayturn.replay.agent_client import CallSample, timed_call
 from rayturn.replay.agent_report import MIN_GAPS_PER_STREAM_COUNT, compare, itl_p50_by_streams, summarize
 from rayturn.replay.agent_sessions import make_shape, parse_args, wait_for_ports
-from rayturn.replay.agent_workload import make_workload
+from rayturn.replay.agent_workload import make_workload, warmup_calls
 from rayturn.replay.cli import parse_args as replay_args
 from rayturn.replay.harness import percentile
 from rayturn.replay.paths import RESULTS_DIR
@@ -254,3 +256,30 @@ def test_the_next_system_waits_until_the_last_ones_ports_are_let_go() -> None:
         with pytest.raises(ListenerError, match="already in use"):
             wait_for_ports("127.0.0.1", {"server.http_port": port}, timeout_s=0.0)
     wait_for_ports("127.0.0.1", {"server.http_port": port}, timeout_s=0.0)
+
+
+def test_warm_up_calls_name_no_session_and_are_sent_without_a_session_header(quick_shape: Any) -> None:
+    warmup = warmup_calls(quick_shape, seed=0, count=4)
+    assert len(warmup) == 5 and {call.session_id for call in warmup} == {""}
+
+    class Stream:
+        response = types.SimpleNamespace(headers={"x-rayturn-replica": "r1"})
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> Any:
+            raise StopAsyncIteration
+
+    sent: list[dict[str, Any]] = []
+
+    async def create(**kwargs: Any) -> Stream:
+        sent.append(kwargs)
+        return Stream()
+
+    client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=create)))
+    asyncio.run(timed_call(client, "m", warmup[0], max_tokens=4))
+    session_call = dataclasses.replace(warmup[0], session_id="agent-0-0")
+    asyncio.run(timed_call(client, "m", session_call, max_tokens=4))
+    assert sent[0]["extra_headers"] is None
+    assert sent[1]["extra_headers"] == {"x-session-id": "agent-0-0"}
