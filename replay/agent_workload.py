@@ -183,7 +183,7 @@ def warmup_calls(shape: Shape, seed: int, count: int) -> list[Call]:
     They name no session (an empty ``session_id``: sent without a session header). A warm-up call is no agent
     session, but a replica counts a session it saw as one it follows for minutes, and rayturn's router places
     each new session on the replica following the fewest: warm-ups sent as sessions (five, an odd number)
-    tipped the real sessions' placement to 5 and 3 on two replicas, where 4 and 4 was due."""
+    could tip the real sessions' placement to 5 and 3 on two replicas, where 4 and 4 was due."""
     rng = random.Random(f"{seed}-warmup")
     lengths = [32] * count + [min(WARMUP_LONG_TOKENS, shape.prompt_budget_tokens)]
     calls = []
