@@ -75,6 +75,15 @@ _Owner = TypeVar("_Owner")
 
 _INIT_TIMEOUT_S: Final = 60.0
 
+PROGRESS_WAKE_MS: Final = 100
+"""How long ucxx's progress thread waits on its worker's events before it progresses the worker anyway.
+
+ucxx starts that thread with a 1 ms wait: ~900 wake-ups a second in every process of the store,
+idle or busy, each one a context switch that takes a core from whatever else runs there (on a
+small host, a decode replica's engine between two steps). Nothing here depends on the timeout:
+every request ucxx submits from another thread signals the worker, and UCX's transports wake the
+worker's event descriptor when a message arrives, so the wait is only a backstop."""
+
 _UCX_DEFAULTS: Final = {
     # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: spare every process the warning.
     "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -164,7 +173,22 @@ async def _init_ucxx() -> None:
             ucxx.init(enable_python_future=enable_python_future)
     except RuntimeError as error:  # "UCX is already initiated": someone used ucxx here before us
         logger.warning("ucxx was initialised outside rayturn's UCX loop (%s); completions may be slow", error)
+    else:
+        _slow_progress_wakeups(ucxx)
     ucx_features.check_context_features()
+
+
+def _slow_progress_wakeups(ucxx: ModuleType) -> None:
+    """Restart ucxx's progress thread with a :data:`PROGRESS_WAKE_MS` wait instead of its 1 ms.
+
+    Only in ucxx's default "thread" mode (``UCXPY_PROGRESS_MODE`` may choose another) and only on
+    a context this module created; at this point nothing has been submitted to the worker yet.
+    """
+    context = getattr(ucxx.core, "_ctx", None)
+    if context is None or getattr(context, "progress_mode", None) != "thread":
+        return
+    context.worker.stop_progress_thread()
+    context.worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_WAKE_MS)
 
 
 def _stop_notifier() -> None:

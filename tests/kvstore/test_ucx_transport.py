@@ -13,6 +13,7 @@ Every blocking call has a timeout (client calls, pipe polls, joins), so a hang f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import runpy
 import threading
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -712,3 +714,25 @@ def test_the_client_refuses_a_server_that_cannot_prove_the_secret() -> None:
             assert dest == bytearray(8)
     finally:
         run_in_ucx_loop(close(listener), timeout_s=CALL_TIMEOUT_S)
+
+
+def _context_switches(pid: int) -> int:
+    """Every context switch of every thread of ``pid`` so far (Linux's per-thread counters)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc")
+def test_an_idle_server_process_stays_asleep(remote: RemoteServer, client: UcxClient, expected: np.ndarray) -> None:
+    """After serving, a process of the store wakes up a few times a second, not ~900 (ucxx's progress thread
+    with its own 1 ms wait did): every wake-up takes a core from whatever else runs on the host."""
+    _still_serves(remote, client, expected)
+    started, before = time.monotonic(), _context_switches(remote.process.pid)
+    time.sleep(2.0)
+    rate = (_context_switches(remote.process.pid) - before) / (time.monotonic() - started)
+    assert rate < 100, f"an idle UCX server process switched context {rate:.0f} times a second"
