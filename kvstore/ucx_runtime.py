@@ -1,8 +1,9 @@
 """The per-process UCX runtime: the one event-loop thread that owns every ucxx object, and UCX's settings.
 
 Threads and event loops: ucxx keeps one application context per process, and in the mode used
-here (a UCX progress thread plus ucxx's "Python future" notifier) request completions are
-delivered to the event loop the context was created on. So each process runs ONE dedicated
+here (a UCX progress thread, asleep on the worker's events between them, plus ucxx's "Python
+future" notifier) request completions are delivered to the event loop the context was created
+on. So each process runs ONE dedicated
 daemon thread with its own asyncio loop, created on first use, that owns every ucxx object:
 UcxServer and UcxClient are synchronous facades submitting coroutines to it
 (``asyncio.run_coroutine_threadsafe``), usable from any number of threads, and a process can be
