@@ -26,10 +26,15 @@ class UnsafeUcxContext(RuntimeError):
     """This process's ucxx context has remote memory access on: rayturn will not serve or connect through it."""
 
 
+def application_context() -> Any:
+    """ucxx's application context of this process (its ``context``, ``worker`` and ``progress_mode``), or None
+    before it exists. ucxx keeps it in a private attribute: this is the one place that reads it."""
+    return getattr(importlib.import_module("ucxx").core, "_ctx", None)
+
+
 def context_features() -> tuple[str, ...]:
     """The names of the features this process's ucxx context was created with (empty before it exists)."""
-    ucxx = importlib.import_module("ucxx")
-    context = getattr(getattr(ucxx.core, "_ctx", None), "context", None)
+    context = getattr(application_context(), "context", None)
     if context is None:
         return ()
     api = importlib.import_module("ucxx._lib.libucxx")

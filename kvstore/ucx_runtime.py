@@ -174,17 +174,17 @@ async def _init_ucxx() -> None:
     except RuntimeError as error:  # "UCX is already initiated": someone used ucxx here before us
         logger.warning("ucxx was initialised outside rayturn's UCX loop (%s); completions may be slow", error)
     else:
-        _slow_progress_wakeups(ucxx)
+        _slow_progress_wakeups()
     ucx_features.check_context_features()
 
 
-def _slow_progress_wakeups(ucxx: ModuleType) -> None:
+def _slow_progress_wakeups() -> None:
     """Restart ucxx's progress thread with a :data:`PROGRESS_WAKE_MS` wait instead of its 1 ms.
 
     Only in ucxx's default "thread" mode (``UCXPY_PROGRESS_MODE`` may choose another) and only on
     a context this module created; at this point nothing has been submitted to the worker yet.
     """
-    context = getattr(ucxx.core, "_ctx", None)
+    context = ucx_features.application_context()
     if context is None or getattr(context, "progress_mode", None) != "thread":
         return
     context.worker.stop_progress_thread()
@@ -198,7 +198,7 @@ def _stop_notifier() -> None:
     # request; waking it through the worker (not public API, hence the getattr) saves that second
     # at every process exit. Waking it re-arms its state, so it is marked stopped once more after
     # it has exited, or the worker's destructor warns that it is still running.
-    worker = getattr(getattr(ucxx.core, "_ctx", None), "worker", None)
+    worker = getattr(ucx_features.application_context(), "worker", None)
     if not getattr(worker, "enable_python_future", False):
         worker = None  # no notifier to wake (and nothing behind the call to wake it with)
     with contextlib.suppress(Exception):
