@@ -6,8 +6,9 @@ future" notifier) request completions are delivered to the event loop the contex
 on. So each process runs ONE dedicated daemon thread with its own asyncio loop, created on first
 use, that owns every ucxx object: UcxServer and UcxClient are synchronous facades submitting
 coroutines to it (``asyncio.run_coroutine_threadsafe``), usable from any number of threads, and a
-process can be both a server and a client. Without the notifier, ucxx completes requests by spinning on
-``asyncio.sleep(0)``, which keeps a core busy for as long as a server waits on an idle connection.
+process can be both a server and a client. Without the notifier, ucxx completes requests by
+spinning on ``asyncio.sleep(0)``, which keeps a core busy for as long as a server waits on an idle
+connection.
 Callbacks (``on_write``) run on that loop thread: keep them short, and never call a UcxClient
 from one (that would deadlock; it raises RuntimeError instead).
 
