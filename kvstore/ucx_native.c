@@ -826,15 +826,17 @@ void rt_client_set_key(void *handle, const uint8_t *peer_key) {
     pthread_mutex_unlock(&c->lock);
 }
 
-/* Progress until done() or the deadline: spin a while, then sleep on the worker's fd. 0, or -1 on timeout. */
+/* Progress until done() or the deadline: spin a while, then sleep on the worker's fd. 0, or -1 on timeout.
+ * The deadline is checked after every round, busy or not: a transfer that keeps progressing slowly ends there. */
 static int client_wait(client_t *c, int (*done)(client_t *), int64_t deadline) {
     int64_t spin_until = now_ns(CLOCK_MONOTONIC) + CLIENT_SPIN_NS;
     for (;;) {
         if (done(c)) return 0;
-        if (ucp_worker_progress(c->worker)) continue;
+        unsigned progressed = ucp_worker_progress(c->worker);
         if (done(c)) return 0;
         int64_t now = now_ns(CLOCK_MONOTONIC);
         if (now > deadline) return -1;
+        if (progressed) continue;
         if (now < spin_until) {
             sched_yield();
             continue;
