@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import ModuleType
 from typing import Any, Final, TypeVar
 
-from rayturn.kvstore import ucx_features
+from rayturn.kvstore import ucx_features, ucx_handshake
 
 __all__ = [
     "describe_transports",
@@ -167,6 +167,7 @@ class _UcxRuntime:
 async def _init_ucxx() -> None:
     """Create ucxx's context on the UCX loop (so its notifier delivers completions to this loop), without RMA."""
     ucxx = load_ucxx()
+    ucx_handshake.install(ucxx)
     # Python futures: a completed request wakes the loop, instead of the loop polling with sleep(0).
     enable_python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
     try:

@@ -201,7 +201,9 @@ class UcxServer:
         return None if self._native is None else self._native.port
 
     async def _listen(self) -> Address:
-        self._listener = load_ucxx().create_listener(self._serve_endpoint, port=self._port)
+        self._listener = load_ucxx().create_listener(
+            self._serve_endpoint, port=self._port, connect_timeout=HANDSHAKE_TIMEOUT_S
+        )
         return (self._host, int(self._listener.port))
 
     async def _close_on_loop(self) -> None:
