@@ -37,6 +37,10 @@ read any byte of the server process that way, before the store's handshake could
 context some other code created first with RMA on is refused (``ucx_features.UnsafeUcxContext``). For
 the same reason UCX's TCP transport runs without its native puts (``UCX_TCP_PUT_ENABLE=n``,
 whatever the environment says), which land at the address the sender names, checking no key.
+
+Handshakes: ucxx's exchange of message tags, on connecting and on accepting, runs guarded
+(:mod:`rayturn.kvstore.ucx_handshake`): neither a timeout nor a cancellation frees its receive
+buffer while UCX may still write there.
 """
 
 from __future__ import annotations

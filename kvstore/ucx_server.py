@@ -230,13 +230,16 @@ class UcxServer:
             abort_endpoint(endpoint)
             return
         self._connections[endpoint] = task
+        # Held here until the endpoint is aborted: a receive into its buffer may still be posted (one that timed out).
+        connection = _ServerConnection(endpoint, self)
         try:
-            await _ServerConnection(endpoint, self).serve()
+            await connection.serve()
         except Exception as error:  # the peer left or broke the protocol: only this connection ends
             logger.debug("UCX connection closed: %s: %s", type(error).__name__, error)
         finally:
             self._connections.pop(endpoint, None)
             abort_endpoint(endpoint)
+            del connection
 
     def _check_request(self, ranges: list[Range]) -> int:
         """Total bytes of ``ranges``; _RequestRefused if one leaves the segment or staging would be too big."""
