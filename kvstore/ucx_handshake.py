@@ -12,13 +12,14 @@ own connect short.
 :func:`install` puts :func:`guarded_exchange` in the place of ucxx's function, in the listener and
 in the client's connect alike: ucxx's exchange runs unchanged as a task of its own, with no timeout
 of its own; on a timeout or a cancellation the endpoint is closed first, which makes UCX cancel
-the receive, and the task (holding its buffer until then) ends with it.
+the receive, and the task (holding its buffer until then) ends with it. A receive on an endpoint
+that had already failed (a server that refused the connection) is never completed, even so: once
+the endpoint is closed, nothing can land, and such a task is cancelled after :data:`CLOSED_GRACE_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 CLOSE_PERIOD_NS: Final = 10**9
 """How long closing a stalled handshake's endpoint may wait for ucxx's progress thread (as ucxx's own abort does)."""
+CLOSED_GRACE_S: Final = 1.0
+"""How long a stalled handshake may take to end once its endpoint is closed, before it is cancelled."""
 
 # Where ucxx looks the function up: its listener's handler, and the client's connect.
 _CALLERS: Final = ("ucxx._lib_async.listener", "ucxx._lib_async.application_context")
@@ -56,8 +59,12 @@ async def guarded_exchange(endpoint: Any, msg_tag: int, listener: bool, connect_
         return await asyncio.wait_for(asyncio.shield(exchange), connect_timeout)
     except BaseException:
         if not exchange.done():  # its receive may still be posted: UCX cancels it when the endpoint closes
-            with contextlib.suppress(Exception):
+            try:
                 endpoint.close_blocking(period=CLOSE_PERIOD_NS, max_attempts=1)
+            except Exception as error:  # not known to be closed: the exchange keeps its buffer
+                logger.debug("closing a stalled UCX handshake's endpoint: %s", error)
+            else:  # closed: nothing lands now, yet a receive on an endpoint that had failed is never completed
+                asyncio.get_running_loop().call_later(CLOSED_GRACE_S, exchange.cancel)
         raise
 
 

@@ -53,21 +53,28 @@ def test_a_ucxx_without_the_exchange_is_left_alone_with_a_warning(
 
 def test_the_guarded_exchange_runs_ucxx_own_without_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ucx_handshake, "_original", _exchange)
+    before = ucx_handshake.pending_exchanges()
     got = asyncio.run(ucx_handshake.guarded_exchange("endpoint", 7, True, connect_timeout=1.0))
     assert got == {"endpoint": "endpoint", "msg_tag": 7, "listener": True, "connect_timeout": None}
-    assert ucx_handshake.pending_exchanges() == 0
+    assert ucx_handshake.pending_exchanges() == before
 
 
 class _StalledEndpoint:
-    """An endpoint whose peer never answers: closing it ends the receive, as UCX's cancellation does."""
+    """An endpoint whose peer never answers. Closing it ends the receive, as UCX's cancellation does, unless
+    ``ends_on_close`` is False (an endpoint that had failed before); with ``close_fails``, closing raises."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ends_on_close: bool = True, close_fails: bool = False) -> None:
+        self.ends_on_close = ends_on_close
+        self.close_fails = close_fails
         self.closed = asyncio.Event()
         self.closes: list[dict[str, int]] = []
 
     def close_blocking(self, **kwargs: int) -> None:
         self.closes.append(kwargs)
-        self.closed.set()
+        if self.close_fails:
+            raise RuntimeError("Endpoint is not connected")
+        if self.ends_on_close:
+            self.closed.set()
 
 
 async def _stalled(endpoint: _StalledEndpoint, **kwargs: Any) -> dict[str, Any]:
@@ -75,24 +82,58 @@ async def _stalled(endpoint: _StalledEndpoint, **kwargs: Any) -> dict[str, Any]:
     raise RuntimeError("Request canceled")
 
 
+async def _turns() -> None:
+    """A few turns of the loop: an ended receive wakes its exchange, which then ends."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def _give_up_on(endpoint: _StalledEndpoint, how: str) -> None:
+    if how == "timeout":
+        with pytest.raises(TimeoutError):
+            await ucx_handshake.guarded_exchange(endpoint, 7, False, connect_timeout=0.05)
+        return
+    waiting = asyncio.ensure_future(ucx_handshake.guarded_exchange(endpoint, 7, False, connect_timeout=60.0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+@pytest.mark.parametrize("ends_on_close", [True, False])
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
-def test_a_stalled_exchange_closes_its_endpoint_and_ends(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+def test_a_stalled_exchange_closes_its_endpoint_and_ends(
+    monkeypatch: pytest.MonkeyPatch, how: str, ends_on_close: bool
+) -> None:
     monkeypatch.setattr(ucx_handshake, "_original", _stalled)
-    endpoint = _StalledEndpoint()
+    monkeypatch.setattr(ucx_handshake, "CLOSED_GRACE_S", 0.05)
+    endpoint = _StalledEndpoint(ends_on_close=ends_on_close)
+    before = ucx_handshake.pending_exchanges()
 
     async def run() -> None:
-        if how == "timeout":
-            with pytest.raises(TimeoutError):
-                await ucx_handshake.guarded_exchange(endpoint, 7, False, connect_timeout=0.05)
-        else:
-            waiting = asyncio.ensure_future(ucx_handshake.guarded_exchange(endpoint, 7, False, connect_timeout=60.0))
-            await asyncio.sleep(0.05)
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
+        await _give_up_on(endpoint, how)
         assert endpoint.closes == [{"period": ucx_handshake.CLOSE_PERIOD_NS, "max_attempts": 1}]
-        for _ in range(10):  # the exchange ends once its receive does, a loop turn or two later
-            await asyncio.sleep(0)
-        assert ucx_handshake.pending_exchanges() == 0
+        await _turns()
+        # Its receive cancelled by the close, the exchange ends at once; else it is cancelled after the grace.
+        assert ucx_handshake.pending_exchanges() == before + (0 if ends_on_close else 1)
+        await asyncio.sleep(0.2)
+        assert ucx_handshake.pending_exchanges() == before
+
+    asyncio.run(run())
+
+
+def test_an_exchange_whose_endpoint_did_not_close_keeps_its_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ucx_handshake, "_original", _stalled)
+    monkeypatch.setattr(ucx_handshake, "CLOSED_GRACE_S", 0.05)
+    endpoint = _StalledEndpoint(close_fails=True)
+    before = ucx_handshake.pending_exchanges()
+
+    async def run() -> None:
+        await _give_up_on(endpoint, "timeout")
+        await asyncio.sleep(0.2)
+        assert ucx_handshake.pending_exchanges() == before + 1  # left running: its receive may still land
+        endpoint.closed.set()  # the receive ends after all
+        await _turns()
+        assert ucx_handshake.pending_exchanges() == before
 
     asyncio.run(run())

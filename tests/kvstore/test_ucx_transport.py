@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rayturn.kvstore import ucx_features, ucx_native, wire
+from rayturn.kvstore import ucx_features, ucx_handshake, ucx_native, wire
 from rayturn.kvstore.access import HANDSHAKE_TIMEOUT_S, ReadGrant, SegmentGate, StoreAuth, WriteGrant
 from rayturn.kvstore.ucx_runtime import load_ucxx
 from rayturn.kvstore.ucx_transport import (
@@ -693,12 +693,18 @@ def test_a_peer_stalling_the_ucx_handshake_past_its_timeout_corrupts_nothing(
 
 
 def test_unreachable_server_raises_transport_error() -> None:
-    """Refused outright, or no handshake within connect_timeout_s: UCX does either, by timing."""
+    """Refused outright, or no handshake within connect_timeout_s: UCX does either, by timing. Either way the
+    handshake ends (one on an endpoint that failed is never completed by UCX: it is cancelled once closed)."""
+    before = ucx_handshake.pending_exchanges()
     with (
         UcxClient(auth=AUTH, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0) as ucx_client,
         pytest.raises(TransportError, match=r"read \('127\.0\.0\.1', 1\) failed: (cannot connect|no UCX handshake)"),
     ):
         read(ucx_client, ("127.0.0.1", 1), [(0, 4)], [bytearray(4)])
+    deadline = time.monotonic() + ucx_handshake.CLOSED_GRACE_S + 5.0
+    while ucx_handshake.pending_exchanges() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ucx_handshake.pending_exchanges() == before
 
 
 def test_server_in_this_process_and_clean_stop() -> None:
