@@ -125,6 +125,7 @@ class Channel:
         self._slot = bytearray(CONTROL_SLOT_BYTES)
         self._dirty_bytes = 0
         self._posted_frame = b""
+        self._body_receiving: bytearray | None = None
 
     async def send_control(self, body: bytes) -> None:
         if len(body) <= INLINE_BODY_BYTES:
@@ -230,12 +231,16 @@ class Channel:
 
     async def _recv_body(self, body_bytes: int, timeout_s: float | None) -> bytearray:
         body = bytearray(body_bytes)
+        # Kept by the channel until the receive ends: one cut short by its timeout stays posted until the
+        # connection's owner aborts the endpoint, and must not land in freed memory meanwhile.
+        self._body_receiving = body
         try:
             await _within(self.endpoint.recv(body), timeout_s)
         except Exception as error:
             if _is_truncation(error):
                 raise FramingError(f"control body longer than the {body_bytes} bytes announced") from None
             raise
+        self._body_receiving = None
         return body
 
     async def send_data(self, data: memoryview, timeout_s: float | None = None) -> None:

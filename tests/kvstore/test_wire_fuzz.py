@@ -172,6 +172,31 @@ def test_a_follow_up_body_longer_than_announced_never_passes_for_a_message() -> 
         recv_control(header, body)
 
 
+class StalledBodyEndpoint(ScriptedEndpoint):
+    """Delivers its messages, then a receive that never completes (a body whose sender stalled)."""
+
+    posted: bytearray | memoryview | None = None
+
+    async def recv(self, into: bytearray | memoryview) -> None:
+        if self._messages:
+            await super().recv(into)
+            return
+        self.posted = into
+        await asyncio.Event().wait()
+
+
+def test_a_body_whose_receive_timed_out_stays_held_by_the_channel() -> None:
+    """Its receive is still posted until the connection's owner aborts the endpoint: the buffer must outlive the
+    coroutine that made it, so the channel (held until then) keeps it."""
+    header = CONTROL_HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, FLAG_BODY_FOLLOWS, CONTROL_SLOT_BYTES + 1)
+    endpoint = StalledBodyEndpoint([header])
+    channel = Channel(endpoint)
+    with pytest.raises(TimeoutError):
+        asyncio.run(channel.recv_control(body_timeout_s=0.05))
+    assert endpoint.posted is not None and len(endpoint.posted) == CONTROL_SLOT_BYTES + 1
+    assert channel._body_receiving is endpoint.posted
+
+
 @pytest.fixture(scope="module")
 def server() -> UcxServer:
     """A UcxServer that is never started: only its request checks run (no UCX)."""
