@@ -33,8 +33,8 @@ CLOSE_PERIOD_NS: Final = 10**9
 CLOSED_GRACE_S: Final = 1.0
 """How long a stalled handshake may take to end once its endpoint is closed, before it is cancelled."""
 
-# Where ucxx looks the function up: its listener's handler, and the client's connect.
-_CALLERS: Final = ("ucxx._lib_async.listener", "ucxx._lib_async.application_context")
+# The modules of ``ucxx._lib_async`` that look the function up: the listener's handler, and the client's connect.
+_CALLERS: Final = ("listener", "application_context")
 
 _Exchange = Callable[..., Coroutine[Any, Any, dict[str, Any]]]
 _original: _Exchange | None = None
@@ -77,7 +77,7 @@ def install(ucxx: Any) -> bool:
     """Put :func:`guarded_exchange` where ucxx calls its exchange; False, with a warning, where this ucxx has none."""
     global _original
     package = getattr(ucxx, "_lib_async", None)
-    modules = [getattr(package, name.rsplit(".", 1)[1], None) for name in _CALLERS]
+    modules = [getattr(package, name, None) for name in _CALLERS]
     found: list[Any] = [module for module in modules if getattr(module, "exchange_peer_info", None) is not None]
     if len(found) != len(_CALLERS):
         logger.warning("this ucxx has no exchange_peer_info where expected: its handshake is not guarded")
