@@ -230,7 +230,7 @@ class UcxServer:
             abort_endpoint(endpoint)
             return
         self._connections[endpoint] = task
-        # Held here until the endpoint is aborted: a receive into its buffer may still be posted (one that timed out).
+        # A local, so held until the endpoint is aborted below: a receive into its buffer may still be posted.
         connection = _ServerConnection(endpoint, self)
         try:
             await connection.serve()
@@ -239,7 +239,6 @@ class UcxServer:
         finally:
             self._connections.pop(endpoint, None)
             abort_endpoint(endpoint)
-            del connection
 
     def _check_request(self, ranges: list[Range]) -> int:
         """Total bytes of ``ranges``; _RequestRefused if one leaves the segment or staging would be too big."""
