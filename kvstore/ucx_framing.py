@@ -36,6 +36,7 @@ from typing import Any, Final, TypeAlias, TypeVar
 import numpy as np
 
 from rayturn.kvstore import wire
+from rayturn.kvstore.ucx_handshake import CLOSE_PERIOD_NS
 from rayturn.kvstore.ucx_runtime import load_ucxx
 
 __all__ = [
@@ -86,7 +87,6 @@ INLINE_BODY_BYTES: Final = CONTROL_SLOT_BYTES - CONTROL_HEADER.size
 """Largest control body that travels inside its frame."""
 _ZEROS: Final = bytes(CONTROL_SLOT_BYTES)
 _KEEP_STAGING_BYTES: Final = 256 << 20  # staging a process keeps for reuse, all connections together
-_ABORT_PERIOD_NS: Final = 10**9
 
 
 class FramingError(Exception):
@@ -106,7 +106,7 @@ def _is_truncation(error: BaseException) -> bool:
 def abort_endpoint(endpoint: Any) -> None:
     """Close an endpoint now; UCX cancels its outstanding requests, so no late write lands in a buffer."""
     try:
-        endpoint.abort(period=_ABORT_PERIOD_NS)
+        endpoint.abort(period=CLOSE_PERIOD_NS)
     except Exception as error:  # already closed or broken: nothing left to release
         logger.debug("aborting UCX endpoint: %s", error)
 

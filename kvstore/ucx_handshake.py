@@ -29,7 +29,8 @@ __all__ = ["guarded_exchange", "install", "pending_exchanges"]
 logger = logging.getLogger(__name__)
 
 CLOSE_PERIOD_NS: Final = 10**9
-"""How long closing a stalled handshake's endpoint may wait for ucxx's progress thread (as ucxx's own abort does)."""
+"""How long closing an endpoint may wait for ucxx's progress thread: a stalled handshake's here, and a connection's
+when the store aborts it (``ucx_framing.abort_endpoint``)."""
 CLOSED_GRACE_S: Final = 1.0
 """How long a stalled handshake may take to end once its endpoint is closed, before it is cancelled."""
 
