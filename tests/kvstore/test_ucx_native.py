@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from process_stop import stop_process
 
 from rayturn import native_build
 from rayturn.kvstore import ucx_native
@@ -367,7 +368,7 @@ def test_an_owner_that_stops_answering_times_the_read_out_and_recovers(auth: Sto
         into = bytearray(64)
         client.read("127.0.0.1", port, ranges, grant_for(auth, ranges), [memoryview(into)], TIMEOUT_S)
         assert bytes(into) == expected
-        process.send_signal(signal.SIGSTOP)
+        stop_process(process.pid)
         try:
             start = time.monotonic()
             with pytest.raises(NativeReadFailed) as stalled:
