@@ -236,13 +236,24 @@ def test_a_caller_polls_for_its_answer_only_briefly_then_sleeps_until_it_comes(
     assert client.call("exists", [b"warm"], "t") == [True]
     yields: list[float] = []
     monkeypatch.setattr(lookup_client.os, "sched_yield", lambda: yields.append(time.perf_counter()))
+    # The window opens once the request is sent (not before the new socket's connection and handshake).
+    awaited: list[float] = []
+    await_reply = LookupClient._await_reply
+
+    def timed_await_reply(self: LookupClient) -> None:
+        awaited.append(time.perf_counter())
+        await_reply(self)
+
+    monkeypatch.setattr(LookupClient, "_await_reply", timed_await_reply)
     for _ in range(2):
         yields.clear()
+        awaited.clear()
         start = time.perf_counter()
         assert client.call("exists", [b"slow"], "t") == [True]
         assert time.perf_counter() - start >= SLOW_ANSWER_S
         assert yields, "the caller never polled for its answer"
-        assert yields[-1] - start < lookup_client.REPLY_SPIN_S + SLOW_ANSWER_S / 2, "it polled past its window"
+        assert len(awaited) == 1 and yields[0] >= awaited[0]
+        assert yields[-1] - awaited[0] < lookup_client.REPLY_SPIN_S + SLOW_ANSWER_S / 2, "it polled past its window"
         client.close_socket()  # the next call connects again, and polls its new socket
     assert (client.calls, client.fallbacks) == (3, 0)
 
