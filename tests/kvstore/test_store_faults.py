@@ -198,7 +198,7 @@ def test_an_owner_that_stops_answering_costs_a_miss_not_a_stuck_reader() -> None
     assert ray.get(owner.call.remote("put_batch", once, [page(10 + i) for i in range(4)])) == [True] * 4
     assert ray.get(other.call.remote("put_batch", elsewhere, [page(20 + i) for i in range(4)])) == [True] * 4
     assert ray.get(reader.call.remote("get_batch", once)) == [page(10 + i) for i in range(4)]  # connected
-    from process_stop import stop_process  # here: the module is imported by Ray's workers too, without tests/kvstore
+    from proc_threads import stop_process  # here: the module is imported by Ray's workers too, without tests/kvstore
 
     pid = ray.get(owner.pid.remote())
     stop_process(pid)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from process_stop import stop_process
+from proc_threads import stop_process
 
 from rayturn import native_build
 from rayturn.kvstore import ucx_native

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from proc_threads import thread_files
 
 from rayturn.kvstore import ucx_features, ucx_handshake, ucx_native, wire
 from rayturn.kvstore.access import HANDSHAKE_TIMEOUT_S, ReadGrant, SegmentGate, StoreAuth, WriteGrant
@@ -796,13 +797,12 @@ def test_the_client_refuses_a_server_that_cannot_prove_the_secret() -> None:
 
 def _context_switches(pid: int) -> int:
     """Every context switch of every thread of ``pid`` so far (Linux's per-thread counters)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                    total += int(line.split()[1])
-    return total
+    return sum(
+        int(line.split()[1])
+        for status in thread_files(pid, "status")
+        for line in status.splitlines()
+        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc")
