@@ -27,7 +27,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rayturn.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from rayturn.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from rayturn.protos import rayturn_pb2 as pb
 
 from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments
@@ -228,6 +235,22 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
     min_p = options.min_p if options.HasField("min_p") else 0.0
     if not 0 <= min_p <= 1:
         raise range_error("sampling.min_p", "a number in [0, 1]", min_p)
+    penalties: dict[str, float] = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(options, name) if options.HasField(name) else 0.0
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+            raise range_error(f"sampling.{name}", f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", value)
+        penalties[name] = value
+    if len(options.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        count = len(options.logit_bias)
+        message = f"Invalid 'sampling.logit_bias': expected at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {count}."
+        raise invalid_request(message, param="sampling.logit_bias")
+    for token_id, bias in options.logit_bias.items():
+        if token_id < 0:
+            raise range_error("sampling.logit_bias", "non-negative token ids as keys", token_id)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            bounds = f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            raise range_error(f"sampling.logit_bias[{token_id}]", f"a number in {bounds}", bias)
     if options.min_tokens < 0 or (max_tokens is not None and options.min_tokens > max_tokens):
         bound = f"in [0, {max_tokens}] (max_tokens)" if max_tokens is not None else ">= 0"
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
@@ -244,6 +267,9 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         top_logprobs=options.top_logprobs if options.logprobs else None,
         ignore_eos=options.ignore_eos,
         repetition_penalty=repetition_penalty,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        logit_bias=tuple(sorted(options.logit_bias.items())),
         min_p=min_p,
         min_tokens=options.min_tokens,
         speculative=options.speculative if options.HasField("speculative") else None,

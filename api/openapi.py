@@ -22,7 +22,7 @@ to a caller with a valid key when keys are set.
 from __future__ import annotations
 
 from rayturn import __version__
-from rayturn.engine.sampling_params import MAX_LOGPROBS
+from rayturn.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY
 
 from .chat_request import MAX_TOOLS
 from .completion_request import MAX_PROMPTS
@@ -124,9 +124,15 @@ def _sampling(max_tokens_minimum: int = 1) -> JSON:
         "stream": BOOLEAN,
         "stream_options": object_of({"include_usage": BOOLEAN}),
         "user": SESSION_ID,
-        "frequency_penalty": {"const": 0, "description": "Only 0 is supported."},
-        "presence_penalty": {"const": 0, "description": "Only 0 is supported."},
-        "logit_bias": {"type": "object", "maxProperties": 0, "description": "Only an empty object is supported."},
+        "frequency_penalty": number(-MAX_PENALTY, MAX_PENALTY),
+        "presence_penalty": number(-MAX_PENALTY, MAX_PENALTY),
+        "logit_bias": {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+            "additionalProperties": number(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
+            "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+            "description": "Token ids (in the vocabulary) to a number added to their logits.",
+        },
         "top_k": integer(minimum=-1),
         "min_p": number(0.0, 1.0),
         "repetition_penalty": number(0.0, MAX_REPETITION_PENALTY, exclusive_minimum=True),

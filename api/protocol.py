@@ -13,11 +13,11 @@ clients routinely send extras such as ``metadata`` or ``store``):
   model; the other APIs too),
   ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
   ``stream``, ``stream_options.include_usage``, ``user``;
-  ``frequency_penalty``/``presence_penalty`` only at 0 and ``logit_bias``
-  only empty; vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
-  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-  ``include_stop_str_in_output``, ``skip_special_tokens`` and
-  ``return_tokens_as_token_ids``. vLLM's other extensions
+  ``frequency_penalty``, ``presence_penalty`` (in [-2, 2]) and ``logit_bias``
+  (token ids, as strings, to numbers in [-100, 100]; at most 1,024); vLLM's
+  extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+  ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
+  ``skip_special_tokens`` and ``return_tokens_as_token_ids``. vLLM's other extensions
   (``UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): ``priority``, the
@@ -27,8 +27,8 @@ clients routinely send extras such as ``metadata`` or ``store``):
   can draft (``rayturn.engine.speculative`` keeps no state that only an
   enabled server builds), so ``true`` works on a server whose default is off.
   The answer is the same either way; only its speed differs. Calls that
-  cannot be verified exactly (``n`` > 1, a guide, a repetition penalty)
-  decode without drafts whatever they ask.
+  cannot be verified exactly (``n`` > 1, a guide, a repetition, frequency or
+  presence penalty, a logit bias) decode without drafts whatever they ask.
 * ``/v1/chat/completions``: ``messages`` (text content only),
   ``max_completion_tokens`` (wins over ``max_tokens``), ``logprobs``,
   ``top_logprobs``, ``tools``, ``tool_choice`` (``required`` and a named
@@ -57,7 +57,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rayturn.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from rayturn.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
 from .json_fields import INT64_MAX, INT64_MIN, Fields, is_integer, range_error, type_error
@@ -65,7 +71,6 @@ from .json_fields import INT64_MAX, INT64_MIN, Fields, is_integer, range_error, 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
-MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
 # Logits are divided by the temperature and by the repetition penalty; below this either one overflows them
 # to infinity (a temperature of 1e-300 is valid JSON). A smaller temperature is greedy, as vLLM treats it; a
@@ -116,6 +121,10 @@ class SamplingSpec:
     logprobs: bool = False
     top_logprobs: int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # ``logit_bias`` as (token id, bias) pairs sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's sampling extensions, honoured as vLLM does.
     repetition_penalty: float = 1.0
     min_p: float = 0.0
@@ -193,10 +202,15 @@ def to_sampling_params(
     the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses). Stop token ids the
     vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica.
     """
-    bad_stop_ids = [t for t in spec.stop_token_ids if t >= vocab_size] if vocab_size is not None else []
-    if bad_stop_ids:
-        message = f"Invalid 'stop_token_ids': token ids out of vocabulary [0, {vocab_size}): {bad_stop_ids[:5]}."
-        raise invalid_request(message, param="stop_token_ids")
+    if vocab_size is not None:
+        bad_stop_ids = [t for t in spec.stop_token_ids if t >= vocab_size]
+        if bad_stop_ids:
+            message = f"Invalid 'stop_token_ids': token ids out of vocabulary [0, {vocab_size}): {bad_stop_ids[:5]}."
+            raise invalid_request(message, param="stop_token_ids")
+        bad_bias_ids = [t for t, _ in spec.logit_bias if t >= vocab_size]
+        if bad_bias_ids:
+            message = f"Invalid 'logit_bias': token ids out of vocabulary [0, {vocab_size}): {bad_bias_ids[:5]}."
+            raise invalid_request(message, param="logit_bias")
     if prompt_tokens >= max_model_len:
         raise context_length_exceeded(prompt_tokens, max_model_len, param=prompt_param)
     room_tokens = max_model_len - prompt_tokens
@@ -228,6 +242,9 @@ def to_sampling_params(
             ignore_eos=spec.ignore_eos,
             logprobs=(spec.top_logprobs or 0) if spec.logprobs else None,
             repetition_penalty=repetition_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            presence_penalty=spec.presence_penalty,
+            logit_bias=spec.logit_bias,
             min_p=spec.min_p,
             min_tokens=spec.min_tokens,
             include_stop_str_in_output=spec.include_stop_str_in_output,
@@ -262,11 +279,8 @@ def sampling_spec(
 ) -> SamplingSpec:
     """The sampling fields every OpenAI-shaped API shares, vLLM's extensions included; a field this server
     knows but cannot honour is a 400 naming it (``reject_unsupported``), never silently ignored."""
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if fields.number(penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY):
-            raise unsupported(f"Unsupported '{penalty}': only 0 is supported.", param=penalty)
-    if fields.nested("logit_bias") is not None and fields.raw("logit_bias"):
-        raise unsupported("Unsupported 'logit_bias': only an empty object is supported.", param="logit_bias")
+    frequency_penalty = fields.number("frequency_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+    presence_penalty = fields.number("presence_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
     reject_unsupported(fields)
     repetition_penalty = fields.number(
         "repetition_penalty", minimum=0.0, maximum=MAX_REPETITION_PENALTY, exclusive_minimum=True
@@ -293,6 +307,9 @@ def sampling_spec(
         top_logprobs=top_logprobs,
         ignore_eos=fields.boolean("ignore_eos") or False,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        frequency_penalty=frequency_penalty or 0.0,
+        presence_penalty=presence_penalty or 0.0,
+        logit_bias=logit_bias(fields),
         min_p=min_p or 0.0,
         min_tokens=min_tokens,
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output") or False,
@@ -335,6 +352,30 @@ def reject_unsupported(fields: Fields, table: dict[str, object] = UNSUPPORTED_AT
             continue
         hint = " Use 'response_format' for structured output." if name.startswith(("guided_", "structured")) else ""
         raise unsupported(f"Unsupported '{name}': this server does not support it{where}.{hint}", param=name)
+
+
+def logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    """The body's ``logit_bias``: an object from token ids (JSON keys, so strings of digits) to numbers in
+    [-100, 100], as (id, bias) pairs sorted by id; null or empty is none."""
+    bias = fields.nested("logit_bias")
+    if bias is None:
+        return ()
+    keys = list(fields.raw("logit_bias"))
+    if len(keys) > MAX_LOGIT_BIAS_TOKENS:
+        message = f"Invalid 'logit_bias': expected at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(keys)}."
+        raise invalid_request(message, param="logit_bias")
+    pairs = []
+    for key in keys:
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
+            message = f"Invalid 'logit_bias': keys must be token ids (strings of digits), got {key[:40]!r}."
+            raise invalid_request(message, param="logit_bias")
+        value = bias.number(key, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
+        if value is None:
+            raise type_error(bias.path(key), "a number", None)
+        pairs.append((int(key), value))
+    if len({token_id for token_id, _ in pairs}) != len(pairs):  # "7" and "07"
+        raise invalid_request("Invalid 'logit_bias': a token id appears more than once.", param="logit_bias")
+    return tuple(sorted(pairs))
 
 
 def _stop(fields: Fields) -> tuple[str, ...]:

@@ -1,10 +1,12 @@
 """What changes the logits of a row before any token is picked from them, greedy rows included.
 
-In order: the repetition penalty (on the raw logits, over every token of the
-sequence: prompt and output), the ``min_tokens`` mask (stop token ids and EOS
-at -inf while the output is shorter), the guide's mask (``guided.py``). Each
-returns a new tensor, so the raw logits stay as they were for logprobs; a
-batch in which no row needs a step skips it.
+In order, as vLLM: the ``logit_bias`` (added to the named tokens), the
+repetition penalty (over every token of the sequence: prompt and output), the
+frequency and presence penalties (over the output's tokens only: OpenAI's
+``logit - count * frequency - (count > 0) * presence``), the ``min_tokens``
+mask (stop token ids and EOS at -inf while the output is shorter), the guide's
+mask (``guided.py``). Each returns a new tensor, so the raw logits stay as they
+were for logprobs; a batch in which no row needs a step skips it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from .sequence import Sequence
 
 def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: AbstractSet[int]) -> torch.Tensor:
     """The logits [B, V] each sequence (row) picks its next token from."""
+    biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
+    if biased:
+        logits = apply_logit_bias(logits, biased, [seqs[i].params.logit_bias for i in biased])
     penalised = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
     if penalised:
         logits = apply_repetition_penalty(
@@ -28,6 +33,15 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Abs
             penalised,
             [seqs[i].token_ids for i in penalised],
             [seqs[i].params.repetition_penalty for i in penalised],
+        )
+    counted = [i for i, seq in enumerate(seqs) if seq.params.penalises_output and seq.num_output_tokens]
+    if counted:
+        logits = apply_output_penalties(
+            logits,
+            counted,
+            [seqs[i].output_token_ids for i in counted],
+            [seqs[i].params.frequency_penalty for i in counted],
+            [seqs[i].params.presence_penalty for i in counted],
         )
     early = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
     if early:
@@ -59,6 +73,52 @@ def apply_repetition_penalty(
     penalised = torch.where(selected > 0, selected / penalty, selected * penalty)
     out = logits.clone()
     out[index] = torch.where(seen, penalised, selected)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Seq[int], biases: Seq[Seq[tuple[int, float]]]) -> torch.Tensor:
+    """A copy of ``logits`` with ``bias`` added to token ``token_id``'s logit in row ``rows[i]``, for each pair of
+    ``biases[i]``. Ids beyond the vocabulary are skipped (a request naming one is refused before it runs)."""
+    vocab_size = logits.shape[-1]
+    entries = [(row, token_id, bias) for row, pairs in zip(rows, biases) for token_id, bias in pairs]
+    kept = [entry for entry in entries if entry[1] < vocab_size]
+    if not kept:
+        return logits
+    device = logits.device
+    row_index = torch.tensor([row for row, _, _ in kept], device=device)
+    token_index = torch.tensor([token_id for _, token_id, _ in kept], device=device)
+    values = torch.tensor([bias for _, _, bias in kept], dtype=logits.dtype, device=device)
+    out = logits.clone()
+    out[row_index, token_index] += values  # each (row, token) at most once: a request's ids are distinct
+    return out
+
+
+def apply_output_penalties(
+    logits: torch.Tensor,
+    rows: Seq[int],
+    output_ids: Seq[Seq[int]],
+    frequency_penalties: Seq[float],
+    presence_penalties: Seq[float],
+) -> torch.Tensor:
+    """A copy of ``logits`` in which row ``rows[i]`` loses, for each token of ``output_ids[i]``, its count times
+    ``frequency_penalties[i]`` plus ``presence_penalties[i]`` once (OpenAI's frequency and presence penalties).
+
+    The work is in the tokens the outputs hold, not in the vocabulary: each distinct (row, token) pair is
+    numbered ``i * V + token`` and counted once, so 32 rows of a 150k-token vocabulary cost what their tokens do.
+    """
+    vocab_size = logits.shape[-1]
+    # numpy turns a long list into an array several times faster than torch does.
+    keys = np.concatenate([np.asarray(ids, dtype=np.int64) + i * vocab_size for i, ids in enumerate(output_ids)])
+    pairs, counts = np.unique(keys, return_counts=True)
+    which = torch.from_numpy(pairs // vocab_size)
+    frequency = torch.tensor(frequency_penalties, dtype=logits.dtype)[which]
+    presence = torch.tensor(presence_penalties, dtype=logits.dtype)[which]
+    penalty = torch.from_numpy(counts).to(logits.dtype) * frequency + presence
+    device = logits.device
+    row_index = torch.tensor(rows)[which].to(device)
+    token_index = torch.from_numpy(pairs % vocab_size).to(device)
+    out = logits.clone()
+    out[row_index, token_index] -= penalty.to(device)
     return out
 
 

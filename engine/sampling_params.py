@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .guided import Guide
@@ -11,6 +12,12 @@ MAX_STOP_STRINGS = 64
 """The most stop strings a request may give (each is looked for after every token)."""
 MAX_STOP_TOKEN_IDS = 256
 """The most stop token ids a request may give."""
+MAX_PENALTY = 2.0
+"""``frequency_penalty`` and ``presence_penalty`` lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+MAX_LOGIT_BIAS = 100.0
+"""A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""The most tokens one request's ``logit_bias`` may name (each costs a write into the row's logits per step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +44,17 @@ class SamplingParams:
     only). ``min_tokens``: until that many output tokens exist, the stop
     token ids and EOS (unless ``ignore_eos``) cannot be sampled, and no stop
     string ends the sequence (the length limits and a guide still do). Logprobs
-    still come from the raw distribution: the penalty and masks do not show
-    in them.
+    still come from the raw distribution: the penalties, the bias and the masks
+    do not show in them.
+
+    ``logit_bias`` maps token ids to a number in [-100, 100] added to their
+    logits (100 all but forces a token, -100 all but bans it), and
+    ``frequency_penalty`` / ``presence_penalty`` (in [-2, 2], 0 is off) subtract,
+    from the logit of every token the output already holds, the penalty times
+    its count / the penalty once (OpenAI's definitions; the prompt does not
+    count). Logits change in vLLM's order: the bias first, then the repetition,
+    frequency and presence penalties. A dict given as ``logit_bias`` is stored
+    as a tuple of ``(token_id, bias)`` pairs sorted by id.
 
     ``prompt_logprobs = k``: the log probability of every prompt token given
     the tokens before it, and the ``k`` most likely alternatives, from the raw
@@ -68,6 +84,9 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     speculative: bool | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -75,6 +94,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -112,6 +132,18 @@ class SamplingParams:
             f"must be > 0, got {self.repetition_penalty!r}",
         )
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}",
+            )
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+            "logit_bias",
+            f"must name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}",
+        )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -133,6 +165,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalises_output(self) -> bool:
+        """Whether the frequency or presence penalty is on (the logits then depend on the output so far)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token_id, bias)`` pairs, from a mapping or pairs; ValueError naming what is
+    wrong."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+        raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {type(value).__name__}")
+    pairs = [(token_id, bias) for token_id, bias in items]
+    for token_id, bias in pairs:
+        _check(_is_int(token_id) and token_id >= 0, "logit_bias", f"keys must be token ids >= 0, got {token_id!r}")
+        _check(
+            _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}",
+        )
+    by_id = dict(pairs)
+    _check(len(by_id) == len(pairs), "logit_bias", "names a token id more than once")
+    return tuple(sorted((token_id, float(bias)) for token_id, bias in by_id.items()))
 
 
 def _is_number(value: object) -> bool:

@@ -25,8 +25,9 @@ id) and recent outputs per cache salt (for the ``MAX_TENANTS`` most recent
 salts), so no tenant's decode speed depends on another's text.
 
 Only sequences that may be verified exactly draft: one completion (``n``
-of 1), no guide, no repetition penalty, ``min_tokens`` reached (their
-logits need no processing that depends on the tokens before each position).
+of 1), no guide, no repetition, frequency or presence penalty, no logit bias,
+``min_tokens`` reached (their logits need no processing that depends on the
+tokens before each position, and none that verification leaves out).
 """
 
 from __future__ import annotations
@@ -82,7 +83,14 @@ class Drafter:
     def wants(self, params: SamplingParams) -> bool:
         """Whether a request with these parameters speculates (its own switch, else the engine's default)."""
         enabled = self.config.enabled if params.speculative is None else params.speculative
-        return enabled and params.n == 1 and params.guide is None and params.repetition_penalty == 1.0
+        return (
+            enabled
+            and params.n == 1
+            and params.guide is None
+            and params.repetition_penalty == 1.0
+            and not params.penalises_output
+            and not params.logit_bias
+        )
 
     def start(self, seq: Sequence, session_id: str | None) -> None:
         """Give a new sequence its drafting state, when its request speculates."""

@@ -319,6 +319,35 @@ def test_stop_token_ids_out_of_the_vocabulary_are_refused_at_the_ingress_naming_
     assert params.stop_token_ids == (255,)
 
 
+def test_logit_bias_out_of_the_vocabulary_is_refused_at_the_ingress_naming_the_field() -> None:
+    spec = SamplingSpec(logit_bias=((5, 1.0), (256, 2.0), (9000, -1.0)))
+    with pytest.raises(APIError) as caught:
+        to_sampling_params(spec, default_max_tokens=4, prompt_tokens=3, max_model_len=64, vocab_size=256)
+    assert caught.value.status_code == 400 and caught.value.param == "logit_bias"
+    assert caught.value.message == "Invalid 'logit_bias': token ids out of vocabulary [0, 256): [256, 9000]."
+    spec = SamplingSpec(logit_bias=((255, 3.0),), frequency_penalty=0.5, presence_penalty=-0.25)
+    params = to_sampling_params(spec, default_max_tokens=4, prompt_tokens=3, max_model_len=64, vocab_size=256)
+    assert (params.logit_bias, params.frequency_penalty, params.presence_penalty) == (((255, 3.0),), 0.5, -0.25)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"frequency_penalty": 2.5}, "SamplingParams.frequency_penalty must be a number in [-2, 2], got 2.5"),
+        ({"presence_penalty": float("nan")}, "SamplingParams.presence_penalty must be a number in [-2, 2], got nan"),
+        ({"logit_bias": {3: 101.0}}, "SamplingParams.logit_bias values must be numbers in [-100, 100], got 101.0"),
+        ({"logit_bias": {-3: 1.0}}, "SamplingParams.logit_bias keys must be token ids >= 0, got -3"),
+        ({"logit_bias": [(3, 1.0), (3, 2.0)]}, "SamplingParams.logit_bias names a token id more than once"),
+        ({"logit_bias": 5}, "SamplingParams.logit_bias must map token ids to numbers, got int"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "SamplingParams.logit_bias must name at most 1024 tokens"),
+    ],
+)
+def test_sampling_params_check_penalties_and_bias(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(**fields)
+    assert str(caught.value).startswith(message)
+
+
 def test_sampling_params_bound_how_many_stops_a_request_gives() -> None:
     """Every token is checked against each stop: the engine refuses more than its limits, whatever API made them."""
     SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))

@@ -132,6 +132,14 @@ def test_raw_prompts_keep_their_form_and_sampling() -> None:
     assert ids.sampling == SamplingSpec()
 
 
+def test_penalties_and_logit_bias_reach_the_sampling() -> None:
+    sampling = pb.SamplingOptions(frequency_penalty=0.5, presence_penalty=-1.5, logit_bias={42: 10.0, 7: -100.0})
+    parsed = parse_generate_request(pb.GenerateRequest(text="def f():", sampling=sampling), MODEL)
+    assert parsed.sampling == SamplingSpec(
+        frequency_penalty=0.5, presence_penalty=-1.5, logit_bias=((7, -100.0), (42, 10.0))
+    )
+
+
 BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="open_file", arguments="{}")])
 
 
@@ -171,6 +179,11 @@ BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="o
         (request(sampling=pb.SamplingOptions(stop_token_ids=[-3])), "sampling.stop_token_ids[0]"),
         (request(sampling=pb.SamplingOptions(stop=["s"] * 65)), "sampling.stop"),
         (request(sampling=pb.SamplingOptions(stop_token_ids=list(range(257)))), "sampling.stop_token_ids"),
+        (request(sampling=pb.SamplingOptions(frequency_penalty=2.5)), "sampling.frequency_penalty"),
+        (request(sampling=pb.SamplingOptions(presence_penalty=float("nan"))), "sampling.presence_penalty"),
+        (request(sampling=pb.SamplingOptions(logit_bias={3: 100.5})), "sampling.logit_bias[3]"),
+        (request(sampling=pb.SamplingOptions(logit_bias={-3: 1.0})), "sampling.logit_bias"),
+        (request(sampling=pb.SamplingOptions(logit_bias=dict.fromkeys(range(1025), 1.0))), "sampling.logit_bias"),
     ],
 )
 def test_bad_fields_are_400s_that_name_them(message: pb.GenerateRequest, field: str) -> None:

@@ -214,9 +214,17 @@ CHAT_400_CASES = [
     ({"response_format": {}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
-    ({"logit_bias": {"42": 10}}, "logit_bias"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+    ({"logit_bias": [10]}, "logit_bias"),
+    ({"logit_bias": {"42": 101}}, "logit_bias.42"),
+    ({"logit_bias": {"42": "10"}}, "logit_bias.42"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"logit_bias": {"token": 5}}, "logit_bias"),
+    ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias"),
+    ({"logit_bias": {"9" * 19: 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": []}, "tools"),
@@ -332,9 +340,9 @@ def test_chat_sampling_fields() -> None:
         logprobs=True,
         top_logprobs=5,
         ignore_eos=True,
-        presence_penalty=0,
-        frequency_penalty=0.0,
-        logit_bias={},
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        logit_bias={"42": 10, "7": -100, "0": 0.5},
         user="alice",
         response_format={"type": "text"},
     )
@@ -351,8 +359,13 @@ def test_chat_sampling_fields() -> None:
         logprobs=True,
         top_logprobs=5,
         ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        logit_bias=((0, 0.5), (7, -100.0), (42, 10.0)),
     )
     assert request.user == "alice"
+    quiet = _chat_body(presence_penalty=0, frequency_penalty=0.0, logit_bias={})
+    assert parse_chat_request(quiet, MODEL).sampling == SamplingSpec()
 
 
 @pytest.mark.parametrize(

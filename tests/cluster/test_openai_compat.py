@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from openai_penalties import OpenAIPenalties
 from prometheus_client.parser import text_string_to_metric_families
 from rayturn_cli import rayturn_command
 
@@ -240,28 +241,69 @@ def test_one_bad_prompt_in_a_batch_names_it(client: openai.OpenAI) -> None:
 # ---------------------------------------------------------------- sampling extensions
 
 
+def _hf_greedy_steps(hf_model: Any, token_ids: list[int], process: Any) -> list[int]:
+    """transformers' logits, 12 greedy steps, each step's scores changed by ``process(sequence, scores)``: step by
+    step, so EOS is neither masked nor a stop (``ignore_eos``)."""
+    sequence = torch.tensor([token_ids])
+    with torch.no_grad():
+        for _ in range(12):
+            scores = process(sequence, hf_model(sequence).logits[:, -1].float())
+            sequence = torch.cat([sequence, scores.argmax(-1, keepdim=True)], dim=1)
+    return sequence[0, len(token_ids) :].tolist()
+
+
+def _greedy_token_ids(client: openai.OpenAI, token_ids: list[int], **fields: Any) -> list[int]:
+    """The 12 tokens a greedy completion of ``token_ids`` with ``fields`` streams back (EOS ignored)."""
+    extra_body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **fields.pop("extra_body", {})}
+    response = client.completions.create(
+        model="tiny", prompt=token_ids, max_tokens=12, temperature=0, logprobs=0, extra_body=extra_body, **fields
+    )
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    return [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+
+
 def test_repetition_penalty_matches_transformers(client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any) -> None:
     token_ids = tokenizer.encode(PROMPT)
     for penalty in (1.5, 0.7):
-        # transformers' own processor, step by step, so EOS is neither masked nor a stop (``ignore_eos``).
-        processor = transformers.RepetitionPenaltyLogitsProcessor(penalty)
-        sequence = torch.tensor([token_ids])
-        with torch.no_grad():
-            for _ in range(12):
-                scores = processor(sequence, hf_model(sequence).logits[:, -1].float())
-                sequence = torch.cat([sequence, scores.argmax(-1, keepdim=True)], dim=1)
-        expected = sequence[0, len(token_ids) :].tolist()
-        response = client.completions.create(
-            model="tiny",
-            prompt=token_ids,
-            max_tokens=12,
-            temperature=0,
-            logprobs=0,
-            extra_body={"repetition_penalty": penalty, "ignore_eos": True, "return_tokens_as_token_ids": True},
-        )
-        logprobs = response.choices[0].logprobs
-        assert logprobs is not None and logprobs.tokens is not None
-        assert [int(token.removeprefix("token_id:")) for token in logprobs.tokens] == expected
+        expected = _hf_greedy_steps(hf_model, token_ids, transformers.RepetitionPenaltyLogitsProcessor(penalty))
+        assert _greedy_token_ids(client, token_ids, extra_body={"repetition_penalty": penalty}) == expected
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["local", "disaggregated"])
+def test_logit_bias_and_frequency_and_presence_penalties_match_transformers(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any, prompt: str
+) -> None:
+    token_ids = tokenizer.encode(prompt)
+    plain = _hf_greedy_steps(hf_model, token_ids, OpenAIPenalties(len(token_ids), {}, 0.0, 0.0))
+    # The plain first token held back, another pushed up, and both penalties on: each changes the answer here.
+    bias = {plain[0]: -100.0, 50: 4.0}
+    expected = _hf_greedy_steps(hf_model, token_ids, OpenAIPenalties(len(token_ids), bias, 1.2, 0.6))
+    assert expected != plain
+    answer = _greedy_token_ids(
+        client,
+        token_ids,
+        logit_bias={str(token): value for token, value in bias.items()},
+        frequency_penalty=1.2,
+        presence_penalty=0.6,
+    )
+    assert answer == expected
+
+
+def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
+    client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    (forced,) = tokenizer.encode("x")
+    messages: Any = [{"role": "user", "content": "say anything"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert chat.choices[0].message.content == "xxxxx"
+    vocab_size = json.loads((preset_dir("tiny") / "config.json").read_text())["vocab_size"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, logit_bias={str(vocab_size): 5})
+    assert caught.value.param == "logit_bias"  # type: ignore[attr-defined]
+    assert f"out of vocabulary [0, {vocab_size}): [{vocab_size}]" in caught.value.message
 
 
 def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
@@ -297,7 +339,7 @@ def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tok
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("use_beam_search", True), ("guided_json", {"type": "object"}), ("bad_words", ["x"]), ("logit_bias", {"5": 3})],
+    [("use_beam_search", True), ("guided_json", {"type": "object"}), ("bad_words", ["x"]), ("allowed_token_ids", [5])],
 )
 def test_fields_not_supported_are_refused_by_name(client: openai.OpenAI, field: str, value: Any) -> None:
     with pytest.raises(openai.BadRequestError) as caught:

@@ -145,6 +145,7 @@ def test_small_budget_and_few_pages_still_match(engine: LLMEngine) -> None:
         ([1, 2.0], GREEDY, r"out of vocabulary \[0, \d+\): \[2\.0\]"),
         ([0, 263, 1, 300], GREEDY, r"out of vocabulary \[0, 263\): \[263, 300\]"),  # tiny: 263 ids
         ([1] * 5000, GREEDY, "max_model_len"),
+        ([1, 2], SamplingParams(logit_bias={5: 1.0, 263: 2.0, 400: -1.0}), r"logit_bias .*\[0, 263\): \[263, 400\]"),
     ],
 )
 def test_bad_prompts_raise_value_error(engine: LLMEngine, prompt: object, params: SamplingParams, field: str) -> None:
@@ -173,6 +174,11 @@ def test_bad_prompts_raise_value_error(engine: LLMEngine, prompt: object, params
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
+        ({"frequency_penalty": 2.01}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"presence_penalty": True}, "presence_penalty"),
+        ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {"1": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs: dict[str, object], field: str) -> None:

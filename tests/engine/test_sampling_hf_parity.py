@@ -1,4 +1,6 @@
-"""Repetition penalty, min_tokens and min_p equal Hugging Face transformers' on the same weights."""
+"""Repetition penalty, logit bias, frequency and presence penalties, min_tokens and min_p equal Hugging Face
+transformers' on the same weights (for the frequency and presence penalties, transformers' logits with OpenAI's
+published formula applied to them)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import VOCAB_SIZE, make_hf_checkpoint
+from openai_penalties import OpenAIPenalties
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.logits_processors import apply_repetition_penalty
+from rayturn.engine.logits_processors import apply_logit_bias, apply_output_penalties, apply_repetition_penalty
 from rayturn.engine.sampler import apply_min_p
 
 transformers = pytest.importorskip("transformers")
@@ -99,6 +102,106 @@ def test_penalised_logprobs_stay_raw(engine: LLMEngine) -> None:
     top = penalised.completions[0].logprobs[0].top
     assert [token for token, _ in top] == [token for token, _ in raw_top]
     assert [value for _, value in top] == pytest.approx([value for _, value in raw_top], abs=1e-6)
+
+
+# -- logit bias, frequency and presence penalties ------------------------------
+
+
+def hf_penalised(
+    model: transformers.PreTrainedModel, prompt: list[int], frequency: float, presence: float, **kwargs: object
+) -> list[int]:
+    processors = transformers.LogitsProcessorList([OpenAIPenalties(len(prompt), {}, frequency, presence)])
+    return hf_greedy(model, prompt, logits_processor=processors, **kwargs)
+
+
+BIASES = {3: 6.0, 17: -100.0, 42: 2.5, VOCAB_SIZE - 1: 100.0}
+
+
+def test_logit_bias_matches_transformers_sequence_bias_processor() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, VOCAB_SIZE) * 3
+    rows, biases = [0, 2], [{5: 1.5, 9: -3.0}, {0: 100.0, VOCAB_SIZE - 1: -100.0, 7: 0.25}]
+    ours = apply_logit_bias(logits, rows, [tuple(b.items()) for b in biases])
+    for row, bias in zip(rows, biases):
+        processor = transformers.SequenceBiasLogitsProcessor({(token,): value for token, value in bias.items()})
+        theirs = processor(torch.tensor([[1, 2]]), logits[row : row + 1].clone())
+        assert torch.equal(ours[row : row + 1], theirs)
+    assert torch.equal(ours[1], logits[1])  # a row without a bias is left alone
+
+
+def test_greedy_logit_bias_matches_transformers(engine: LLMEngine, hf_model: transformers.PreTrainedModel) -> None:
+    prompts = make_prompts()
+    sequence_bias = {(token,): value for token, value in BIASES.items()}
+    expected = [hf_greedy(hf_model, prompt, sequence_bias=sequence_bias) for prompt in prompts]
+    outs = engine.generate(prompts, greedy(logit_bias=BIASES))
+    assert [out.token_ids for out in outs] == expected
+    assert all(out.token_ids == [VOCAB_SIZE - 1] * MAX_NEW_TOKENS for out in outs)  # +100 all but forces it
+    banned = {token for token, value in BIASES.items() if value > 0}
+    outs = engine.generate(prompts, greedy(logit_bias={token: -100.0 for token in banned}))
+    expected = [hf_greedy(hf_model, prompt, sequence_bias={(t,): -100.0 for t in banned}) for prompt in prompts]
+    assert [out.token_ids for out in outs] == expected
+    assert not banned & {token for out in outs for token in out.token_ids}
+
+
+def test_output_penalties_follow_openais_formula() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, VOCAB_SIZE) * 3
+    rows, outputs = [0, 2], [[5, 5, 9, 5], [VOCAB_SIZE - 1]]
+    frequencies, presences = [0.5, -1.0], [1.5, 2.0]
+    ours = apply_output_penalties(logits, rows, outputs, frequencies, presences)
+    expected = logits.clone()
+    expected[0, 5] -= 3 * 0.5 + 1.5
+    expected[0, 9] -= 0.5 + 1.5
+    expected[2, VOCAB_SIZE - 1] -= -1.0 + 2.0
+    assert torch.allclose(ours, expected, atol=0, rtol=1e-6)
+    assert torch.equal(ours[1], logits[1])
+
+
+@pytest.mark.parametrize(("frequency", "presence"), [(1.5, 0.0), (0.0, 2.0), (0.7, 0.4), (-2.0, 0.0)])
+def test_greedy_frequency_and_presence_penalties_match_transformers_with_openais_formula(
+    engine: LLMEngine, hf_model: transformers.PreTrainedModel, frequency: float, presence: float
+) -> None:
+    prompts = make_prompts()
+    expected = [hf_penalised(hf_model, prompt, frequency, presence) for prompt in prompts]
+    params = greedy(frequency_penalty=frequency, presence_penalty=presence)
+    outs = engine.generate(prompts, params)
+    assert [out.token_ids for out in outs] == expected
+    plain = engine.generate(prompts, greedy())
+    assert [out.token_ids for out in plain] != expected  # the penalty changed something
+
+
+def test_all_logit_changes_together_apply_in_vllms_order(
+    engine: LLMEngine, hf_model: transformers.PreTrainedModel
+) -> None:
+    """The bias first, then the repetition penalty (transformers' order too), then frequency and presence."""
+    prompts = make_prompts()
+    bias = {3: 4.0, 42: -2.0, 100: 3.0}
+    sequence_bias = {(token,): value for token, value in bias.items()}
+    expected = [
+        hf_penalised(hf_model, prompt, 0.6, 0.3, repetition_penalty=1.4, sequence_bias=sequence_bias)
+        for prompt in prompts
+    ]
+    params = [greedy(), greedy(logit_bias=bias, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3)]
+    outs = engine.generate(prompts + prompts, [params[0]] * len(prompts) + [params[1]] * len(prompts))
+    assert [out.token_ids for out in outs[len(prompts) :]] == expected
+    assert [out.token_ids for out in outs[: len(prompts)]] == [hf_greedy(hf_model, prompt) for prompt in prompts]
+
+
+def test_biased_and_penalised_logprobs_stay_raw(engine: LLMEngine) -> None:
+    prompt = make_prompts()[2]
+    (plain,) = engine.generate([prompt], greedy(max_tokens=1, logprobs=5))
+    (changed,) = engine.generate(
+        [prompt], greedy(max_tokens=2, logprobs=5, logit_bias={7: 100.0}, frequency_penalty=2.0, presence_penalty=2.0)
+    )
+    assert changed.token_ids == [7, 7]
+    assert plain.completions[0].logprobs is not None and changed.completions[0].logprobs is not None
+    raw, first = plain.completions[0].logprobs[0], changed.completions[0].logprobs[0]
+    assert [token for token, _ in first.top] == [token for token, _ in raw.top]
+    assert [value for _, value in first.top] == pytest.approx([value for _, value in raw.top], abs=1e-6)
+    # The sampled token's own logprob is the model's, as the prompt's logprob of the same token after that prompt.
+    (scored,) = engine.generate([[*prompt, 7]], greedy(max_tokens=1, prompt_logprobs=0))
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[-1] is not None
+    assert first.logprob == pytest.approx(scored.prompt_logprobs[-1].logprob, abs=1e-5)
 
 
 # -- min_tokens --------------------------------------------------------------

@@ -90,9 +90,17 @@ def test_histories_stay_within_their_tenant() -> None:
         assert drafter.propose(seq, 100) == expected
 
 
-@pytest.mark.parametrize(
-    "params", [{"n": 2}, {"repetition_penalty": 1.2}, {"speculative": None}], ids=["n", "penalty", "default-off"]
-)
+UNVERIFIABLE = {
+    "n": {"n": 2},
+    "penalty": {"repetition_penalty": 1.2},
+    "frequency": {"frequency_penalty": 0.5},
+    "presence": {"presence_penalty": -0.5},
+    "bias": {"logit_bias": {3: 5.0}},
+    "default-off": {"speculative": None},
+}
+
+
+@pytest.mark.parametrize("params", list(UNVERIFIABLE.values()), ids=list(UNVERIFIABLE))
 def test_drafter_leaves_out_what_it_cannot_verify_exactly(params: dict[str, object]) -> None:
     drafter = Drafter(SpeculativeConfig(), max_model_len=1000)
     sampling = SamplingParams(max_tokens=64, temperature=0.0, **{"speculative": True, **params})  # type: ignore[arg-type]
