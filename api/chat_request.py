@@ -16,9 +16,9 @@ from .protocol import (
     include_usage,
     model_field,
     prompt_cache_points,
-    reject_unsupported,
     sampling_spec,
 )
+from .sampling_fields import reject_unsupported
 
 MAX_TOOLS = 128
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -50,6 +50,36 @@ def array_of(items: JSON, min_items: int = 0, max_items: int | None = None) -> J
     return schema
 
 
+def token_id_key(vocab_size: int) -> JSON:
+    """An object key naming a token id of a ``vocab_size``-token vocabulary: the decimal forms of 0 to
+    ``vocab_size - 1``, without leading zeros (``logit_bias``'s keys)."""
+    return string(pattern=f"^{decimal_at_most(vocab_size - 1)}$")
+
+
+def decimal_at_most(most: int) -> str:
+    """A regular expression (unanchored) that matches the decimal forms of 0 to ``most`` and nothing else."""
+    if most < 0:
+        raise ValueError(f"most must be >= 0, got {most}")
+    digits = str(most)
+    width = len(digits)
+    if width == 1:
+        return _digit_range(0, most)
+    shorter = ["[0-9]"] + ([f"[1-9][0-9]{{1,{width - 2}}}"] if width > 2 else [])
+    # As wide as ``most``: its first i digits, then a smaller digit, then anything.
+    as_wide = []
+    for i, digit in enumerate(digits):
+        lowest, below = (1 if i == 0 else 0), int(digit) - 1
+        if below >= lowest:
+            rest = width - i - 1
+            tail = "" if rest == 0 else "[0-9]" if rest == 1 else f"[0-9]{{{rest}}}"
+            as_wide.append(digits[:i] + _digit_range(lowest, below) + tail)
+    return "(?:" + "|".join([*shorter, *as_wide, digits]) + ")"
+
+
+def _digit_range(lowest: int, highest: int) -> str:
+    return str(lowest) if lowest == highest else f"[{lowest}-{highest}]"
+
+
 def enum_of(*values: str) -> JSON:
     return {"type": "string", "enum": list(values)}
 

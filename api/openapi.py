@@ -42,15 +42,11 @@ from .json_schema import (
     number,
     object_of,
     string,
+    token_id_key,
 )
 from .openapi_agents import messages_request_schema, responses_request_schema
-from .protocol import (
-    MAX_N,
-    MAX_REPETITION_PENALTY,
-    MAX_STOP_SEQUENCES,
-    MAX_TEMPERATURE,
-    PROMPT_CACHE_RETENTION_S,
-)
+from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
+from .sampling_fields import MAX_STOP_SEQUENCES
 
 # -- the OpenAI chat completions and completions APIs ----------------------------------------------
 
@@ -112,10 +108,10 @@ _RESPONSE_FORMAT: JSON = {
 }
 
 
-def _sampling(max_tokens_minimum: int = 1) -> JSON:
+def _sampling(vocab_size: int) -> JSON:
     """The sampling fields of both OpenAI APIs, vLLM's extensions included (``protocol.sampling_spec``)."""
     return {
-        "max_tokens": integer(minimum=max_tokens_minimum),
+        "max_tokens": integer(minimum=1),
         "temperature": number(0.0, MAX_TEMPERATURE),
         "top_p": number(0.0, 1.0, exclusive_minimum=True),
         "n": integer(1, MAX_N),
@@ -128,7 +124,7 @@ def _sampling(max_tokens_minimum: int = 1) -> JSON:
         "presence_penalty": number(-MAX_PENALTY, MAX_PENALTY),
         "logit_bias": {
             "type": "object",
-            "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+            "propertyNames": token_id_key(vocab_size),
             "additionalProperties": number(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
             "maxProperties": MAX_LOGIT_BIAS_TOKENS,
             "description": "Token ids (in the vocabulary) to a number added to their logits.",
@@ -147,11 +143,11 @@ def _sampling(max_tokens_minimum: int = 1) -> JSON:
 _STREAM_OPTIONS_NEED_STREAM = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
 
 
-def chat_request_schema(served_model: str) -> JSON:
+def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
     properties = {
         "model": enum_of(served_model, ""),
         "messages": array_of(_CHAT_MESSAGE, min_items=1),
-        **_sampling(),
+        **_sampling(vocab_size),
         "max_completion_tokens": integer(minimum=1),
         "logprobs": BOOLEAN,
         "top_logprobs": integer(0, MAX_LOGPROBS),
@@ -212,7 +208,7 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
     properties = {
         "model": enum_of(served_model, ""),
         "prompt": prompt,
-        **_sampling(),
+        **_sampling(vocab_size),
         "echo": BOOLEAN,
         "logprobs": integer(0, MAX_LOGPROBS),
         "prompt_logprobs": integer(0, MAX_LOGPROBS),
@@ -281,7 +277,10 @@ def openapi_document(served_model: str, vocab_size: int) -> JSON:
         "paths": {
             "/v1/chat/completions": {
                 "post": _operation(
-                    "OpenAI chat completions", "OpenAIError", chat_request_schema(served_model), streams=True
+                    "OpenAI chat completions",
+                    "OpenAIError",
+                    chat_request_schema(served_model, vocab_size),
+                    streams=True,
                 )
             },
             "/v1/completions": {

@@ -18,7 +18,7 @@ clients routinely send extras such as ``metadata`` or ``store``):
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
   ``skip_special_tokens`` and ``return_tokens_as_token_ids``. vLLM's other extensions
-  (``UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
+  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): ``priority``, the
   call's class (a name, or vLLM's integer: ``rayturn.api.priority``), and
@@ -57,19 +57,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rayturn.engine.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-)
+from rayturn.engine.sampling_params import MAX_PENALTY, SamplingParams
 
-from .errors import context_length_exceeded, invalid_request, model_not_found, unsupported
-from .json_fields import INT64_MAX, INT64_MIN, Fields, is_integer, range_error, type_error
+from .errors import context_length_exceeded, invalid_request, model_not_found
+from .json_fields import INT64_MAX, INT64_MIN, Fields, range_error
+from .sampling_fields import logit_bias, reject_unsupported, stop_sequences, stop_token_ids
 
 MAX_N = 16
-MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 10.0
 # Logits are divided by the temperature and by the repetition penalty; below this either one overflows them
@@ -300,8 +294,8 @@ def sampling_spec(
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k is None else top_k,
         seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
-        stop=_stop(fields),
-        stop_token_ids=_stop_token_ids(fields),
+        stop=stop_sequences(fields),
+        stop_token_ids=stop_token_ids(fields),
         n=fields.integer("n", minimum=1, maximum=MAX_N) or 1,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -317,97 +311,6 @@ def sampling_spec(
         prompt_logprobs=prompt_logprobs,
         speculative=fields.boolean("speculative"),
     )
-
-
-# vLLM's request extensions this server does not honour, each with the value that means "not used": a request
-# that sets one to anything else gets a 400 naming it rather than an answer that silently ignored it.
-UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "truncate_prompt_tokens": None,
-    "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structured_outputs": None,
-    "spaces_between_special_tokens": True,
-    "cache_salt": None,
-    "kv_transfer_params": None,
-    "vllm_xargs": None,
-}
-_EMPTY: tuple[object, ...] = (None, [], {}, "")
-
-
-def reject_unsupported(fields: Fields, table: dict[str, object] = UNSUPPORTED_AT_DEFAULT, where: str = "") -> None:
-    """A 400 naming the first field of ``table`` set to anything but its "not used" value (an empty list,
-    object or string counts as not used where that value is null)."""
-    for name, default in table.items():
-        value = fields.raw(name)
-        if value is None or value == default or (default is None and value in _EMPTY):
-            continue
-        hint = " Use 'response_format' for structured output." if name.startswith(("guided_", "structured")) else ""
-        raise unsupported(f"Unsupported '{name}': this server does not support it{where}.{hint}", param=name)
-
-
-def logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
-    """The body's ``logit_bias``: an object from token ids (JSON keys, so strings of digits) to numbers in
-    [-100, 100], as (id, bias) pairs sorted by id; null or empty is none."""
-    bias = fields.nested("logit_bias")
-    if bias is None:
-        return ()
-    keys = list(fields.raw("logit_bias"))
-    if len(keys) > MAX_LOGIT_BIAS_TOKENS:
-        message = f"Invalid 'logit_bias': expected at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(keys)}."
-        raise invalid_request(message, param="logit_bias")
-    pairs = []
-    for key in keys:
-        if not (key.isascii() and key.isdigit() and len(key) <= 18):
-            message = f"Invalid 'logit_bias': keys must be token ids (strings of digits), got {key[:40]!r}."
-            raise invalid_request(message, param="logit_bias")
-        value = bias.number(key, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
-        if value is None:
-            raise type_error(bias.path(key), "a number", None)
-        pairs.append((int(key), value))
-    if len({token_id for token_id, _ in pairs}) != len(pairs):  # "7" and "07"
-        raise invalid_request("Invalid 'logit_bias': a token id appears more than once.", param="logit_bias")
-    return tuple(sorted(pairs))
-
-
-def _stop(fields: Fields) -> tuple[str, ...]:
-    value = fields.raw("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        entries = [("stop", value)]
-    elif isinstance(value, list):
-        if len(value) > MAX_STOP_SEQUENCES:
-            message = f"Invalid 'stop': expected at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}."
-            raise invalid_request(message, param="stop")
-        entries = [(f"stop[{i}]", entry) for i, entry in enumerate(value)]
-    else:
-        raise type_error("stop", "a string or an array of strings", value)
-    for param, entry in entries:
-        if not isinstance(entry, str):
-            raise type_error(param, "a string", entry)
-        if not entry:
-            raise invalid_request(f"Invalid '{param}': stop sequences must not be empty.", param=param)
-    return tuple(entry for _, entry in entries)
-
-
-def _stop_token_ids(fields: Fields) -> tuple[int, ...]:
-    values = fields.array("stop_token_ids") or []
-    if len(values) > MAX_STOP_TOKEN_IDS:
-        message = f"Invalid 'stop_token_ids': expected at most {MAX_STOP_TOKEN_IDS} token ids, got {len(values)}."
-        raise invalid_request(message, param="stop_token_ids")
-    for i, token_id in enumerate(values):
-        if not is_integer(token_id) or token_id < 0:
-            raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)
-    return tuple(int(token_id) for token_id in values)
 
 
 def include_usage(fields: Fields, stream: bool) -> bool:

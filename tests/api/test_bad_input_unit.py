@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from rayturn.api.completion_request import parse_completion_request
 from rayturn.api.errors import APIError, client_error
 from rayturn.api.grpc_decoding import SERVICER_FUNCTION, UndecodableRequest, add_servicer, decoded, lenient_decoder
 from rayturn.api.json_fields import INT64_MAX, Fields, json_in_text
+from rayturn.api.json_schema import token_id_key
 from rayturn.api.openapi import openapi_document
 from rayturn.api.protocol import MIN_LOGIT_DIVISOR, SamplingSpec, to_sampling_params
 from rayturn.api.request_limits import check_json_media_type, parse_json
@@ -218,7 +220,16 @@ PARSERS: dict[str, Callable[[object, str], Any]] = {
 }
 USER = {"role": "user", "content": "hi"}
 GOOD = {
-    "/v1/chat/completions": {"model": MODEL, "messages": [USER], "max_tokens": 2, "top_logprobs": 2, "logprobs": True},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [USER],
+        "max_tokens": 2,
+        "top_logprobs": 2,
+        "logprobs": True,
+        "logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 2.5},
+        "frequency_penalty": 0.5,
+        "presence_penalty": -2,
+    },
     "/v1/completions": {"prompt": [[1, 2], "hi"], "max_tokens": 2, "stream": True, "stream_options": {}},
     "/v1/messages": {"messages": [USER], "max_tokens": 2, "stop_sequences": ["x"]},
     "/v1/messages/count_tokens": {"messages": [USER]},
@@ -231,6 +242,10 @@ GOOD = {
 BAD = {
     "/v1/chat/completions": [
         {"messages": []},
+        {"messages": [USER], "logit_bias": {"x": 1}},
+        {"messages": [USER], "logit_bias": {"5": 101}},
+        {"messages": [USER], "logit_bias": [5]},
+        {"messages": [USER], "presence_penalty": 3},
         {"messages": [USER], "top_logprobs": 2},
         {"messages": [USER], "stream_options": {}},
         {"messages": [USER], "tool_choice": "required"},
@@ -291,6 +306,16 @@ def test_what_the_schema_refuses_the_parser_refuses(path: str, body: dict[str, A
         parsed = PARSERS[path](body, MODEL)
         if path == "/v1/chat/completions":  # the user field becomes the session id at the call's start
             optional_session_id(parsed.user, "user")
+
+
+@pytest.mark.parametrize("most", [*range(0, 130), 262, 999, 1000, 1009, 9_999, 10_000, 32_767, 151_935, 200_064])
+def test_token_id_keys_match_the_vocabulary_and_nothing_else(most: int) -> None:
+    """``logit_bias``'s keys in the schema: every id up to ``most`` in decimal, nothing above it, no leading zero."""
+    pattern = re.compile(token_id_key(most + 1)["pattern"])
+    below = range(0, most + 1) if most < 2_000 else [*range(0, 2_000), *range(most - 2_000, most + 1)]
+    assert all(pattern.fullmatch(str(i)) for i in below)
+    assert not any(pattern.fullmatch(str(i)) for i in range(most + 1, most * 3 + 30))
+    assert not any(pattern.fullmatch(text) for text in ("", "-1", "00", "01", f"0{most}", " 1", "1.0", "x"))
 
 
 def test_error_shapes_are_what_the_apis_answer() -> None:
