@@ -197,14 +197,12 @@ def to_sampling_params(
     vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica.
     """
     if vocab_size is not None:
-        bad_stop_ids = [t for t in spec.stop_token_ids if t >= vocab_size]
-        if bad_stop_ids:
-            message = f"Invalid 'stop_token_ids': token ids out of vocabulary [0, {vocab_size}): {bad_stop_ids[:5]}."
-            raise invalid_request(message, param="stop_token_ids")
-        bad_bias_ids = [t for t, _ in spec.logit_bias if t >= vocab_size]
-        if bad_bias_ids:
-            message = f"Invalid 'logit_bias': token ids out of vocabulary [0, {vocab_size}): {bad_bias_ids[:5]}."
-            raise invalid_request(message, param="logit_bias")
+        named = {"stop_token_ids": spec.stop_token_ids, "logit_bias": [t for t, _ in spec.logit_bias]}
+        for param, token_ids in named.items():
+            bad = [t for t in token_ids if t >= vocab_size]
+            if bad:
+                message = f"Invalid '{param}': token ids out of vocabulary [0, {vocab_size}): {bad[:5]}."
+                raise invalid_request(message, param=param)
     if prompt_tokens >= max_model_len:
         raise context_length_exceeded(prompt_tokens, max_model_len, param=prompt_param)
     room_tokens = max_model_len - prompt_tokens

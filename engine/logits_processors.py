@@ -78,16 +78,13 @@ def apply_repetition_penalty(
 
 def apply_logit_bias(logits: torch.Tensor, rows: Seq[int], biases: Seq[Seq[tuple[int, float]]]) -> torch.Tensor:
     """A copy of ``logits`` with ``bias`` added to token ``token_id``'s logit in row ``rows[i]``, for each pair of
-    ``biases[i]``. Ids beyond the vocabulary are skipped (a request naming one is refused before it runs)."""
-    vocab_size = logits.shape[-1]
+    ``biases[i]`` (every id is in the vocabulary: ``RequestLimits.check_request`` refuses a request naming one that
+    is not)."""
     entries = [(row, token_id, bias) for row, pairs in zip(rows, biases) for token_id, bias in pairs]
-    kept = [entry for entry in entries if entry[1] < vocab_size]
-    if not kept:
-        return logits
     device = logits.device
-    row_index = torch.tensor([row for row, _, _ in kept], device=device)
-    token_index = torch.tensor([token_id for _, token_id, _ in kept], device=device)
-    values = torch.tensor([bias for _, _, bias in kept], dtype=logits.dtype, device=device)
+    row_index = torch.tensor([row for row, _, _ in entries], device=device)
+    token_index = torch.tensor([token_id for _, token_id, _ in entries], device=device)
+    values = torch.tensor([bias for _, _, bias in entries], dtype=logits.dtype, device=device)
     out = logits.clone()
     out[row_index, token_index] += values  # each (row, token) at most once: a request's ids are distinct
     return out
