@@ -41,17 +41,20 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
     max_completion_tokens = fields.integer("max_completion_tokens", minimum=1)
     stream = fields.boolean("stream") or False
     parallel_tool_calls = fields.boolean("parallel_tool_calls")
+    sampling = sampling_spec(
+        fields,
+        max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    response_format = _response_format(fields)
+    one_guide(sampling.guide_param, response_format, tools, tool_choice)
     return ChatRequest(
         model=model,
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
-        sampling=sampling_spec(
-            fields,
-            max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-        ),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage(fields, stream),
         user=fields.string("user"),
@@ -59,7 +62,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         cache_points=prompt_cache_points(fields, len(messages)),
         prompt_cache_key=fields.string("prompt_cache_key"),
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
-        response_format=_response_format(fields),
+        response_format=response_format,
         priority=body_priority(fields),
         continue_final_message=_continue_final_message(fields, messages),
     )
@@ -86,6 +89,19 @@ def _response_format(fields: Fields) -> JSON | None:
     if strict is not None:
         json_schema["strict"] = strict
     return {"type": "json_schema", "json_schema": json_schema}
+
+
+def one_guide(param: str | None, response_format: JSON | None, tools: list[JSON] | None, choice: ToolChoice) -> None:
+    """A call has one guide: vLLM's structured outputs (named by ``param``) go with neither a ``response_format``
+    nor a forced tool call (``tool_choice`` "required" or a named function, with tools)."""
+    if param is None:
+        return
+    if response_format is not None:
+        message = f"Cannot set both '{param}' and 'response_format': ask for one output format."
+        raise invalid_request(message, param=param)
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        message = f"Cannot set '{param}' with a forced 'tool_choice': the answer is either a tool call or the format."
+        raise invalid_request(message, param=param)
 
 
 # Chat fields (OpenAI's and vLLM's) this server does not honour, with the value that means "not used".

@@ -15,9 +15,11 @@ path for every door. What changes on the way:
   ``developer`` becomes ``system``.
 
 ``text`` and ``token_ids`` inputs become a ``RawPrompt``: no template, so no
-tools. Every error is a 400 (INVALID_ARGUMENT) whose message quotes the
-field's path in the proto (``tools[1].parameters_json``,
-``messages.messages[2].tool_call_id``, ``sampling.top_logprobs``).
+tools. ``sampling.structured_output`` is read as the HTTP APIs read vLLM's
+``structured_outputs`` (``structured_outputs``). Every error is a 400
+(INVALID_ARGUMENT) whose message quotes the field's path in the proto
+(``tools[1].parameters_json``, ``messages.messages[2].tool_call_id``,
+``sampling.top_logprobs``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rayturn.engine.guided import Guide
 from rayturn.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -37,10 +40,11 @@ from rayturn.engine.sampling_params import (
 )
 from rayturn.protos import rayturn_pb2 as pb
 
-from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments
+from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments, one_guide
 from .errors import invalid_request
-from .json_fields import range_error
+from .json_fields import Fields, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
+from .structured_outputs import CONSTRAINTS, structured_output_form
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -80,11 +84,13 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
     if kind is None:
         raise invalid_request("Invalid 'input': set one of text, token_ids, messages.", param="input")
     tools = _tools(request.tools)
+    tool_choice = _tool_choice(request, tools)
+    one_guide(sampling.guide_param, None, tools, tool_choice)
     return ChatRequest(
         model=served_model,
         messages=_messages(request.messages),
         tools=tools,
-        tool_choice=_tool_choice(request, tools),
+        tool_choice=tool_choice,
         sampling=sampling,
         stream=True,
         parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
@@ -254,6 +260,7 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
     if options.min_tokens < 0 or (max_tokens is not None and options.min_tokens > max_tokens):
         bound = f"in [0, {max_tokens}] (max_tokens)" if max_tokens is not None else ">= 0"
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
+    guide, guide_param = _structured_output(options) or (None, None)
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -273,4 +280,19 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         min_p=min_p,
         min_tokens=options.min_tokens,
         speculative=options.speculative if options.HasField("speculative") else None,
+        guide=guide,
+        guide_param=guide_param,
     )
+
+
+def _structured_output(options: pb.SamplingOptions) -> tuple[Guide, str] | None:
+    """``sampling.structured_output`` read as the HTTP APIs read ``structured_outputs`` (errors name its path)."""
+    if not options.HasField("structured_output"):
+        return None
+    form, where = options.structured_output, "sampling.structured_output"
+    kind = form.WhichOneof("constraint")
+    if kind is None:
+        raise invalid_request(f"Invalid '{where}': set one of {', '.join(CONSTRAINTS)}.", param=where)
+    value = list(form.choice.values) if kind == "choice" else getattr(form, kind)
+    closed = form.disable_additional_properties
+    return structured_output_form(Fields({kind: value, "disable_additional_properties": closed}, where))

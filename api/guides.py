@@ -4,6 +4,8 @@
     tool_choice {"type": "any"} / {"type": "tool"} (Anthropic)   --> a Lark grammar of a tool call in the
                                                                     model's own format (``forced_call_grammar``)
     response_format json_object / json_schema                     --> a JSON guide
+    vLLM's structured outputs (JSON, regex, choice, grammar)      --> read with the sampling fields
+                                                                    (``structured_outputs``), one guide per call
 
 The decode replica's engine masks every token the guide does not allow, so a
 forced call is a well-formed call of a declared tool with arguments valid for
@@ -24,7 +26,6 @@ call cannot wander into keys the tool never named.
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
@@ -36,16 +37,14 @@ from rayturn.engine.tool_calls import forced_call_grammar, splits_every_answer
 
 from .errors import APIError, invalid_request
 from .protocol import ChatRequest
+from .structured_outputs import closed_schema, guide_error_reason
 
 # Agents send the same tools on every call: their grammars are made and checked once.
 MAX_CACHED_GRAMMARS = 64
 # Formats whose tags are special tokens, which detokenizing drops unless told to keep them.
 SPECIAL_TAG_PARSERS = ("mistral", "harmony")
-COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "not")
 # Where a chat request holds its schema; OpenAI names ``response_format`` as the param of a schema error.
 CHAT_SCHEMA_PATH, CHAT_SCHEMA_PARAM = "response_format.json_schema.schema", "response_format"
-# ``check_guide``'s prefix, and the place in the guide's grammar it names: neither is in the caller's terms.
-_GUIDE_ERROR_PREFIX = re.compile(r"^bad \w+ guide: (at \d+\(\d+\): )?")
 
 
 class GuideMaker:
@@ -85,7 +84,7 @@ class GuideMaker:
             check_guide(guide)
         except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
             path = form.get("schema_param")
-            message = f"Invalid '{path or CHAT_SCHEMA_PATH}': {_reason(err)}"
+            message = f"Invalid '{path or CHAT_SCHEMA_PATH}': {guide_error_reason(err)}"
             raise invalid_request(message, param=path or CHAT_SCHEMA_PARAM) from err
         return guide
 
@@ -120,14 +119,8 @@ def _uncallable(tools: list[dict[str, Any]], err: BaseException) -> APIError:
             check_guide(Guide.json_schema(function["parameters"]))
         except (ValueError, RecursionError) as tool_err:
             message = f"Cannot force a call of tool {function['name']!r}: its parameters schema is invalid: "
-            return invalid_request(message + _reason(tool_err), param="tools")
-    return invalid_request(f"Cannot force a call of these tools: {_reason(err)}", param="tools")
-
-
-def _reason(err: BaseException) -> str:
-    """The schema compiler's reason, on one line and in the caller's terms."""
-    lines = str(err).strip().splitlines()
-    return _GUIDE_ERROR_PREFIX.sub("", lines[0]) if lines else type(err).__name__
+            return invalid_request(message + guide_error_reason(tool_err), param="tools")
+    return invalid_request(f"Cannot force a call of these tools: {guide_error_reason(err)}", param="tools")
 
 
 def _closed_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -135,28 +128,3 @@ def _closed_tool(tool: dict[str, Any]) -> dict[str, Any]:
     if "parameters" not in function:
         return tool
     return {**tool, "function": {**function, "parameters": closed_schema(function["parameters"])}}
-
-
-def closed_schema(schema: object) -> object:
-    """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and
-    leaves ``additionalProperties`` unsaid (walking subschemas by their keywords, never property names); a
-    composed schema (``allOf``, ``anyOf``, ``oneOf``, ``not``) and its branches are left as they are."""
-    if not isinstance(schema, dict):
-        return schema
-    closed: dict[str, Any] = dict(schema)
-    for keyword in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(keyword), dict):
-            closed[keyword] = {name: closed_schema(sub) for name, sub in schema[keyword].items()}
-    if isinstance(schema.get("prefixItems"), list):
-        closed["prefixItems"] = [closed_schema(sub) for sub in schema["prefixItems"]]
-    for keyword in ("items", "additionalProperties"):
-        if isinstance(schema.get(keyword), dict):
-            closed[keyword] = closed_schema(schema[keyword])
-    # A composed schema's properties come from its branches too: closing it, or a branch, would forbid them.
-    composed = any(keyword in schema for keyword in COMPOSITION_KEYWORDS)
-    for keyword in COMPOSITION_KEYWORDS:
-        if keyword in schema:
-            closed[keyword] = schema[keyword]
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not composed:
-        closed["additionalProperties"] = False
-    return closed

@@ -24,11 +24,19 @@ class Fields:
         self._object: Mapping[str, Any] = value
         self._prefix = prefix
 
+    @property
+    def where(self) -> str:
+        """This object's own dotted path ("" for the body)."""
+        return self._prefix
+
     def path(self, key: str) -> str:
         return f"{self._prefix}.{key}" if self._prefix else key
 
     def raw(self, key: str) -> Any:
         return self._object.get(key)
+
+    def names(self) -> list[str]:
+        return list(self._object)
 
     def present(self, key: str) -> Any:
         value = self._object.get(key)

@@ -47,6 +47,7 @@ from .json_schema import (
 from .openapi_agents import messages_request_schema, responses_request_schema
 from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
 from .sampling_fields import MAX_STOP_SEQUENCES
+from .structured_outputs import CONSTRAINTS, MAX_CHOICES
 
 # -- the OpenAI chat completions and completions APIs ----------------------------------------------
 
@@ -107,6 +108,21 @@ _RESPONSE_FORMAT: JSON = {
     ]
 }
 
+# vLLM's structured outputs: exactly one constraint (the parser also reads its earlier ``guided_*`` spellings).
+_STRUCTURED_OUTPUTS: JSON = object_of(
+    {
+        "json": ANY_OBJECT,
+        "regex": string(minLength=1, description="The whole answer matches it (Rust regex syntax)."),
+        "choice": array_of(string(), 1, MAX_CHOICES),
+        "grammar": string(pattern=r"\S", description="A Lark or GBNF grammar the answer keeps to."),
+        "json_object": {"const": True},
+        "disable_any_whitespace": BOOLEAN,
+        "disable_additional_properties": BOOLEAN,
+    },
+    oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
+)
+STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"
+
 
 def _sampling(vocab_size: int) -> JSON:
     """The sampling fields of both OpenAI APIs, vLLM's extensions included (``protocol.sampling_spec``)."""
@@ -136,6 +152,7 @@ def _sampling(vocab_size: int) -> JSON:
         "include_stop_str_in_output": BOOLEAN,
         "skip_special_tokens": BOOLEAN,
         "return_tokens_as_token_ids": BOOLEAN,
+        "structured_outputs": _STRUCTURED_OUTPUTS,
     }
 
 
@@ -179,6 +196,11 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
             **_STREAM_OPTIONS_NEED_STREAM,
             "top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
             "tool_choice": {"required": ["tools"]},
+            # One guide per call: structured outputs go with neither a response format nor a forced tool call.
+            "structured_outputs": {
+                "not": {"required": ["response_format"]},
+                "properties": {"tool_choice": enum_of("none", "auto")},
+            },
             "continue_final_message": {
                 "if": continue_final,
                 "then": {
@@ -196,6 +218,7 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
                 *SHARED_RULES,
                 "a named 'tool_choice' names a tool declared in 'tools'",
                 "'continue_final_message' needs a final assistant message with text",
+                STRUCTURED_OUTPUT_RULE,
             ]
         },
     )
@@ -216,7 +239,11 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
     }
-    rules = [*SHARED_RULES[:1], "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated"]
+    rules = [
+        *SHARED_RULES[:1],
+        "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated",
+        STRUCTURED_OUTPUT_RULE,
+    ]
     return object_of(
         properties, ("prompt",), dependentSchemas=_STREAM_OPTIONS_NEED_STREAM, **{"x-rayturn-rules": rules}
     )

@@ -17,8 +17,12 @@ clients routinely send extras such as ``metadata`` or ``store``):
   (token ids, as strings, to numbers in [-100, 100]; at most 1,024); vLLM's
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-  ``skip_special_tokens`` and ``return_tokens_as_token_ids``. vLLM's other extensions
-  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``guided_*``, ``bad_words``, ...)
+  ``skip_special_tokens`` and ``return_tokens_as_token_ids``; vLLM's structured
+  outputs (``structured_outputs``: ``json``, ``regex``, ``choice``, ``grammar``,
+  ``json_object``; and the earlier ``guided_json``, ``guided_regex``,
+  ``guided_choice``, ``guided_grammar``), enforced by constrained decoding
+  (``structured_outputs``). vLLM's other extensions
+  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``bad_words``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): ``priority``, the
   call's class (a name, or vLLM's integer: ``rayturn.api.priority``), and
@@ -57,11 +61,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rayturn.engine.guided import Guide
 from rayturn.engine.sampling_params import MAX_PENALTY, SamplingParams
 
 from .errors import context_length_exceeded, invalid_request, model_not_found
 from .json_fields import INT64_MAX, INT64_MIN, Fields, range_error
 from .sampling_fields import logit_bias, reject_unsupported, stop_sequences, stop_token_ids
+from .structured_outputs import structured_output
 
 MAX_N = 16
 MAX_TEMPERATURE = 2.0
@@ -128,6 +134,9 @@ class SamplingSpec:
     prompt_logprobs: int | None = None
     # The body's ``speculative``: speculative decoding on or off for this call; None: the server's default.
     speculative: bool | None = None
+    # vLLM's structured outputs (``structured_outputs``, ``guided_*``): the guide, and the field that asked it.
+    guide: Guide | None = None
+    guide_param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +252,7 @@ def to_sampling_params(
             skip_special_tokens=spec.skip_special_tokens,
             prompt_logprobs=spec.prompt_logprobs,
             speculative=spec.speculative,
+            guide=spec.guide,
         )
     except ValueError as error:
         match = _ENGINE_FIELD.match(str(error))
@@ -274,6 +284,7 @@ def sampling_spec(
     frequency_penalty = fields.number("frequency_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
     presence_penalty = fields.number("presence_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
     reject_unsupported(fields)
+    guide, guide_param = structured_output(fields) or (None, None)
     repetition_penalty = fields.number(
         "repetition_penalty", minimum=0.0, maximum=MAX_REPETITION_PENALTY, exclusive_minimum=True
     )
@@ -308,6 +319,8 @@ def sampling_spec(
         skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
         prompt_logprobs=prompt_logprobs,
         speculative=fields.boolean("speculative"),
+        guide=guide,
+        guide_param=guide_param,
     )
 
 

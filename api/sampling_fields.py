@@ -23,13 +23,8 @@ UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
     "bad_words": None,
     "truncate_prompt_tokens": None,
     "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "structured_outputs": None,
     "spaces_between_special_tokens": True,
     "cache_salt": None,
     "kv_transfer_params": None,
@@ -45,7 +40,11 @@ def reject_unsupported(fields: Fields, table: dict[str, object] = UNSUPPORTED_AT
         value = fields.raw(name)
         if value is None or value == default or (default is None and value in _EMPTY):
             continue
-        hint = " Use 'response_format' for structured output." if name.startswith(("guided_", "structured")) else ""
+        hint = (
+            " Use 'structured_outputs' or 'response_format' for structured output."
+            if name.startswith("guided_")
+            else ""
+        )
         raise unsupported(f"Unsupported '{name}': this server does not support it{where}.{hint}", param=name)
 
 

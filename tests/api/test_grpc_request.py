@@ -12,6 +12,7 @@ from rayturn.api.chat_request import parse_chat_request
 from rayturn.api.errors import APIError
 from rayturn.api.grpc_request import RawPrompt, parse_generate_request
 from rayturn.api.protocol import ChatRequest, SamplingSpec
+from rayturn.engine.guided import Guide
 from rayturn.protos import rayturn_pb2 as pb
 
 MODEL = "tiny"
@@ -140,6 +141,37 @@ def test_penalties_and_logit_bias_reach_the_sampling() -> None:
     )
 
 
+def structured(**constraint: Any) -> pb.SamplingOptions:
+    return pb.SamplingOptions(structured_output=pb.StructuredOutput(**constraint))
+
+
+def test_a_structured_output_is_the_guide_http_builds() -> None:
+    for constraint, body in [
+        ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"choice": pb.Choices(values=["yes", 'say "no"'])}, {"choice": ["yes", 'say "no"']}),
+        ({"grammar": 'root ::= "a" | "b"'}, {"grammar": 'root ::= "a" | "b"'}),
+        (
+            {"json": json.dumps(SCHEMA), "disable_additional_properties": True},
+            {"json": SCHEMA, "disable_additional_properties": True},
+        ),
+        ({"json_object": True}, {"json_object": True}),
+    ]:
+        over_grpc = parse_generate_request(pb.GenerateRequest(text="hi", sampling=structured(**constraint)), MODEL)
+        over_http = parse_chat_request(
+            {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": body}, MODEL
+        )
+        assert over_grpc.sampling.guide == over_http.sampling.guide is not None, constraint
+        assert over_grpc.sampling.guide_param == f"sampling.structured_output.{next(iter(constraint))}"
+    closed = parse_generate_request(
+        pb.GenerateRequest(text="hi", sampling=structured(json=json.dumps(SCHEMA), disable_additional_properties=True)),
+        MODEL,
+    )
+    assert closed.sampling.guide == Guide.json_schema({**SCHEMA, "additionalProperties": False})
+    offered = parsed_chat(request(tools=[TOOL], sampling=structured(regex="a")))
+    assert offered.tool_choice == "auto" and offered.sampling.guide == Guide.regex("a")
+
+
+FORCED = pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED)
 BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="open_file", arguments="{}")])
 
 
@@ -184,6 +216,15 @@ BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="o
         (request(sampling=pb.SamplingOptions(logit_bias={3: 100.5})), "sampling.logit_bias[3]"),
         (request(sampling=pb.SamplingOptions(logit_bias={-3: 1.0})), "sampling.logit_bias"),
         (request(sampling=pb.SamplingOptions(logit_bias=dict.fromkeys(range(1025), 1.0))), "sampling.logit_bias"),
+        (request(sampling=pb.SamplingOptions(structured_output=pb.StructuredOutput())), "sampling.structured_output"),
+        (request(sampling=structured(json_object=False)), "sampling.structured_output"),
+        (request(sampling=structured(regex="(?<=a)b")), "sampling.structured_output.regex"),
+        (request(sampling=structured(regex="")), "sampling.structured_output.regex"),
+        (request(sampling=structured(choice=pb.Choices())), "sampling.structured_output.choice"),
+        (request(sampling=structured(grammar="root ::= (")), "sampling.structured_output.grammar"),
+        (request(sampling=structured(json="{")), "sampling.structured_output.json"),
+        (request(sampling=structured(json='{"type": "banana"}')), "sampling.structured_output.json"),
+        (request(tools=[TOOL], tool_choice=FORCED, sampling=structured(regex="a")), "sampling.structured_output.regex"),
     ],
 )
 def test_bad_fields_are_400s_that_name_them(message: pb.GenerateRequest, field: str) -> None:

@@ -12,8 +12,9 @@ import pytest
 from rayturn.api.anthropic_request import parse_messages_request
 from rayturn.api.chat_request import parse_chat_request
 from rayturn.api.errors import APIError
-from rayturn.api.guides import GuideMaker, closed_schema
+from rayturn.api.guides import GuideMaker
 from rayturn.api.responses_request import parse_responses_request
+from rayturn.api.structured_outputs import closed_schema
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.tokenizer import Tokenizer

@@ -40,6 +40,8 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from google.protobuf.message import DecodeError  # noqa: E402
 from hypothesis import HealthCheck, Phase, assume, given, settings  # noqa: E402
+from llguidance import LLMatcher  # noqa: E402
+from llguidance.gbnf_to_lark import any_to_lark  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 from small_cluster import serving, small_cluster  # noqa: E402
 
@@ -164,7 +166,8 @@ def final_text(body: dict[str, Any]) -> str | None:
 def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     """The ``x-rayturn-rules`` JSON Schema cannot state: unique tool names, a named tool choice that is
     declared, a ``previous_response_id`` that exists (state, not shape: none is drawn), a chat's
-    ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace."""
+    ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace, a
+    structured output's regex or grammar that compiles."""
     text = final_text(body)
     if path == "/v1/chat/completions" and body.get("continue_final_message") is True and not (text and text.strip()):
         return False
@@ -177,7 +180,27 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
         chosen = choice.get("name") or choice.get("function", {}).get("name")
         if chosen not in names:
             return False
-    return len(names) == len(set(names)) and "previous_response_id" not in body
+    return (
+        len(names) == len(set(names))
+        and "previous_response_id" not in body
+        and compiles(body.get("structured_outputs"))
+    )
+
+
+def compiles(form: Any) -> bool:
+    """The rule that a drawn ``structured_outputs.regex`` or ``.grammar`` compiles, judged by llguidance itself."""
+    if not isinstance(form, dict):
+        return True
+    try:
+        if isinstance(form.get("regex"), str):
+            grammar = LLMatcher.grammar_from_regex(form["regex"])
+        elif isinstance(form.get("grammar"), str):
+            grammar = LLMatcher.grammar_from_lark(any_to_lark(form["grammar"]))
+        else:
+            return True
+    except Exception:  # the GBNF converter raises whatever its parser meets
+        return False
+    return not LLMatcher.validate_grammar_with_warnings(grammar, None)[0]
 
 
 def bounded(body: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,9 +27,12 @@ openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+grpc = pytest.importorskip("grpc")
 
 from rayturn.engine.presets import preset_dir  # noqa: E402
 from rayturn.engine.tokenizer import Tokenizer  # noqa: E402
+from rayturn.protos import rayturn_pb2 as pb  # noqa: E402
+from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 28581, 29581
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
@@ -339,7 +343,12 @@ def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tok
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("use_beam_search", True), ("guided_json", {"type": "object"}), ("bad_words", ["x"]), ("allowed_token_ids", [5])],
+    [
+        ("use_beam_search", True),
+        ("guided_decoding_backend", "xgrammar"),
+        ("bad_words", ["x"]),
+        ("allowed_token_ids", [5]),
+    ],
 )
 def test_fields_not_supported_are_refused_by_name(client: openai.OpenAI, field: str, value: Any) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -470,3 +479,116 @@ def test_speculative_decoding_per_call_gives_the_same_greedy_answer(server: str,
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"speculative": "yes"})
     assert caught.value.param == "speculative"  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- structured outputs
+
+CHOICES = ["alpha", "alps", "beta", "bet", "gamma"]
+PATTERN = r"[0-9]{2}(-[a-c]+)?"
+
+
+class AllowedNext:
+    """The reference for a constraint, written from what it allows rather than by a grammar compiler: each step
+    masks every token whose text would not keep the answer a prefix of an allowed one (``partial``), and lets EOS
+    through where the answer so far is a whole one (``whole``)."""
+
+    def __init__(self, prompt_len: int, tokenizer: Tokenizer, partial: Any, whole: Any) -> None:
+        self.prompt_len, self.tokenizer, self.partial, self.whole = prompt_len, tokenizer, partial, whole
+        vocab_size = json.loads((preset_dir("tiny") / "config.json").read_text())["vocab_size"]
+        self.pieces = [tokenizer.decode([token_id]) for token_id in range(vocab_size)]
+
+    def __call__(self, sequence: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        text = self.tokenizer.decode(sequence[0, self.prompt_len :].tolist())
+        allowed = [t for t, piece in enumerate(self.pieces) if piece and self.partial(text + piece)]
+        if self.whole(text):
+            allowed.append(self.tokenizer.eos_token_id)
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, allowed] = scores[:, allowed]
+        return masked
+
+
+def _reference_text(hf_model: Any, tokenizer: Tokenizer, token_ids: list[int], allowed: AllowedNext) -> str:
+    steps = _hf_greedy_steps(hf_model, token_ids, allowed)
+    eos = tokenizer.eos_token_id
+    return tokenizer.decode(steps[: steps.index(eos)] if eos in steps else steps)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["local", "disaggregated"])
+def test_structured_outputs_match_transformers_under_the_same_constraint(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any, prompt: str
+) -> None:
+    """A choice and a regex, in vLLM's current form and its earlier one, and over gRPC, on the local and the
+    disaggregated path (where the prefill replica samples the first token under the guide): the greedy answer
+    equals transformers' with every token the constraint forbids masked."""
+    regex = pytest.importorskip("regex")
+    token_ids = tokenizer.encode(prompt)
+    plain = client.completions.create(model="tiny", prompt=token_ids, max_tokens=12, temperature=0).choices[0].text
+    cases = [
+        (
+            {"structured_outputs": {"choice": CHOICES}},
+            lambda s: any(c.startswith(s) for c in CHOICES),
+            CHOICES.__contains__,
+        ),
+        ({"guided_choice": CHOICES}, lambda s: any(c.startswith(s) for c in CHOICES), CHOICES.__contains__),
+        (
+            {"structured_outputs": {"regex": PATTERN}},
+            lambda s: regex.fullmatch(PATTERN, s, partial=True) is not None,
+            lambda s: regex.fullmatch(PATTERN, s) is not None,
+        ),
+    ]
+    for body, partial, whole in cases:
+        expected = _reference_text(
+            hf_model, tokenizer, token_ids, AllowedNext(len(token_ids), tokenizer, partial, whole)
+        )
+        assert whole(expected) and expected != plain, body
+        answer = client.completions.create(
+            model="tiny", prompt=token_ids, max_tokens=12, temperature=0, extra_body=body
+        )
+        assert answer.choices[0].text == expected, body
+        if "structured_outputs" in body:
+            form = pb.StructuredOutput(**{key: _grpc_value(value) for key, value in body["structured_outputs"].items()})
+            assert (
+                _grpc_text(token_ids, pb.SamplingOptions(max_tokens=12, temperature=0, structured_output=form))
+                == expected
+            )
+
+
+def _grpc_value(value: Any) -> Any:
+    return pb.Choices(values=value) if isinstance(value, list) else value
+
+
+def _grpc_text(token_ids: list[int], sampling: Any) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids), sampling=sampling)
+        return "".join(response.text for response in pb_grpc.RayTurnStub(channel).Generate(request, timeout=120))
+
+
+def test_structured_outputs_on_chat_streamed_sampled_and_refused(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Is it sunny?"}]
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, stream=True, extra_body={"guided_choice": CHOICES}
+    )
+    pieces = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert "".join(text for text, _ in pieces) in CHOICES and pieces[-1][1] == "stop"
+    sampled = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, n=4, temperature=1.0, seed=7,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no" | "maybe " [0-9]'}},
+    )  # fmt: skip
+    for choice in sampled.choices:
+        assert re.fullmatch("yes|no|maybe [0-9]", choice.message.content or ""), choice.message.content
+        assert choice.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"]}
+    closed = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=24, temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_additional_properties": True}},
+    )  # fmt: skip
+    assert json.loads(closed.choices[0].message.content or "") in ({"a": 1}, {"a": 2}, {"a": 3})
+    refusals = [
+        ({"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs.regex", "look-around"),
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice", "response_format"),
+        ({"structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs.json_object", "ask for one"),
+    ]
+    for body, param, words in refusals:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=body)
+        assert caught.value.param == param and words in caught.value.message  # type: ignore[attr-defined]
