@@ -1,4 +1,4 @@
-"""vLLM's structured outputs on the OpenAI-shaped APIs (chat completions and completions), as decoding guides.
+"""vLLM's structured outputs on chat completions, completions and gRPC, as decoding guides.
 
 A body asks for at most one constraint, in vLLM's current form or in its
 earlier top-level spelling::
@@ -11,13 +11,16 @@ earlier top-level spelling::
 
 ``structured_outputs`` may also say ``disable_additional_properties`` (an
 object schema that lists ``properties`` and says nothing of
-``additionalProperties`` takes no others) and ``disable_any_whitespace``
-(rayturn's JSON is always compact, so either value is kept). What this server
+``additionalProperties`` takes no others), ``disable_any_whitespace``
+(rayturn's JSON is always compact, so either value is kept) and vLLM's older
+``disable_fallback`` (one compiler here, nothing to fall back to). What this server
 cannot honour is a 400 naming it: ``whitespace_pattern``, ``structural_tag``
 and any key it does not know; so is a constraint that does not compile
 (naming where it sits: ``structured_outputs.regex``, ``guided_choice``, ...),
 and a body that asks two.
 
+gRPC's ``SamplingOptions.structured_output`` is the same object
+(``structured_output_form``; errors name ``sampling.structured_output.regex``, ...).
 The guide rides in ``SamplingSpec.guide`` to the engine, which holds every
 token to it (``rayturn.engine.guided``). A chat call that also asks a
 ``response_format`` or forces a tool call is refused: one guide per call.
