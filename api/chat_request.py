@@ -91,13 +91,19 @@ def _response_format(fields: Fields) -> JSON | None:
     return {"type": "json_schema", "json_schema": json_schema}
 
 
-def one_guide(param: str | None, response_format: JSON | None, tools: list[JSON] | None, choice: ToolChoice) -> None:
+def one_guide(
+    param: str | None,
+    response_format: JSON | None,
+    tools: list[JSON] | None,
+    choice: ToolChoice,
+    format_param: str = "response_format",
+) -> None:
     """A call has one guide: vLLM's structured outputs (named by ``param``) go with neither a ``response_format``
-    nor a forced tool call (``tool_choice`` "required" or a named function, with tools)."""
+    (the API's ``format_param``) nor a forced tool call (``tool_choice`` "required" or a named function)."""
     if param is None:
         return
     if response_format is not None:
-        message = f"Cannot set both '{param}' and 'response_format': ask for one output format."
+        message = f"Cannot set both '{param}' and '{format_param}': ask for one output format."
         raise invalid_request(message, param=param)
     if tools and (choice == "required" or isinstance(choice, dict)):
         message = f"Cannot set '{param}' with a forced 'tool_choice': the answer is either a tool call or the format."

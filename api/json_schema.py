@@ -13,6 +13,7 @@ from rayturn.engine.priority import PRIORITY_NAMES
 
 from .json_fields import INT64_MAX, INT64_MIN
 from .session import MAX_SESSION_ID_CHARS
+from .structured_outputs import CONSTRAINTS, MAX_CHOICES
 
 JSON = dict[str, Any]
 
@@ -100,3 +101,19 @@ SPECULATIVE: JSON = {
     "description": "Speculative decoding for this call (the same answer, faster when drafts match); "
     "absent: the server's default.",
 }
+
+
+# vLLM's structured outputs: exactly one constraint (chat and completions also read its earlier ``guided_*``).
+STRUCTURED_OUTPUTS: JSON = object_of(
+    {
+        "json": ANY_OBJECT,
+        "regex": string(minLength=1, description="The whole answer matches it (Rust regex syntax)."),
+        "choice": array_of(string(), 1, MAX_CHOICES),
+        "grammar": string(pattern=r"\S", description="A Lark or GBNF grammar the answer keeps to."),
+        "json_object": {"const": True},
+        "disable_any_whitespace": BOOLEAN,
+        "disable_additional_properties": BOOLEAN,
+    },
+    oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
+)
+STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"

@@ -35,6 +35,8 @@ from .json_schema import (
     SESSION_ID,
     SHARED_RULES,
     SPECULATIVE,
+    STRUCTURED_OUTPUT_RULE,
+    STRUCTURED_OUTPUTS,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -47,7 +49,6 @@ from .json_schema import (
 from .openapi_agents import messages_request_schema, responses_request_schema
 from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
 from .sampling_fields import MAX_STOP_SEQUENCES
-from .structured_outputs import CONSTRAINTS, MAX_CHOICES
 
 # -- the OpenAI chat completions and completions APIs ----------------------------------------------
 
@@ -108,21 +109,6 @@ _RESPONSE_FORMAT: JSON = {
     ]
 }
 
-# vLLM's structured outputs: exactly one constraint (the parser also reads its earlier ``guided_*`` spellings).
-_STRUCTURED_OUTPUTS: JSON = object_of(
-    {
-        "json": ANY_OBJECT,
-        "regex": string(minLength=1, description="The whole answer matches it (Rust regex syntax)."),
-        "choice": array_of(string(), 1, MAX_CHOICES),
-        "grammar": string(pattern=r"\S", description="A Lark or GBNF grammar the answer keeps to."),
-        "json_object": {"const": True},
-        "disable_any_whitespace": BOOLEAN,
-        "disable_additional_properties": BOOLEAN,
-    },
-    oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
-)
-STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"
-
 
 def _sampling(vocab_size: int) -> JSON:
     """The sampling fields of both OpenAI APIs, vLLM's extensions included (``protocol.sampling_spec``)."""
@@ -152,7 +138,7 @@ def _sampling(vocab_size: int) -> JSON:
         "include_stop_str_in_output": BOOLEAN,
         "skip_special_tokens": BOOLEAN,
         "return_tokens_as_token_ids": BOOLEAN,
-        "structured_outputs": _STRUCTURED_OUTPUTS,
+        "structured_outputs": STRUCTURED_OUTPUTS,
     }
 
 

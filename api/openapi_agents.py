@@ -18,6 +18,8 @@ from .json_schema import (
     SESSION_ID,
     SHARED_RULES,
     SPECULATIVE,
+    STRUCTURED_OUTPUT_RULE,
+    STRUCTURED_OUTPUTS,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -247,15 +249,20 @@ def responses_request_schema(served_model: str) -> JSON:
         "top_logprobs": {"const": 0},
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
+        "structured_outputs": STRUCTURED_OUTPUTS,
     }
     rules = [
         *SHARED_RULES,
         "'previous_response_id' names a response stored for the same tenant",
         "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
+        STRUCTURED_OUTPUT_RULE,
     ]
+    # One guide per call: structured outputs go with neither a text.format other than text nor a forced call.
+    plain_text = {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}
+    one_guide = {"properties": {"tool_choice": enum_of("none", "auto"), "text": plain_text}}
     return object_of(
         properties,
         ("input",),
-        dependentSchemas={"tool_choice": {"required": ["tools"]}},
+        dependentSchemas={"tool_choice": {"required": ["tools"]}, "structured_outputs": one_guide},
         **{"x-rayturn-rules": rules},
     )

@@ -10,7 +10,9 @@ Honoured: ``model``, ``input``, ``instructions``, function ``tools`` (the flat
 ``{"type": "function", "name", ...}`` shape), ``tool_choice``,
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``store``,
-``previous_response_id``, ``stream``, ``prompt_cache_key`` (the session id
+``previous_response_id``, ``stream``, vLLM's ``structured_outputs`` (not with
+a ``text.format`` other than text: ``structured_outputs``),
+``prompt_cache_key`` (the session id
 when no session header names one), ``prompt_cache_retention`` (how long
 the whole prompt stays cached, as the chat API keeps it) and rayturn's
 ``priority`` (the call's class: ``rayturn.api.priority``) and ``speculative``
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME
+from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME, one_guide
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, range_error, type_error
 from .priority import body_priority
@@ -48,6 +50,7 @@ from .protocol import (
     model_field,
 )
 from .responses_input import input_messages
+from .structured_outputs import LEGACY_FIELDS, STRUCTURED_OUTPUTS, structured_output_form
 
 # Built-in tools Codex may list next to its function tools: web search, its shell and freeform
 # (grammar) tools, image generation, and deferred tool search with the namespaces it loads from.
@@ -66,6 +69,7 @@ VERBOSITIES = ("low", "medium", "high")
 _UNSUPPORTED_FIELDS = {
     "conversation": "conversations are not supported; send 'previous_response_id' or the whole input",
     "prompt": "prompt templates are not supported; send 'input' and 'instructions'",
+    **{name: "the Responses API takes 'structured_outputs' (or 'text.format')" for name in LEGACY_FIELDS},
 }
 
 
@@ -131,6 +135,10 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
     tools, echoed_tools = _tools(fields)
     tool_choice, echoed_choice = _tool_choice(fields, tools)
     response_format, text = _text(fields)
+    # vLLM's structured outputs, as its Responses API takes them (the form only: ``guided_*`` are refused).
+    form = fields.nested(STRUCTURED_OUTPUTS)
+    guide, guide_param = structured_output_form(form) if form is not None else (None, None)
+    one_guide(guide_param, response_format, tools, tool_choice, format_param="text.format")
     temperature = fields.number("temperature", minimum=0.0, maximum=MAX_TEMPERATURE)
     top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
     max_output_tokens = fields.integer("max_output_tokens", minimum=1)
@@ -146,6 +154,8 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         speculative=fields.boolean("speculative"),
+        guide=guide,
+        guide_param=guide_param,
     )
     echo: JSON = {
         "instructions": instructions,

@@ -14,6 +14,7 @@ from rayturn.api.completion_request import parse_completion_request
 from rayturn.api.errors import APIError
 from rayturn.api.openapi import openapi_document
 from rayturn.api.protocol import to_sampling_params
+from rayturn.api.responses_request import parse_responses_request
 from rayturn.engine.guided import Guide, GuideCompiler
 from rayturn.engine.presets import preset_dir
 from rayturn.engine.tokenizer import Tokenizer
@@ -167,9 +168,31 @@ def test_a_chat_call_has_one_guide() -> None:
     assert chat_guide(guided_regex="a", response_format={"type": "text"})[0] == Guide.regex("a")
 
 
+def test_responses_take_the_structured_outputs_form_alone() -> None:
+    def parsed(**fields: Any) -> Any:
+        return parse_responses_request({"input": "hi", **fields}, MODEL).chat().sampling
+
+    sampling = parsed(structured_outputs={"choice": ["a", "b"]}, text={"format": {"type": "text"}})
+    assert sampling.guide == Guide.lark('start: "a" | "b"') and sampling.guide_param == "structured_outputs.choice"
+    # vLLM's Responses API reads no ``guided_*``: refused by name, pointing at the form it takes.
+    with pytest.raises(APIError) as caught:
+        parsed(guided_regex="a+")
+    assert caught.value.param == "guided_regex" and "'structured_outputs'" in caught.value.message
+    with pytest.raises(APIError) as caught:
+        parsed(structured_outputs={"regex": "a"}, text={"format": {"type": "json_object"}})
+    assert caught.value.param == "structured_outputs.regex" and "'text.format'" in caught.value.message
+    tools = [{"type": "function", "name": "f"}]
+    with pytest.raises(APIError) as caught:
+        parsed(structured_outputs={"regex": "a"}, tools=tools, tool_choice="required")
+    assert caught.value.param == "structured_outputs.regex" and "tool_choice" in caught.value.message
+    with pytest.raises(APIError) as caught:
+        parsed(structured_outputs={"regex": "(?=a)"})
+    assert caught.value.param == "structured_outputs.regex" and "look-around" in caught.value.message
+
+
 def test_the_openapi_document_describes_structured_outputs() -> None:
     document = openapi_document(MODEL, 263)
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         operation = document["paths"][path]["post"]
         schema = operation["requestBody"]["content"]["application/json"]["schema"]
         form = schema["properties"]["structured_outputs"]

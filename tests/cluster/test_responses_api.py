@@ -275,6 +275,22 @@ def test_json_schema_text_format_gives_valid_json(client: openai.OpenAI) -> None
     assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and 0 <= value["size"] <= 9
 
 
+def test_structured_outputs_hold_the_answer_and_exclude_a_text_format(client: openai.OpenAI) -> None:
+    """vLLM's Responses API takes ``structured_outputs`` too, streamed or not; never beside a JSON text format."""
+    choices = ["approve", "reject", "revise"]
+    body = {"structured_outputs": {"choice": choices}}
+    response = client.responses.create(model="tiny", input="Review it.", store=False, extra_body=body)
+    assert response.output_text in choices and response.status == "completed"
+    events = client.responses.create(model="tiny", input="Review it.", store=False, stream=True, extra_body=body)
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert streamed in choices
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="tiny", input="x", text={"format": {"type": "json_object"}}, store=False, extra_body=body
+        )
+    assert caught.value.param == "structured_outputs.choice" and "'text.format'" in caught.value.message  # type: ignore[attr-defined]
+
+
 def decode_calls_by_priority(cluster: str) -> dict[str, int]:
     """The calls the (one) decode replica admitted, by class, from its own report."""
     health = requests.get(f"{cluster}/health", headers={"Authorization": f"Bearer {ALICE_KEY}"}, timeout=30)
