@@ -92,8 +92,8 @@ def _one(asked: list[tuple[str, str, Any]], *, closed: bool) -> tuple[Guide, str
         message = f"Invalid structured output: {names} each ask for a constraint; ask for one."
         raise invalid_request(message, param=asked[1][0])
     param, constraint, value = asked[0]
-    guide = _guide(param, constraint, value, closed=closed)
     try:
+        guide = _guide(param, constraint, value, closed=closed)
         check_guide(guide)
     except (ValueError, RecursionError) as err:  # a schema nested past Python's stack is bad too
         raise invalid_request(f"Invalid '{param}': {guide_error_reason(err)}", param=param) from err
@@ -147,6 +147,8 @@ def _schema(param: str, value: Any) -> dict[str, Any]:
             value = json.loads(value)
         except json.JSONDecodeError as err:
             raise invalid_request(f"Invalid '{param}': not valid JSON: {err}.", param=param) from None
+        except RecursionError:
+            raise invalid_request(f"Invalid '{param}': the JSON nests too deeply to parse.", param=param) from None
     if not isinstance(value, dict):
         raise type_error(param, "a JSON schema object", value)
     return value

@@ -137,6 +137,7 @@ BAD_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "undefined_rule"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_json": [1]}, "guided_json", "a JSON schema object"),
+    ({"guided_json": "[" * 100_000}, "guided_json", "nests too deeply"),
     ({"structured_outputs": {"json": {"type": "banana"}}}, "structured_outputs.json", "Invalid type: banana"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "a boolean"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", ""),
