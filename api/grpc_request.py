@@ -24,7 +24,6 @@ tools. ``sampling.structured_output`` is read as the HTTP APIs read vLLM's
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments
 from .errors import invalid_request
 from .json_fields import Fields, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
-from .structured_outputs import CONSTRAINTS, structured_output_form
+from .structured_outputs import CONSTRAINTS, schema_object, structured_output_form
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -163,21 +162,9 @@ def _tools(declared: Sequence[pb.Tool]) -> list[JSON] | None:
         if tool.description:
             function["description"] = tool.description
         if tool.parameters_json:
-            function["parameters"] = _schema(tool.parameters_json, f"{path}.parameters_json")
+            function["parameters"] = schema_object(f"{path}.parameters_json", tool.parameters_json)
         normalized.append({"type": "function", "function": function})
     return normalized
-
-
-def _schema(text: str, path: str) -> JSON:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise invalid_request(f"Invalid '{path}': not valid JSON: {err}.", param=path) from err
-    except RecursionError:
-        raise invalid_request(f"Invalid '{path}': the JSON nests too deeply to parse.", param=path) from None
-    if not isinstance(schema, dict):
-        raise invalid_request(f"Invalid '{path}': expected a JSON Schema object, got {text[:40]!r}.", param=path)
-    return schema
 
 
 def _tool_choice(request: pb.GenerateRequest, tools: list[JSON] | None) -> ToolChoice:

@@ -122,7 +122,7 @@ def _guide(param: str, constraint: str, value: Any, *, closed: bool) -> Guide:
             raise type_error(param, "a boolean", value)
         return Guide.json_object()
     if constraint == "json":
-        schema = _schema(param, value)
+        schema = schema_object(param, value)
         return Guide.json_schema(json.dumps(closed_schema(schema)) if closed else schema)
     if constraint == "choice":
         return Guide.lark("start: " + " | ".join(json.dumps(choice) for choice in _choices(param, value)))
@@ -141,7 +141,9 @@ def _guide(param: str, constraint: str, value: Any, *, closed: bool) -> Guide:
         raise invalid_request(message, param=param) from err
 
 
-def _schema(param: str, value: Any) -> dict[str, Any]:
+def schema_object(param: str, value: Any) -> dict[str, Any]:
+    """A JSON schema object given as an object or as JSON text (a structured output's, a gRPC tool's); a 400
+    naming ``param`` when it is neither."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
