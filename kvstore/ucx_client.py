@@ -44,6 +44,8 @@ from rayturn.kvstore.ucx_framing import (
 )
 from rayturn.kvstore.ucx_native import NativeReads
 from rayturn.kvstore.ucx_runtime import (
+    by_deadline,
+    deadline_after,
     in_ucx_loop_thread,
     load_ucxx,
     register_for_shutdown,
@@ -58,8 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "PeerTimedOut", "PeerUnreachable", "TransportError", "UcxClient"]
 
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
-# A blocking call waits this long past its request's own timeout (enforced on the loop, where the
-# endpoint can be dropped cleanly) before giving up on the loop itself.
+# A blocking call waits this long past its request's own deadline (kept on the loop) before giving up on the loop.
 _LOOP_GRACE_S: Final = 5.0
 
 _Operation: TypeAlias = Callable[[Channel], Awaitable[None]]
@@ -223,9 +224,9 @@ async def _write_exchange(channel: Channel, request_id: int, body: bytes, views:
 class UcxClient:
     """Reads ranges from and writes ranges to remote :class:`UcxServer` s; a blocking, thread-safe facade.
 
-    One endpoint is cached per server address; requests to one server run one at a time (an
-    asyncio lock per endpoint), requests to different servers run concurrently. Every call takes
-    ``timeout_s`` (default: the client's) and raises :class:`TransportError` when it expires.
+    One endpoint is cached per server address; requests to one server run one at a time (an asyncio lock per
+    endpoint), requests to different servers run concurrently. Every call takes ``timeout_s`` (default: the
+    client's), counted from the call, and raises :class:`TransportError` when it expires (``by_deadline``).
     """
 
     def __init__(
@@ -346,10 +347,10 @@ class UcxClient:
         """Run ``operation`` on the loop, or ``direct`` (a small read's id, request, span) on this thread."""
         if self._closed:
             raise TransportError("UcxClient is closed")
-        host, port = address
-        checked_address = (str(host), int(port))
+        checked_address = (str(address[0]), int(address[1]))
         register_for_shutdown(self, UcxClient._close_on_loop)
         request_timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        deadline = deadline_after(request_timeout_s)  # from the call: waiting for the lock and the loop counts
         connection = self._connections.get(checked_address)
         if connection is None:  # setdefault: two threads' first calls share one connection
             fresh = _ClientConnection(checked_address, self._connect_timeout_s, self._auth)
@@ -362,7 +363,7 @@ class UcxClient:
                 return
             try:
                 run_in_ucx_loop(
-                    self._request(connection, operation, what, request_timeout_s),
+                    self._request(connection, operation, what, request_timeout_s, deadline),
                     timeout_s=request_timeout_s + _LOOP_GRACE_S,
                 )
             except TimeoutError:  # the loop itself did not answer in time (the request's own timeout is inside)
@@ -385,10 +386,12 @@ class UcxClient:
                 raise PeerTimedOut(f"{prefix} timed out after {timeout_s} s") from None
             raise PeerUnreachable(f"{prefix} failed: {error}") from error.__cause__
 
-    async def _request(self, connection: _ClientConnection, operation: _Operation, what: str, timeout_s: float) -> None:
+    async def _request(
+        self, connection: _ClientConnection, operation: _Operation, what: str, timeout_s: float, deadline: float
+    ) -> None:
         address = connection.address
         try:
-            await asyncio.wait_for(connection.run(operation), timeout_s)
+            await by_deadline(lambda: connection.run(operation), deadline)
         except _ServerRefused as error:
             raise TransportError(f"{what} {address} refused by the server: {error}") from None
         except _ConnectionFailed as error:

@@ -54,6 +54,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import ModuleType
@@ -270,6 +271,23 @@ def register_for_shutdown(owner: _Owner, close_on_loop: Callable[[_Owner], Await
 def unregister_for_shutdown(owner: object) -> None:
     """Forget ``owner``: it closed itself. A no-op if it was not registered."""
     _live_components.pop(owner, None)
+
+
+def deadline_after(timeout_s: float) -> float:
+    """The ``time.monotonic()`` at which a request given ``timeout_s`` from now expires (``by_deadline``)."""
+    return time.monotonic() + timeout_s
+
+
+async def by_deadline(start: Callable[[], Awaitable[_T]], deadline: float) -> _T:
+    """``start()`` awaited on the loop until ``deadline``, else asyncio.TimeoutError: also when the deadline passed
+    before it could start (it is not started then: waiting for the loop counts), and when it completed past the
+    deadline (a busy host woke the loop late to both events: a result that late is late all the same)."""
+    if time.monotonic() >= deadline:
+        raise asyncio.TimeoutError
+    result = await asyncio.wait_for(start(), deadline - time.monotonic())
+    if time.monotonic() > deadline:
+        raise asyncio.TimeoutError
+    return result
 
 
 def run_in_ucx_loop(coroutine: Coroutine[Any, Any, _T], *, timeout_s: float) -> _T:
