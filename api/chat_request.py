@@ -29,9 +29,9 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 def parse_chat_request(body: object, served_model: str) -> ChatRequest:
     fields = body_fields(body)
     model = model_field(fields, served_model)
-    messages = _messages(fields)
-    tools = _tools(fields)
-    tool_choice = _tool_choice(fields, tools)
+    messages = chat_messages(fields)
+    tools = chat_tools(fields)
+    tool_choice = chat_tool_choice(fields, tools)
     _reject_unsupported_chat_fields(fields)
     logprobs = fields.boolean("logprobs") or False
     top_logprobs = fields.integer("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -136,12 +136,18 @@ def _continue_final_message(fields: Fields, messages: list[JSON]) -> bool:
     if generation_prompt is False and not continues:
         message = "Unsupported 'add_generation_prompt': false is supported only with 'continue_final_message': true."
         raise unsupported(message, param="add_generation_prompt")
+    if continues:
+        check_open_final_message(messages)
+    return continues
+
+
+def check_open_final_message(messages: list[JSON]) -> None:
+    """A prompt left open in its final message (``continue_final_message``) needs an assistant's text there."""
     final = messages[-1]
     content = final.get("content")
-    if continues and (final["role"] != "assistant" or not isinstance(content, str) or not content.strip()):
+    if final["role"] != "assistant" or not isinstance(content, str) or not content.strip():
         message = "Invalid 'continue_final_message': the final message must be an assistant message with text."
         raise invalid_request(message, param="continue_final_message")
-    return continues
 
 
 def _reject_unsupported_chat_fields(fields: Fields) -> None:
@@ -151,7 +157,7 @@ def _reject_unsupported_chat_fields(fields: Fields) -> None:
     reject_unsupported(fields, UNSUPPORTED_CHAT_FIELDS, " for chat")
 
 
-def _messages(fields: Fields) -> list[JSON]:
+def chat_messages(fields: Fields) -> list[JSON]:
     messages = fields.present("messages")
     if not isinstance(messages, list):
         raise type_error("messages", "an array", messages)
@@ -233,7 +239,7 @@ def decoded_arguments(arguments: str) -> JSON | str:
     return value if isinstance(value, dict) else arguments
 
 
-def _tools(fields: Fields) -> list[JSON] | None:
+def chat_tools(fields: Fields) -> list[JSON] | None:
     tools = fields.array("tools")
     if tools is None:
         return None
@@ -269,7 +275,7 @@ def _tools(fields: Fields) -> list[JSON] | None:
     return normalized
 
 
-def _tool_choice(fields: Fields, tools: list[JSON] | None) -> ToolChoice:
+def chat_tool_choice(fields: Fields, tools: list[JSON] | None) -> ToolChoice:
     value = fields.raw("tool_choice")
     if value is None:
         return "auto" if tools else "none"

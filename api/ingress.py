@@ -8,7 +8,8 @@ each replica holds, and what every replica and engine on the call's path
 uses; salted by tenant), finds the session id, and streams the decode pool's
 per-step deltas back as SSE or gRPC messages. Each API is one module:
 ``serving_chat``, ``serving_completion``, ``serving_messages`` (Anthropic),
-``serving_responses`` (Responses), ``grpc_service``, on the shared
+``serving_responses`` (Responses), ``serving_tokens`` (vLLM's ``/tokenize``
+and ``/detokenize``), ``grpc_service``, on the shared
 ``pipeline.CallPipeline``. Bad input is answered here with a 4xx in the
 error shape of its API (gRPC: INVALID_ARGUMENT) and never reaches a replica; a
 full decode queue answers 429, a failed replica 503 (Anthropic: 529).
@@ -43,6 +44,7 @@ from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_messages import ServingMessages
 from .serving_responses import ServingResponses
+from .serving_tokens import ServingTokens
 from .session import required_session_id
 from .settings import IngressSettings
 
@@ -72,6 +74,7 @@ class Ingress:
         self.completion = ServingCompletion(self.pipeline)
         self.messages = ServingMessages(self.pipeline)
         self.responses = ServingResponses(self.pipeline)
+        self.tokens = ServingTokens(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())
         self.openapi = openapi_document(self.pipeline.served_model, self.pipeline.vocab_size)
@@ -118,6 +121,15 @@ class Ingress:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
         return await self.responses.delete(request, response_id, new_request_id())
+
+    # vLLM's tokenizer endpoints, at the root as vLLM serves them.
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokens.tokenize(request, new_request_id())
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokens.detokenize(request, new_request_id())
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

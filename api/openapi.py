@@ -49,6 +49,7 @@ from .json_schema import (
 from .openapi_agents import messages_request_schema, responses_request_schema
 from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
 from .sampling_fields import MAX_STOP_SEQUENCES
+from .tokenize_request import CHAT_ONLY_FIELDS
 
 # -- the OpenAI chat completions and completions APIs ----------------------------------------------
 
@@ -94,6 +95,15 @@ _CHAT_TOOL = object_of(
     },
     ("type", "function"),
 )
+_TOOL_CHOICE: JSON = {
+    "anyOf": [
+        enum_of("none", "auto", "required"),
+        object_of(
+            {"type": {"const": "function"}, "function": object_of({"name": string()}, ("name",))},
+            ("type", "function"),
+        ),
+    ]
+}
 _RESPONSE_FORMAT: JSON = {
     "anyOf": [
         object_of({"type": enum_of("text", "json_object")}, ("type",)),
@@ -146,6 +156,12 @@ def _sampling(vocab_size: int) -> JSON:
 _STREAM_OPTIONS_NEED_STREAM = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
 
 
+_CHAT_RULES = (
+    "a named 'tool_choice' names a tool declared in 'tools'",
+    "'continue_final_message' needs a final assistant message with text",
+)
+
+
 def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
     properties = {
         "model": enum_of(served_model, ""),
@@ -155,15 +171,7 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
         "logprobs": BOOLEAN,
         "top_logprobs": integer(0, MAX_LOGPROBS),
         "tools": array_of(_CHAT_TOOL, 1, MAX_TOOLS),
-        "tool_choice": {
-            "anyOf": [
-                enum_of("none", "auto", "required"),
-                object_of(
-                    {"type": {"const": "function"}, "function": object_of({"name": string()}, ("name",))},
-                    ("type", "function"),
-                ),
-            ]
-        },
+        "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": BOOLEAN,
         "response_format": _RESPONSE_FORMAT,
         "prompt_cache_key": SESSION_ID,
@@ -202,8 +210,7 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
         **{
             "x-rayturn-rules": [
                 *SHARED_RULES,
-                "a named 'tool_choice' names a tool declared in 'tools'",
-                "'continue_final_message' needs a final assistant message with text",
+                *_CHAT_RULES,
                 STRUCTURED_OUTPUT_RULE,
             ]
         },
@@ -233,6 +240,41 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
     return object_of(
         properties, ("prompt",), dependentSchemas=_STREAM_OPTIONS_NEED_STREAM, **{"x-rayturn-rules": rules}
     )
+
+
+def tokenize_request_schema(served_model: str) -> JSON:
+    """vLLM's ``/tokenize``: a text (``prompt``) or a chat (``messages``, ``tokenize_request``)."""
+    properties = {
+        "model": enum_of(served_model, ""),
+        "prompt": string(),
+        "messages": array_of(_CHAT_MESSAGE, min_items=1),
+        "tools": array_of(_CHAT_TOOL, 1, MAX_TOOLS),
+        "tool_choice": _TOOL_CHOICE,
+        "add_generation_prompt": BOOLEAN,
+        "continue_final_message": BOOLEAN,
+        "add_special_tokens": BOOLEAN,
+        "return_token_strs": BOOLEAN,
+    }
+    continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
+    chat_only: JSON = {name: {"required": ["messages"]} for name in CHAT_ONLY_FIELDS}
+    chat_only["tool_choice"] = {"required": ["messages", "tools"]}
+    chat_only["continue_final_message"] |= {
+        "if": continue_final,
+        "then": {"properties": {"add_generation_prompt": {"const": False}}},
+    }
+    rules = [SHARED_RULES[1], *_CHAT_RULES]
+    return object_of(
+        properties,
+        (),
+        oneOf=[{"required": ["prompt"]}, {"required": ["messages"]}],
+        dependentSchemas=chat_only,
+        **{"x-rayturn-rules": rules},
+    )
+
+
+def detokenize_request_schema(served_model: str, vocab_size: int) -> JSON:
+    token_ids = array_of(integer(0, vocab_size - 1))
+    return object_of({"model": enum_of(served_model, ""), "tokens": token_ids}, ("tokens",))
 
 
 # -- errors and the document ----------------------------------------------------------------------
@@ -305,6 +347,16 @@ def openapi_document(served_model: str, vocab_size: int) -> JSON:
                 )
             },
             "/v1/models": {"get": _operation("The served model", "OpenAIError")},
+            "/tokenize": {
+                "post": _operation(
+                    "Token ids of a text or a chat (vLLM's)", "OpenAIError", tokenize_request_schema(served_model)
+                )
+            },
+            "/detokenize": {
+                "post": _operation(
+                    "The text of token ids (vLLM's)", "OpenAIError", detokenize_request_schema(served_model, vocab_size)
+                )
+            },
             "/v1/messages": {
                 "post": _operation(
                     "Anthropic Messages", "AnthropicError", messages_request_schema(served_model), streams=True

@@ -179,12 +179,17 @@ class ChatRequest:
         ``"required"`` and a named choice are enforced: decoding is constrained to a call of these tools
         (``guides``).
         """
-        if self.tools is None or self.tool_choice == "none":
-            return None
-        if isinstance(self.tool_choice, dict):
-            name = self.tool_choice["function"]["name"]
-            return [tool for tool in self.tools if tool["function"]["name"] == name]
-        return self.tools
+        return shown_tools(self.tools, self.tool_choice)
+
+
+def shown_tools(tools: list[JSON] | None, tool_choice: ToolChoice) -> list[JSON] | None:
+    """The tools a chat's prompt shows for its ``tool_choice`` (``ChatRequest.prompt_tools``)."""
+    if tools is None or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return [tool for tool in tools if tool["function"]["name"] == name]
+    return tools
 
 
 def to_sampling_params(

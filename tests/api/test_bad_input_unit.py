@@ -31,6 +31,7 @@ from rayturn.api.protocol import MIN_LOGIT_DIVISOR, SamplingSpec, to_sampling_pa
 from rayturn.api.request_limits import check_json_media_type, parse_json
 from rayturn.api.responses_request import parse_responses_request
 from rayturn.api.session import optional_session_id
+from rayturn.api.tokenize_request import parse_detokenize_request, parse_tokenize_request
 from rayturn.engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from rayturn.protos import rayturn_pb2 as pb
 
@@ -217,6 +218,8 @@ PARSERS: dict[str, Callable[[object, str], Any]] = {
     "/v1/completions": parse_completion_request,
     "/v1/messages": parse_messages_request,
     "/v1/responses": parse_responses_request,
+    "/tokenize": parse_tokenize_request,
+    "/detokenize": lambda body, model: parse_detokenize_request(body, model, VOCAB_SIZE),
 }
 USER = {"role": "user", "content": "hi"}
 GOOD = {
@@ -237,6 +240,15 @@ GOOD = {
         "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}, USER],
         "tools": [{"type": "web_search"}],
     },
+    "/tokenize": {
+        "messages": [USER, {"role": "assistant", "content": "Sure"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "return_token_strs": True,
+    },
+    "/detokenize": {"model": "", "tokens": [0, VOCAB_SIZE - 1]},
 }
 # Bodies the schema refuses and the parser refuses too: where the schema states a rule the parser holds.
 BAD = {
@@ -271,6 +283,22 @@ BAD = {
         {"input": "x", "background": True},
         {"input": "x", "top_logprobs": 3},
     ],
+    "/tokenize": [
+        {},
+        {"prompt": "a", "messages": [USER]},
+        {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"prompt": "a", "add_generation_prompt": True},
+        {"messages": []},
+        {"messages": [USER], "tool_choice": "required"},
+        {
+            "messages": [USER, {"role": "assistant", "content": "a"}],
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+        {"messages": [USER], "chat_template": "{{ messages }}"},
+        {"prompt": "a", "model": "other"},
+    ],
+    "/detokenize": [{}, {"tokens": [-1]}, {"tokens": [VOCAB_SIZE]}, {"tokens": [1.5]}, {"tokens": "1 2"}],
 }
 
 

@@ -135,6 +135,8 @@ def test_the_openapi_document_asks_for_the_key_and_has_a_schema_for_every_body(c
         "/v1/messages/count_tokens",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/tokenize",
+        "/detokenize",
         "/health",
     }
     assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
@@ -169,7 +171,8 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace, a
     structured output's regex or grammar that compiles."""
     text = final_text(body)
-    if path == "/v1/chat/completions" and body.get("continue_final_message") is True and not (text and text.strip()):
+    continues = body.get("continue_final_message") is True
+    if path in ("/v1/chat/completions", "/tokenize") and continues and not (text and text.strip()):
         return False
     if path.startswith("/v1/messages") and text and text != text.rstrip():
         return False

@@ -148,6 +148,143 @@ def test_unknown_routes_answer_in_openais_error_shape(server: str, method: str, 
     assert path in error["message"] and error["type"] == "invalid_request_error"
 
 
+# ---------------------------------------------------------------- vLLM's /tokenize and /detokenize
+
+READ_FILE = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file of the repository",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+}
+AGENT_TURN = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Fix the bug in src/app.py, déjà vu ✓"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "src/app.py"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "def f():\n    return 1\n"},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Any:
+    return transformers.AutoTokenizer.from_pretrained(preset_dir("tiny"))
+
+
+def _tokenize(server: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = requests.post(f"{server}/tokenize", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    assert set(answer) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 4096
+    return answer
+
+
+def _hf_chat_ids(hf_tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    # transformers renders tool-call arguments as the objects they hold, as the chat API decodes them.
+    turns = [
+        {**m, "tool_calls": [_decoded(call) for call in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages
+    ]
+    ids: list[int] = hf_tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False, **options)
+    return ids
+
+
+def _decoded(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+
+
+def test_tokenize_gives_a_chats_prompt_as_transformers_renders_it_and_as_the_chat_call_counts_it(
+    server: str, client: openai.OpenAI, hf_tokenizer: Any
+) -> None:
+    answer = _tokenize(
+        server, {"model": "tiny", "messages": AGENT_TURN, "tools": [READ_FILE], "return_token_strs": True}
+    )
+    expected = _hf_chat_ids(hf_tokenizer, AGENT_TURN, tools=[READ_FILE], add_generation_prompt=True)
+    assert answer["tokens"] == expected and len(expected) > 500
+    assert answer["token_strs"] == hf_tokenizer.convert_ids_to_tokens(expected)
+    call = client.chat.completions.create(
+        model="tiny",
+        messages=AGENT_TURN,
+        tools=[READ_FILE],
+        max_tokens=1,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert call.usage is not None and call.usage.prompt_tokens == answer["count"]
+    # tool_choice "none" hides the tools from the prompt, as it does for the chat call.
+    hidden = _tokenize(server, {"messages": AGENT_TURN, "tools": [READ_FILE], "tool_choice": "none"})
+    assert hidden["tokens"] == _hf_chat_ids(hf_tokenizer, AGENT_TURN, add_generation_prompt=True)
+    whole = _tokenize(server, {"messages": AGENT_TURN, "add_generation_prompt": False})
+    assert whole["tokens"] == _hf_chat_ids(hf_tokenizer, AGENT_TURN, add_generation_prompt=False)
+    assert whole["count"] < hidden["count"] and whole["token_strs"] is None
+    prefill = [*AGENT_TURN[:2], {"role": "assistant", "content": "Sure, I will"}]
+    left_open = _tokenize(server, {"messages": prefill, "continue_final_message": True})
+    assert left_open["tokens"] == _hf_chat_ids(hf_tokenizer, prefill, continue_final_message=True)
+    assert hf_tokenizer.decode(left_open["tokens"]).endswith("Sure, I will")
+
+
+@pytest.mark.parametrize("add_special_tokens", [None, True, False])
+def test_tokenize_and_detokenize_a_text_as_transformers_does(
+    server: str, hf_tokenizer: Any, add_special_tokens: bool | None
+) -> None:
+    text = "x = <|im_start|> déjà vu 🙂\n\tdef f(): return 1"
+    body: dict[str, Any] = {"prompt": text}
+    if add_special_tokens is not None:
+        body["add_special_tokens"] = add_special_tokens
+    answer = _tokenize(server, body)
+    expected = hf_tokenizer(text, add_special_tokens=add_special_tokens is not False).input_ids
+    assert answer["tokens"] == expected and answer["token_strs"] is None
+    back = requests.post(f"{server}/detokenize", json={"model": "tiny", "tokens": expected}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": hf_tokenizer.decode(expected)}
+    assert back.json()["prompt"] == text  # special tokens are kept
+    empty = requests.post(f"{server}/detokenize", json={"tokens": []}, timeout=60)
+    assert empty.json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "words"),
+    [
+        ("/tokenize", {}, 400, "prompt", "'prompt' or 'messages'"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "messages", "not both"),
+        ("/tokenize", {"prompt": "a", "tools": [READ_FILE]}, 400, "tools", "goes with 'messages'"),
+        ("/tokenize", {"prompt": 7}, 400, "prompt", "expected a string"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"},
+            400,
+            "chat_template",
+            "not support",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+            "assistant",
+        ),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model", "gpt-4o"),
+        ("/detokenize", {"tokens": [1, 263]}, 400, "tokens[1]", "out of the vocabulary [0, 263)"),
+        ("/detokenize", {"tokens": [1, True]}, 400, "tokens[1]", "got a boolean"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "expected an array"),
+        ("/detokenize", {"prompt": "a"}, 400, "tokens", "Missing required parameter"),
+    ],
+)
+def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(
+    server: str, path: str, body: dict[str, Any], status: int, param: str, words: str
+) -> None:
+    response = requests.post(f"{server}{path}", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 # ---------------------------------------------------------------- completions: echo and batches
 
 

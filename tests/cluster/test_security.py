@@ -138,6 +138,17 @@ def test_a_valid_key_passes_as_bearer_token_or_x_api_key_on_grpc_and_http(cluste
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [104, 105]})])
+def test_the_tokenizer_endpoints_ask_for_a_key(cluster: str, path: str, body: dict[str, Any]) -> None:
+    """Their ids say which model is served, as ``/v1/models`` does: no key, no answer."""
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        refused = requests.post(f"{cluster}{path}", json=body, headers=headers, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    answer = requests.post(f"{cluster}{path}", json=body, headers={"x-api-key": KEY_A}, timeout=30)
+    assert answer.status_code == 200
+    assert answer.json() == ({"prompt": "hi"} if path == "/detokenize" else {**answer.json(), "tokens": [104, 105]})
+
+
 # -- listeners -------------------------------------------------------------------------------
 
 
