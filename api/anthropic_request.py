@@ -49,6 +49,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .chat_request import chat_template_kwargs
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .priority import body_priority
@@ -118,6 +119,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         response_format=_output_format(fields),
         priority=body_priority(fields),
         continue_final_message=prefilled,
+        template_kwargs=chat_template_kwargs(fields),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 

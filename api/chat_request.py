@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from rayturn.engine.chat_template import RESERVED_VARIABLES
 from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .errors import invalid_request, unsupported
@@ -21,6 +22,9 @@ from .protocol import (
 from .sampling_fields import reject_unsupported
 
 MAX_TOOLS = 128
+# ``chat_template_kwargs`` names the server sets: the template's own variables and functions, the rendering's
+# switches (vLLM refuses ``chat_template`` and ``tokenize`` there too).
+RESERVED_KWARGS = RESERVED_VARIABLES | {"continue_final_message", "chat_template", "tokenize"}
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -65,6 +69,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         response_format=response_format,
         priority=body_priority(fields),
         continue_final_message=_continue_final_message(fields, messages),
+        template_kwargs=chat_template_kwargs(fields),
     )
 
 
@@ -116,7 +121,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, object] = {
     "prediction": None,
     "web_search_options": None,
     "chat_template": None,
-    "chat_template_kwargs": None,
     "documents": None,
     "mm_processor_kwargs": None,
     "echo": False,
@@ -148,6 +152,21 @@ def check_open_final_message(messages: list[JSON]) -> None:
     if final["role"] != "assistant" or not isinstance(content, str) or not content.strip():
         message = "Invalid 'continue_final_message': the final message must be an assistant message with text."
         raise invalid_request(message, param="continue_final_message")
+
+
+def chat_template_kwargs(fields: Fields, key: str = "chat_template_kwargs") -> JSON | None:
+    """vLLM's ``chat_template_kwargs`` (the object at ``key``): variables the chat template reads (Qwen3's
+    ``enable_thinking``). Names the request's own fields set, and the template environment's globals, are refused:
+    they would change what those fields say, or hide a function the template calls."""
+    kwargs = fields.nested(key)
+    if kwargs is None:
+        return None
+    for name in kwargs.names():
+        if name in RESERVED_KWARGS:
+            message = f"Invalid '{kwargs.path(name)}': the server sets '{name}' itself"
+            hint = f"; use the field '{name}'." if name in ("tools", "add_generation_prompt") else "."
+            raise invalid_request(message + hint, param=kwargs.path(name))
+    return dict(fields.raw(key)) or None
 
 
 def _reject_unsupported_chat_fields(fields: Fields) -> None:

@@ -24,6 +24,7 @@ tools. ``sampling.structured_output`` is read as the HTTP APIs read vLLM's
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ from rayturn.engine.sampling_params import (
 )
 from rayturn.protos import rayturn_pb2 as pb
 
-from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, decoded_arguments, one_guide
+from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, chat_template_kwargs, decoded_arguments, one_guide
 from .errors import invalid_request
-from .json_fields import Fields, range_error
+from .json_fields import Fields, range_error, type_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
 from .structured_outputs import CONSTRAINTS, schema_object, structured_output_form
 
@@ -73,7 +74,7 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
     sampling = _sampling(request.sampling)
     kind = request.WhichOneof("input")
     if kind != "messages":
-        _no_tools(request)
+        _chat_only(request)
     if kind == "text":
         if not request.text:
             raise invalid_request("Invalid 'text': the prompt must not be empty.", param="text")
@@ -93,18 +94,35 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
         sampling=sampling,
         stream=True,
         parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
+        template_kwargs=_template_kwargs(request.chat_template_kwargs_json),
     )
 
 
-def _no_tools(request: pb.GenerateRequest) -> None:
-    """Tools reach the model through the chat template, which only ``messages`` input goes through."""
+def _template_kwargs(text: str) -> JSON | None:
+    """``chat_template_kwargs_json``: JSON text of an object, read as HTTP reads ``chat_template_kwargs``."""
+    if not text:
+        return None
+    param = "chat_template_kwargs_json"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise invalid_request(f"Invalid '{param}': not JSON text of an object.", param=param) from None
+    if not isinstance(value, dict):
+        raise type_error(param, "JSON text of an object", value)
+    return chat_template_kwargs(Fields({param: value}, ""), param)
+
+
+def _chat_only(request: pb.GenerateRequest) -> None:
+    """Tools and template variables reach the model through the chat template, which only ``messages`` input goes
+    through."""
     for name, given in (
         ("tools", bool(request.tools)),
         ("tool_choice", request.HasField("tool_choice")),
         ("parallel_tool_calls", request.HasField("parallel_tool_calls")),
+        ("chat_template_kwargs_json", bool(request.chat_template_kwargs_json)),
     ):
         if given:
-            message = f"Invalid '{name}': tools need 'messages' input (the chat template shows them to the model)."
+            message = f"Invalid '{name}': it needs 'messages' input (the chat template is what reads it)."
             raise invalid_request(message, param=name)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from rayturn.engine.priority import PRIORITY_NAMES
 
+from .chat_request import RESERVED_KWARGS
 from .json_fields import INT64_MAX, INT64_MIN
 from .session import MAX_SESSION_ID_CHARS
 from .structured_outputs import CONSTRAINTS, MAX_CHOICES
@@ -117,3 +118,9 @@ STRUCTURED_OUTPUTS: JSON = object_of(
     oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
 )
 STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"
+# vLLM's ``chat_template_kwargs``: variables for the chat template, none the server sets itself.
+TEMPLATE_KWARGS: JSON = {
+    "type": "object",
+    "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}},
+    "description": "More variables for the chat template (e.g. enable_thinking).",
+}

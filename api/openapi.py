@@ -37,6 +37,7 @@ from .json_schema import (
     SPECULATIVE,
     STRUCTURED_OUTPUT_RULE,
     STRUCTURED_OUTPUTS,
+    TEMPLATE_KWARGS,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -181,6 +182,7 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
         # vLLM's assistant prefill: both or neither.
         "continue_final_message": BOOLEAN,
         "add_generation_prompt": BOOLEAN,
+        "chat_template_kwargs": TEMPLATE_KWARGS,
     }
     continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
     return object_of(
@@ -254,6 +256,7 @@ def tokenize_request_schema(served_model: str) -> JSON:
         "continue_final_message": BOOLEAN,
         "add_special_tokens": BOOLEAN,
         "return_token_strs": BOOLEAN,
+        "chat_template_kwargs": TEMPLATE_KWARGS,
     }
     continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
     chat_only: JSON = {name: {"required": ["messages"]} for name in CHAT_ONLY_FIELDS}

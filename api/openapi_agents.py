@@ -20,6 +20,7 @@ from .json_schema import (
     SPECULATIVE,
     STRUCTURED_OUTPUT_RULE,
     STRUCTURED_OUTPUTS,
+    TEMPLATE_KWARGS,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -124,6 +125,7 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             "stream": BOOLEAN,
             "priority": PRIORITY,
             "speculative": SPECULATIVE,
+            "chat_template_kwargs": TEMPLATE_KWARGS,
         }
     rules = [
         "tool names are unique within 'tools'",
@@ -249,6 +251,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "top_logprobs": {"const": 0},
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
+        "chat_template_kwargs": TEMPLATE_KWARGS,
         "structured_outputs": STRUCTURED_OUTPUTS,
     }
     rules = [

@@ -33,6 +33,7 @@ from rayturn.router.replica_stats import page_hash_key
 
 from .bodies import splits_answer
 from .call_result import CallResult
+from .chat_prompt import render_chat, retained_prefix
 from .energy import EnergyAccounts
 from .errors import client_error, invalid_request, replica_unavailable, server_error
 from .guides import GuideMaker
@@ -74,15 +75,6 @@ async def announced(answer: Awaitable[PrewarmAnswer], request_id: str = "") -> P
         return await answer
     except Exception as err:  # the announcement is lost, nothing else: the call itself still comes
         raise client_error(err, request_id) from err
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two token sequences share."""
-    length = min(len(a), len(b))
-    for i in range(length):
-        if a[i] != b[i]:
-            return i
-    return length
 
 
 def new_request_id() -> str:
@@ -135,41 +127,24 @@ class CallPipeline:
 
     async def chat_prompt(self, chat: ChatRequest, num_bytes: int) -> list[int]:
         """Render and tokenize a chat (in a worker thread when its body was large); 400 when it cannot fit."""
-        messages, tools, open_final = chat.messages, chat.prompt_tools, chat.continue_final_message
 
         def encode() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools, continue_final_message=open_final)
-            except (ValueError, RecursionError) as err:
-                raise invalid_request(f"cannot apply the chat template: {err}", param="messages") from err
+            text = render_chat(
+                self.tokenizer,
+                chat.messages,
+                chat.prompt_tools,
+                chat.template_kwargs,
+                continue_final_message=chat.continue_final_message,
+            )
             self.budget.check(text, param="messages")
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         return await off_loop(num_bytes, encode)
 
     async def retention(self, chat: ChatRequest, prompt_ids: Sequence[int]) -> Retention | None:
-        """The retention contract of a chat's cache breakpoints: one pin per call, of the prompt up to its last
-        breakpoint, for the longest TTL any breakpoint asks (a shorter-lived tail is kept longer, never less).
-
-        The prefix is measured in tokens by rendering the messages up to the breakpoint and keeping what that
-        rendering shares with the whole prompt, so it holds for any chat template."""
-        messages, tools, points = chat.messages, chat.prompt_tools, chat.cache_points
-        if not points:
-            return None
-        last = max(point.num_messages for point in points)
-        ttl_s = max(point.ttl_s for point in points)
-        if last >= len(messages):
-            return Retention(len(prompt_ids), ttl_s)
-
-        def measure() -> int:
-            try:
-                text = self.tokenizer.apply_chat_template(messages[:last], tools=tools, add_generation_prompt=False)
-            except ValueError:  # a template that cannot render the prefix alone: no contract, nothing breaks
-                return 0
-            return common_prefix(self.tokenizer.encode(text, add_special_tokens=False), prompt_ids)
-
-        num_tokens = await off_loop(len(prompt_ids) * 4, measure)
-        return Retention(num_tokens, ttl_s) if num_tokens > 0 else None
+        """The retention contract of a chat's cache breakpoints (``chat_prompt.retained_prefix``), off the loop
+        when the prompt is long."""
+        return await off_loop(len(prompt_ids) * 4, lambda: retained_prefix(self.tokenizer, chat, prompt_ids))
 
     async def text_prompt(self, text: str, *, param: str) -> list[int]:
         """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it."""

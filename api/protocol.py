@@ -171,6 +171,8 @@ class ChatRequest:
     priority: str | None = None
     # The prompt ends inside the final (assistant) message, for the model to continue (Anthropic's prefill).
     continue_final_message: bool = False
+    # vLLM's ``chat_template_kwargs``: more variables for the chat template (``enable_thinking``, ...).
+    template_kwargs: JSON | None = None
 
     @property
     def prompt_tools(self) -> list[JSON] | None:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME, one_guide
+from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME, chat_template_kwargs, one_guide
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, range_error, type_error
 from .priority import body_priority
@@ -99,6 +99,8 @@ class ResponsesRequest:
     echo: JSON = field(default_factory=dict)
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
     priority: str | None = None
+    # vLLM's ``chat_template_kwargs`` (``chat_request.chat_template_kwargs``).
+    template_kwargs: JSON | None = None
 
     @property
     def body_session(self) -> tuple[str | None, str]:
@@ -123,6 +125,7 @@ class ResponsesRequest:
             cache_points=cache_points,
             prompt_cache_key=self.prompt_cache_key,
             priority=self.priority,
+            template_kwargs=self.template_kwargs,
         )
 
 
@@ -197,6 +200,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         user=user,
         echo=echo,
         priority=body_priority(fields),
+        template_kwargs=chat_template_kwargs(fields),
     )
 
 

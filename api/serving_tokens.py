@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .errors import invalid_request
+from .chat_prompt import render_chat
 from .protocol import JSON
 from .request_limits import off_loop
 from .serving import HTTPServing
@@ -58,15 +58,14 @@ class ServingTokens(HTTPServing):
             assert parsed.prompt is not None
             text = parsed.prompt
         else:
-            try:
-                text = tokenizer.apply_chat_template(
-                    parsed.messages,
-                    tools=parsed.tools,
-                    add_generation_prompt=parsed.add_generation_prompt,
-                    continue_final_message=parsed.continue_final_message,
-                )
-            except (ValueError, RecursionError) as err:
-                raise invalid_request(f"cannot apply the chat template: {err}", param="messages") from err
+            text = render_chat(
+                tokenizer,
+                parsed.messages,
+                parsed.tools,
+                parsed.template_kwargs,
+                add_generation_prompt=parsed.add_generation_prompt,
+                continue_final_message=parsed.continue_final_message,
+            )
         token_ids = tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
         token_strs = [tokenizer.backend.id_to_token(i) for i in token_ids] if parsed.return_token_strs else None
         return {

@@ -4,7 +4,7 @@
 
 - ``prompt``: a text, tokenized as ``/v1/completions`` tokenizes one
   (``add_special_tokens``, default true: the tokenizer's BOS and the like);
-- ``messages`` (with ``tools`` and ``tool_choice``): a chat, rendered by the
+- ``messages`` (with ``tools``, ``tool_choice`` and ``chat_template_kwargs``): a chat, rendered by the
   model's chat template as ``/v1/chat/completions`` renders it, so the ids are
   the prompt a chat call with the same messages computes;
   ``add_generation_prompt`` (default true), ``continue_final_message``, and
@@ -20,18 +20,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat_request import chat_messages, chat_tool_choice, chat_tools, check_open_final_message
+from .chat_request import (
+    chat_messages,
+    chat_template_kwargs,
+    chat_tool_choice,
+    chat_tools,
+    check_open_final_message,
+)
 from .errors import invalid_request
 from .json_fields import Fields, body_fields, is_integer, type_error
 from .protocol import JSON, model_field, shown_tools
 from .sampling_fields import reject_unsupported
 
 # Fields that shape a chat's rendering: with ``prompt`` they would be silently meaningless, so they are refused.
-CHAT_ONLY_FIELDS = ("tools", "tool_choice", "add_generation_prompt", "continue_final_message")
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 # vLLM's tokenizer fields this server does not honour (the chat completions API refuses them too).
 UNSUPPORTED_TOKENIZE_FIELDS: dict[str, object] = {
     "chat_template": None,
-    "chat_template_kwargs": None,
     "mm_processor_kwargs": None,
     "media_io_kwargs": None,
 }
@@ -48,6 +53,7 @@ class TokenizeRequest:
     continue_final_message: bool
     add_special_tokens: bool
     return_token_strs: bool
+    template_kwargs: JSON | None = None
 
 
 def parse_tokenize_request(body: object, served_model: str) -> TokenizeRequest:
@@ -93,6 +99,7 @@ def parse_tokenize_request(body: object, served_model: str) -> TokenizeRequest:
         continue_final_message=continues,
         add_special_tokens=fields.boolean("add_special_tokens") or False,
         return_token_strs=return_token_strs,
+        template_kwargs=chat_template_kwargs(fields),
     )
 
 

@@ -214,6 +214,13 @@ def _render(compiled: jinja2.Template, variables: dict[str, Any]) -> str:
         raise ChatTemplateError(f"chat template rejected the conversation: {error.message}") from error
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"chat template failed to render: {error}") from error
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+        # Python's own errors from the template's expressions on the values it was given ('a' + 1, a missing
+        # key): the conversation's fault, as a template error is.
+        raise ChatTemplateError(f"chat template failed to render: {type(error).__name__}: {error}") from error
 
 
 _ENVIRONMENT = _build_environment()
+# What no caller's extra variables may name: what ``ChatTemplate.render`` sets itself, and the environment's
+# globals (a variable of the same name would hide ``raise_exception``, ``namespace`` and the like).
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", *_ENVIRONMENT.globals})

@@ -171,6 +171,16 @@ def test_a_structured_output_is_the_guide_http_builds() -> None:
     assert offered.tool_choice == "auto" and offered.sampling.guide == Guide.regex("a")
 
 
+def test_chat_template_kwargs_are_the_ones_http_reads() -> None:
+    kwargs = {"enable_thinking": False, "persona": {"name": "agent", "tags": [1, 2.5]}}
+    grpc_chat = parsed_chat(request(chat_template_kwargs_json=json.dumps(kwargs)))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "open the readme"}]}
+    http_chat = parse_chat_request({**body, "chat_template_kwargs": kwargs}, MODEL)
+    assert grpc_chat.template_kwargs == http_chat.template_kwargs == kwargs
+    assert parsed_chat(request()).template_kwargs is None
+    assert parsed_chat(request(chat_template_kwargs_json="{}")).template_kwargs is None
+
+
 FORCED = pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED)
 BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="open_file", arguments="{}")])
 
@@ -225,6 +235,11 @@ BAD_TOOL_CALL = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="o
         (request(sampling=structured(json="{")), "sampling.structured_output.json"),
         (request(sampling=structured(json='{"type": "banana"}')), "sampling.structured_output.json"),
         (request(tools=[TOOL], tool_choice=FORCED, sampling=structured(regex="a")), "sampling.structured_output.regex"),
+        (request(chat_template_kwargs_json="{not json"), "chat_template_kwargs_json"),
+        (request(chat_template_kwargs_json='["enable_thinking"]'), "chat_template_kwargs_json"),
+        (request(chat_template_kwargs_json='{"tools": []}'), "chat_template_kwargs_json.tools"),
+        (request(chat_template_kwargs_json='{"raise_exception": 1}'), "chat_template_kwargs_json.raise_exception"),
+        (pb.GenerateRequest(text="hi", chat_template_kwargs_json="{}"), "chat_template_kwargs_json"),
     ],
 )
 def test_bad_fields_are_400s_that_name_them(message: pb.GenerateRequest, field: str) -> None:

@@ -285,6 +285,32 @@ def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(
     assert error["param"] == param and words in error["message"], error
 
 
+def test_chat_template_kwargs_reach_the_template_and_names_the_server_sets_are_refused(
+    server: str, client: openai.OpenAI
+) -> None:
+    """``tiny``'s template reads no extra variable, so the answer is the one without them; a name the server sets
+    (here ``tools``) is a 400 naming it, on chat completions and on /tokenize alike."""
+    messages = [{"role": "user", "content": "Say hi"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low"}
+    answer = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body={"chat_template_kwargs": kwargs}
+    )
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    assert answer.usage is not None and plain.usage is not None
+    assert answer.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"tools": []}}
+        )
+    assert caught.value.param == "chat_template_kwargs.tools"  # type: ignore[attr-defined]
+    assert "use the field 'tools'" in caught.value.message
+    refused = requests.post(
+        f"{server}/tokenize", json={"messages": messages, "chat_template_kwargs": {"messages": []}}, timeout=60
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs.messages"
+
+
 # ---------------------------------------------------------------- completions: echo and batches
 
 

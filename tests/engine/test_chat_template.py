@@ -348,6 +348,23 @@ def test_render_errors_are_chat_template_errors() -> None:
         ChatTemplate("{{ raise_exception('boom') }}").render([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize(
+    ("source", "variables", "error"),
+    [
+        ("{{ 'Today ' + date_string }}", {"date_string": 5}, "TypeError"),
+        ("{{ 1 // n }}", {"n": 0}, "ZeroDivisionError"),
+        ("{{ messages[0].content.upper() + count }}", {"count": [1]}, "TypeError"),
+    ],
+)
+def test_pythons_own_errors_in_a_template_are_chat_template_errors(
+    source: str, variables: dict[str, Any], error: str
+) -> None:
+    """Values a caller gives (``chat_template_kwargs``) reach expressions Python evaluates; what they raise is
+    the conversation's fault, as a template error is (a ValueError, the API's 400), never an uncaught error."""
+    with pytest.raises(ChatTemplateError, match=f"failed to render: {error}"):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}], **variables)
+
+
 @pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no_tools", "tools"])
 @pytest.mark.parametrize("prefill", ["Sure,", '{"city": "Oslo", ', "  Indented"])
 def test_continuing_the_final_message_matches_transformers(
