@@ -36,9 +36,10 @@ door. What changes on the way:
 constrained decoding, as the chat API's ``response_format``. rayturn's
 ``priority`` (the call's class, sent through the SDK's ``extra_body``) is read
 as every API reads it (``rayturn.api.priority``), and so is ``speculative``
-(``rayturn.api.protocol``).
+(``rayturn.api.protocol``). ``output_config.effort`` and ``thinking: {"type": "disabled"}`` (effort "none")
+reach the chat template as vLLM passes them (``chat_request.with_reasoning_effort``).
 
-Accepted and ignored: ``thinking``, ``context_management``, ``output_config.effort``,
+Accepted and ignored: the rest of ``thinking``, ``context_management``,
 ``service_tier``, ``container``, ``mcp_servers`` and unknown top-level fields,
 as well as every ``anthropic-beta`` header: the features they turn on either do
 not apply to an open-weight model or are rayturn's to decide (caching).
@@ -49,7 +50,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .chat_request import chat_template_kwargs
+from .chat_request import REASONING_EFFORTS, chat_template_kwargs, with_reasoning_effort
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .priority import body_priority
@@ -119,7 +120,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         response_format=_output_format(fields),
         priority=body_priority(fields),
         continue_final_message=prefilled,
-        template_kwargs=chat_template_kwargs(fields),
+        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), _effort(fields)),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 
@@ -370,9 +371,19 @@ def _metadata_session(fields: Fields) -> str | None:
     return legacy.group(1) if legacy else user_id
 
 
+def _effort(fields: Fields) -> str | None:
+    """Effort "none" when ``thinking`` is disabled, else ``output_config.effort`` (Claude Code sends one every
+    call); an effort of a later Claude Code than this server knows is left out, so the agent keeps working."""
+    thinking, config = fields.raw("thinking"), fields.raw("output_config")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        return "none"
+    effort = config.get("effort") if isinstance(config, dict) else None
+    return effort if effort in REASONING_EFFORTS else None
+
+
 def _output_format(fields: Fields) -> JSON | None:
     """``output_config.format`` (structured outputs): a JSON schema the answer must follow, enforced as the chat
-    API's ``response_format``; the rest of ``output_config`` (``effort``) is ignored."""
+    API's ``response_format`` (``effort``: ``_effort``)."""
     config = fields.nested("output_config")
     form = None if config is None else config.nested("format")
     if form is None:

@@ -25,6 +25,8 @@ MAX_TOOLS = 128
 # ``chat_template_kwargs`` names the server sets: the template's own variables and functions, the rendering's
 # switches (vLLM refuses ``chat_template`` and ``tokenize`` there too).
 RESERVED_KWARGS = RESERVED_VARIABLES | {"continue_final_message", "chat_template", "tokenize"}
+# OpenAI's reasoning efforts (vLLM's ``reasoning_effort`` takes these and "max").
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -69,7 +71,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         response_format=response_format,
         priority=body_priority(fields),
         continue_final_message=_continue_final_message(fields, messages),
-        template_kwargs=chat_template_kwargs(fields),
+        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), reasoning_effort(fields)),
     )
 
 
@@ -167,6 +169,22 @@ def chat_template_kwargs(fields: Fields, key: str = "chat_template_kwargs") -> J
             hint = f"; use the field '{name}'." if name in ("tools", "add_generation_prompt") else "."
             raise invalid_request(message + hint, param=kwargs.path(name))
     return dict(fields.raw(key)) or None
+
+
+def with_reasoning_effort(kwargs: JSON | None, effort: str | None) -> JSON | None:
+    """The template variables with a reasoning effort the request named (chat's ``reasoning_effort``, Responses'
+    ``reasoning.effort``), as vLLM passes it: ``reasoning_effort`` (GPT-OSS templates write it into the system
+    turn) over any the kwargs name, and ``enable_thinking`` (false for "none") unless the kwargs name one."""
+    if effort is None:
+        return kwargs
+    return {"enable_thinking": effort != "none", **(kwargs or {}), "reasoning_effort": effort}
+
+
+def reasoning_effort(fields: Fields, key: str = "reasoning_effort") -> str | None:
+    effort = fields.string(key)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise range_error(fields.path(key), f"one of {', '.join(REASONING_EFFORTS)}", effort)
+    return effort
 
 
 def _reject_unsupported_chat_fields(fields: Fields) -> None:

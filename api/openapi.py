@@ -24,7 +24,7 @@ from __future__ import annotations
 from rayturn import __version__
 from rayturn.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY
 
-from .chat_request import MAX_TOOLS
+from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .completion_request import MAX_PROMPTS
 from .json_schema import (
     ANY_OBJECT,
@@ -183,6 +183,7 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
         "continue_final_message": BOOLEAN,
         "add_generation_prompt": BOOLEAN,
         "chat_template_kwargs": TEMPLATE_KWARGS,
+        "reasoning_effort": enum_of(*REASONING_EFFORTS),
     }
     continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
     return object_of(

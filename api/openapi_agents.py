@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .anthropic_request import CACHE_TTLS_S
 from .anthropic_request import MAX_STOP_SEQUENCES as MAX_ANTHROPIC_STOP_SEQUENCES
-from .chat_request import MAX_TOOLS
+from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .json_schema import (
     ANY_OBJECT,
     BOOLEAN,
@@ -112,8 +112,12 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             ]
         },
         "cache_control": _CACHE_CONTROL,
-        "thinking": {"type": "object", "description": "Accepted and ignored."},
+        "thinking": {
+            "type": "object",
+            "description": "'type': 'disabled' reaches the chat template as reasoning effort 'none'; else ignored.",
+        },
         "metadata": object_of({"user_id": SESSION_ID}),
+        "chat_template_kwargs": TEMPLATE_KWARGS,
     }
     if not count_tokens:
         properties |= {
@@ -125,7 +129,6 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             "stream": BOOLEAN,
             "priority": PRIORITY,
             "speculative": SPECULATIVE,
-            "chat_template_kwargs": TEMPLATE_KWARGS,
         }
     rules = [
         "tool names are unique within 'tools'",
@@ -240,7 +243,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "stream": BOOLEAN,
         "prompt_cache_key": SESSION_ID,
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
-        "reasoning": object_of({"effort": string(), "summary": string()}),
+        "reasoning": object_of({"effort": enum_of(*REASONING_EFFORTS), "summary": string()}),
         "include": array_of(string()),
         "metadata": {"type": "object", "additionalProperties": string()},
         "truncation": enum_of(*TRUNCATION_MODES),

@@ -35,7 +35,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_request import MAX_TOOLS, TOOL_CHOICE_MODES, TOOL_NAME, chat_template_kwargs, one_guide
+from .chat_request import (
+    MAX_TOOLS,
+    TOOL_CHOICE_MODES,
+    TOOL_NAME,
+    chat_template_kwargs,
+    one_guide,
+    reasoning_effort,
+    with_reasoning_effort,
+)
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, range_error, type_error
 from .priority import body_priority
@@ -200,7 +208,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         user=user,
         echo=echo,
         priority=body_priority(fields),
-        template_kwargs=chat_template_kwargs(fields),
+        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), echo["reasoning"]["effort"]),
     )
 
 
@@ -310,10 +318,11 @@ def _text(fields: Fields) -> tuple[JSON | None, JSON]:
 
 
 def _reasoning(fields: Fields) -> JSON:
+    """``reasoning``: its ``effort`` reaches the chat template (``chat_request.with_reasoning_effort``)."""
     reasoning = fields.nested("reasoning")
     if reasoning is None:
         return {"effort": None, "summary": None}
-    return {key: reasoning.string(key) for key in ("effort", "summary")}
+    return {"effort": reasoning_effort(reasoning, "effort"), "summary": reasoning.string("summary")}
 
 
 def _metadata(fields: Fields) -> dict[str, str]:

@@ -34,6 +34,9 @@ from rayturn.engine.presets import preset_dir
 transformers = pytest.importorskip("transformers")
 
 QWEN3_STYLE_TEMPLATE = """\
+{%- if reasoning_effort is defined %}
+{{- '<|im_start|>system\\nReasoning: ' + reasoning_effort + '<|im_end|>\\n' }}
+{%- endif %}
 {%- if persona is defined %}
 {{- '<|im_start|>system\\n' + persona + '<|im_end|>\\n' }}
 {%- endif %}
@@ -176,3 +179,61 @@ def test_kwargs_must_be_an_object_and_a_value_the_template_cannot_use_is_a_400(p
     assert caught.value.status_code == 400 and caught.value.param == "messages"
     assert "TypeError" in caught.value.message
     assert parse_chat_request({"messages": MESSAGES, "chat_template_kwargs": {}}, MODEL).template_kwargs is None
+
+
+REASONING_CASES = [
+    ({"reasoning_effort": "high"}, {"reasoning_effort": "high", "enable_thinking": True}),
+    ({"reasoning_effort": "none"}, {"reasoning_effort": "none", "enable_thinking": False}),
+    (
+        {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "low"}},
+        {"reasoning_effort": "high", "enable_thinking": False},
+    ),
+    ({"chat_template_kwargs": {"reasoning_effort": "low"}}, {"reasoning_effort": "low"}),
+]
+
+
+@pytest.mark.parametrize(("fields", "variables"), REASONING_CASES, ids=["high", "none", "both", "kwargs-only"])
+def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(
+    pipeline: CallPipeline, hf_tokenizer: Any, fields: dict[str, Any], variables: dict[str, Any]
+) -> None:
+    """The field's effort is ``reasoning_effort`` (over the kwargs'), and ``enable_thinking`` is false for "none"
+    unless the kwargs name it: on chat completions, and from Responses' ``reasoning.effort``."""
+    expected = _hf_ids(hf_tokenizer, MESSAGES, **variables)
+    chat = parse_chat_request({"messages": MESSAGES, **fields}, MODEL)
+    assert chat.template_kwargs == variables
+    assert asyncio.run(pipeline.chat_prompt(chat, 100)) == expected
+    responses_body: dict[str, Any] = {"input": MESSAGES}
+    if "reasoning_effort" in fields:
+        responses_body["reasoning"] = {"effort": fields["reasoning_effort"], "summary": "auto"}
+    if "chat_template_kwargs" in fields:
+        responses_body["chat_template_kwargs"] = fields["chat_template_kwargs"]
+    responses = parse_responses_request(responses_body, MODEL)
+    assert asyncio.run(pipeline.chat_prompt(responses.chat(), 100)) == expected
+    assert responses.echo["reasoning"]["effort"] == fields.get("reasoning_effort")
+
+
+@pytest.mark.parametrize(
+    ("fields", "effort"),
+    [
+        ({"output_config": {"effort": "high"}}, "high"),
+        ({"output_config": {"effort": "high"}, "thinking": {"type": "disabled"}}, "none"),
+        ({"thinking": {"type": "adaptive"}}, None),
+        ({"output_config": {"effort": "ultra"}}, None),  # a later Claude Code's: left out, the call goes on
+    ],
+)
+def test_claude_codes_effort_and_disabled_thinking_reach_the_template(
+    pipeline: CallPipeline, hf_tokenizer: Any, fields: dict[str, Any], effort: str | None
+) -> None:
+    chat = parse_messages_request({"model": MODEL, "max_tokens": 8, "messages": MESSAGES, **fields}, MODEL).chat
+    variables = {} if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    assert chat.template_kwargs == (variables or None)
+    assert asyncio.run(pipeline.chat_prompt(chat, 100)) == _hf_ids(hf_tokenizer, MESSAGES, **variables)
+
+
+def test_an_effort_openai_does_not_define_is_a_400_naming_the_field() -> None:
+    with pytest.raises(APIError) as caught:
+        parse_chat_request({"messages": MESSAGES, "reasoning_effort": "ultra"}, MODEL)
+    assert caught.value.param == "reasoning_effort" and "one of none, minimal" in caught.value.message
+    with pytest.raises(APIError) as caught:
+        parse_responses_request({"input": "hi", "reasoning": {"effort": "ultra"}}, MODEL)
+    assert caught.value.param == "reasoning.effort"
