@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.tokenizer import Tokenizer
 
-from .errors import invalid_request
+from .errors import APIError, invalid_request
 from .protocol import JSON, ChatRequest
 
 
@@ -52,10 +52,10 @@ def retained_prefix(tokenizer: Tokenizer, chat: ChatRequest, prompt_ids: Sequenc
     if last >= len(chat.messages):
         return Retention(len(prompt_ids), ttl_s)
     try:
-        text = tokenizer.apply_chat_template(
-            chat.messages[:last], tools=chat.prompt_tools, add_generation_prompt=False, **(chat.template_kwargs or {})
+        text = render_chat(
+            tokenizer, chat.messages[:last], chat.prompt_tools, chat.template_kwargs, add_generation_prompt=False
         )
-    except ValueError:  # a template that cannot render the prefix alone: no contract, nothing breaks
+    except APIError:  # a template that cannot render the prefix alone: no contract, nothing breaks
         return None
     num_tokens = common_prefix(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
     return Retention(num_tokens, ttl_s) if num_tokens > 0 else None

@@ -24,7 +24,6 @@ tools. ``sampling.structured_output`` is read as the HTTP APIs read vLLM's
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,9 +41,9 @@ from rayturn.protos import rayturn_pb2 as pb
 
 from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, chat_template_kwargs, decoded_arguments, one_guide
 from .errors import invalid_request
-from .json_fields import Fields, range_error, type_error
+from .json_fields import Fields, json_object, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
-from .structured_outputs import CONSTRAINTS, schema_object, structured_output_form
+from .structured_outputs import CONSTRAINTS, structured_output_form
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -103,12 +102,7 @@ def _template_kwargs(text: str) -> JSON | None:
     if not text:
         return None
     param = "chat_template_kwargs_json"
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        raise invalid_request(f"Invalid '{param}': not JSON text of an object.", param=param) from None
-    if not isinstance(value, dict):
-        raise type_error(param, "JSON text of an object", value)
+    value = json_object(param, text, "JSON text of an object")
     return chat_template_kwargs(Fields({param: value}, ""), param)
 
 
@@ -180,7 +174,9 @@ def _tools(declared: Sequence[pb.Tool]) -> list[JSON] | None:
         if tool.description:
             function["description"] = tool.description
         if tool.parameters_json:
-            function["parameters"] = schema_object(f"{path}.parameters_json", tool.parameters_json)
+            function["parameters"] = json_object(
+                f"{path}.parameters_json", tool.parameters_json, "a JSON schema object"
+            )
         normalized.append({"type": "function", "function": function})
     return normalized
 

@@ -106,6 +106,21 @@ def json_in_text(text: str) -> object | None:
         return None
 
 
+def json_object(param: str, value: object, expected: str) -> dict[str, Any]:
+    """An object given as one or as JSON text (a structured output's schema, gRPC's JSON-text fields); a 400
+    naming ``param`` when it is neither, saying it ``expected`` one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise invalid_request(f"Invalid '{param}': not valid JSON: {err}.", param=param) from None
+        except RecursionError:
+            raise invalid_request(f"Invalid '{param}': the JSON nests too deeply to parse.", param=param) from None
+    if not isinstance(value, dict):
+        raise type_error(param, expected, value)
+    return value
+
+
 def is_integer(value: object) -> bool:
     """An integer as JSON (and JSON Schema) means it: ``2`` and ``2.0`` alike; ``int(value)`` reads it."""
     if isinstance(value, float):

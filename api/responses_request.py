@@ -168,6 +168,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         guide=guide,
         guide_param=guide_param,
     )
+    reasoning = _reasoning(fields)
     echo: JSON = {
         "instructions": instructions,
         "tools": echoed_tools,
@@ -179,7 +180,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         "previous_response_id": previous_response_id,
         "store": store,
         "text": text,
-        "reasoning": _reasoning(fields),
+        "reasoning": reasoning,
         "truncation": _choice(fields, "truncation", TRUNCATION_MODES) or "disabled",
         "metadata": _metadata(fields),
         "prompt_cache_key": prompt_cache_key,
@@ -208,7 +209,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         user=user,
         echo=echo,
         priority=body_priority(fields),
-        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), echo["reasoning"]["effort"]),
+        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), reasoning["effort"]),
     )
 
 

@@ -37,7 +37,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from rayturn.engine.guided import Guide, check_guide
 
 from .errors import invalid_request, unsupported
-from .json_fields import Fields, type_error
+from .json_fields import Fields, json_object, type_error
 
 STRUCTURED_OUTPUTS = "structured_outputs"
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -122,7 +122,7 @@ def _guide(param: str, constraint: str, value: Any, *, closed: bool) -> Guide:
             raise type_error(param, "a boolean", value)
         return Guide.json_object()
     if constraint == "json":
-        schema = schema_object(param, value)
+        schema = json_object(param, value, "a JSON schema object")
         return Guide.json_schema(json.dumps(closed_schema(schema)) if closed else schema)
     if constraint == "choice":
         return Guide.lark("start: " + " | ".join(json.dumps(choice) for choice in _choices(param, value)))
@@ -139,21 +139,6 @@ def _guide(param: str, constraint: str, value: Any, *, closed: bool) -> Guide:
     except Exception as err:  # the converter raises whatever its parser meets
         message = f"Invalid '{param}': not a Lark or GBNF grammar: {str(err).strip()[:200]}"
         raise invalid_request(message, param=param) from err
-
-
-def schema_object(param: str, value: Any) -> dict[str, Any]:
-    """A JSON schema object given as an object or as JSON text (a structured output's, a gRPC tool's); a 400
-    naming ``param`` when it is neither."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise invalid_request(f"Invalid '{param}': not valid JSON: {err}.", param=param) from None
-        except RecursionError:
-            raise invalid_request(f"Invalid '{param}': the JSON nests too deeply to parse.", param=param) from None
-    if not isinstance(value, dict):
-        raise type_error(param, "a JSON schema object", value)
-    return value
 
 
 def _choices(param: str, value: Any) -> list[str]:
