@@ -171,6 +171,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="The format the model writes tool calls in: hermes, qwen3_coder, llama3_json, mistral or harmony. "
         "(default: the one its chat template shows)",
     )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="Split the model's reasoning (<think>...</think>) from its answers: qwen3 or deepseek_r1. "
+        "(default: model.reasoning_parser in --config, else none)",
+    )
     _add_enforce_eager(serve, "at start", None, "model.enforce_eager in --config, else false")
     serve.add_argument("--address", default=None, help="Join the Ray cluster at this address instead of starting one.")
     _add_log_level(serve, argparse.SUPPRESS)
@@ -223,6 +230,7 @@ def config_overrides(args: argparse.Namespace, model: str | None) -> dict[str, A
         "model.served_name": args.served_model_name,
         "model.max_model_len": args.max_model_len,
         "model.tool_call_parser": args.tool_call_parser,
+        "model.reasoning_parser": args.reasoning_parser,
         "model.enforce_eager": args.enforce_eager,
         "server.host": args.host,
         "server.http_port": args.port,

@@ -82,10 +82,11 @@ def usage(
     return body
 
 
-def splits_answer(request: ChatRequest, parser: str) -> bool:
-    """Whether a chat call's answer is split into prose and tool calls: it offered tools, or the model's format
-    (``parser``) marks up every answer (``splits_every_answer``)."""
-    return request.prompt_tools is not None or splits_every_answer(parser)
+def splits_answer(request: ChatRequest, parser: str, reasoning: str | None = None) -> bool:
+    """Whether a chat call's answer is split into prose and tool calls: it offered tools, the model's format
+    (``parser``) marks up every answer (``splits_every_answer``), or the answer opens in reasoning (``reasoning``,
+    ``rayturn.engine.reasoning.answer_reasoning``)."""
+    return request.prompt_tools is not None or splits_every_answer(parser) or reasoning is not None
 
 
 def assistant_output(
@@ -95,13 +96,17 @@ def assistant_output(
     id_factory: Callable[[], str] = random_tool_call_id,
     parsed: ParsedToolCalls | None = None,
     parser: str = DEFAULT_TOOL_CALL_PARSER,
+    reasoning: str | None = None,
 ) -> ParsedToolCalls:
-    """A finished completion's text split into content and tool calls, as the request allows; ``parsed``: the
-    decode replica's split of it, when it made one (it does for every call whose answer is split)."""
-    if not splits_answer(request, parser):
+    """A finished completion's text split into content and tool calls (after its ``reasoning``), as the request
+    allows; ``parsed``: the decode replica's split of it, when it made one (it does for every call whose answer
+    is split)."""
+    if not splits_answer(request, parser, reasoning):
         return ParsedToolCalls(content=text, tool_calls=())
     if parsed is None:
-        parsed = parse_tool_calls(text, parser=parser, tools=request.prompt_tools, id_factory=id_factory)
+        parsed = parse_tool_calls(
+            text, parser=parser, tools=request.prompt_tools, id_factory=id_factory, reasoning=reasoning
+        )
     if request.parallel_tool_calls:
         return parsed
     return dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:1])

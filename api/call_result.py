@@ -63,6 +63,8 @@ class CallResult:
     session_energy_j: float | None = None
     # How many tokens the tokenizer makes of a text (without special tokens): counts the answers' reasoning.
     count_tokens: Callable[[str], int] | None = None
+    # The format the answers' reasoning is split off in (the Call's ``reasoning``); None: none is.
+    reasoning: str | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -24,6 +24,7 @@ from rayturn.engine.llm_engine import model_identity
 from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import resolve_model_dir
+from rayturn.engine.reasoning import answer_reasoning
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Tokenizer
@@ -113,6 +114,7 @@ class CallPipeline:
         template = self.tokenizer.chat_template
         parser = settings.tool_call_parser or parser_for_chat_template(template.source if template else "")
         self.guides = GuideMaker(parser, self.tokenizer)
+        self.reasoning_parser = settings.reasoning_parser
         self.health_probe = PoolHealthProbe(settings.app_name, settings.pools)
         self.telemetry = IngressMetrics()
         self.energy = EnergyAccounts(self.telemetry.energy_joules)
@@ -193,6 +195,7 @@ class CallPipeline:
         retention: Retention | None = None,
         tool_specs: Sequence[Mapping[str, Any]] = (),
         priority: str | None = None,
+        reasoning: str | None = None,
     ) -> Call:
         """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
         salt = self.keys.cache_salt(tenant)
@@ -216,6 +219,7 @@ class CallPipeline:
             tools=tools,
             retention=retention,
             tool_specs=tuple(tool_specs),
+            reasoning=reasoning,
             priority=priority or self.keys.default_priority(tenant),  # asked for, else the key's; None: by kind
         )
 
@@ -251,16 +255,32 @@ class CallPipeline:
         params = self.guides.guided(params, chat)
         retention = await self.retention(chat, prompt_ids)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
-        tools = splits_answer(chat, self.guides.parser)
+        reasoning = answer_reasoning(self.reasoning_parser, chat.template_kwargs, guided=params.guide is not None)
+        tools = splits_answer(chat, self.guides.parser, reasoning)
         # Formats that type argument values by schema need the tools on the decode replica too.
         specs = chat.prompt_tools if self.guides.parser in SCHEMA_TYPED_PARSERS else None
         return await self.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, hints, tools, retention, specs or (), priority
+            request_id,
+            prompt_ids,
+            params,
+            tenant,
+            session_id,
+            hints,
+            tools,
+            retention,
+            specs or (),
+            priority,
+            reasoning,
         )
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:
         """Send a call to the decode pool; its result, its steps and its first step (API errors before it)."""
-        result = CallResult(completions={}, request_id=call.request_id, count_tokens=self.tokenizer.count_tokens)
+        result = CallResult(
+            completions={},
+            request_id=call.request_id,
+            count_tokens=self.tokenizer.count_tokens,
+            reasoning=call.reasoning,
+        )
         steps = self._steps(call, result)
         return result, steps, await first_step(steps, call.request_id)
 

@@ -62,9 +62,10 @@ class ResponsesStream:
         parallel_tool_calls: bool = True,
         id_factory: Callable[[], str] = random_tool_call_id,
         parser: str = DEFAULT_TOOL_CALL_PARSER,
+        reasoning: str | None = None,
     ) -> None:
         self._frame = frame
-        self._parser = ToolCallStream(parser, id_factory=id_factory) if parse_tools else None
+        self._parser = ToolCallStream(parser, id_factory=id_factory, reasoning=reasoning) if parse_tools else None
         self._parallel_tool_calls = parallel_tool_calls
         self._sequence_number = 0
         self._num_calls = 0

@@ -57,7 +57,11 @@ class ServingChat(HTTPServing):
         choices = []
         for index, state in sorted(result.completions.items()):
             parsed = assistant_output(
-                state.text, chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+                state.text,
+                chat,
+                parsed=state.parsed_tool_calls(),
+                parser=self.pipeline.guides.parser,
+                reasoning=result.reasoning,
             )
             logprobs = chat_logprobs(state.logprobs, names) if chat.sampling.logprobs else None
             choices.append(
@@ -82,7 +86,10 @@ class ServingChat(HTTPServing):
         response_id, created = chat_completion_id(), int(time.time())
         names = self.token_names.with_token_ids(chat.return_tokens_as_token_ids)
         parser = self.pipeline.guides.parser
-        states = {index: ChatStreamState.for_request(chat, index, parser=parser) for index in range(chat.sampling.n)}
+        states = {
+            index: ChatStreamState.for_request(chat, index, parser=parser, reasoning=result.reasoning)
+            for index in range(chat.sampling.n)
+        }
 
         def chunk(choices: list[JSON]) -> str:
             return sse(

@@ -106,7 +106,11 @@ class ServingMessages(HTTPServing):
     def _body(self, parsed: MessagesRequest, result: CallResult) -> JSON:
         state = result.completions.get(0, CompletionState())
         output = assistant_output(
-            state.text, parsed.chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+            state.text,
+            parsed.chat,
+            parsed=state.parsed_tool_calls(),
+            parser=self.pipeline.guides.parser,
+            reasoning=result.reasoning,
         )
         content = [thinking_block(output.reasoning)] if output.reasoning else []
         content += [text_block(output.content)] if output.content else []
@@ -122,7 +126,7 @@ class ServingMessages(HTTPServing):
         stream = MessageStream(message_id(), self.served_model)
         for line in stream.start({**self._usage(result, energy=False), "output_tokens": 0}):
             yield line
-        parse_tools = splits_answer(parsed.chat, self.pipeline.guides.parser)
+        parse_tools = splits_answer(parsed.chat, self.pipeline.guides.parser, result.reasoning)
         one_call = not parsed.chat.parallel_tool_calls
         finish: tuple[str | None, str | int | None] = (None, None)
         try:

@@ -128,7 +128,11 @@ class ServingResponses(HTTPServing):
     def _answer(self, turn: _Turn, result: CallResult) -> JSON:
         state = result.completions.get(0, CompletionState())
         parsed = assistant_output(
-            state.text, turn.chat, parsed=state.parsed_tool_calls(), parser=self.pipeline.guides.parser
+            state.text,
+            turn.chat,
+            parsed=state.parsed_tool_calls(),
+            parser=self.pipeline.guides.parser,
+            reasoning=result.reasoning,
         )
         status = response_status(state.finish_reason)
         answer = turn.frame.body(status, output_items(parsed, status), self._usage(result))
@@ -160,9 +164,10 @@ class ServingResponses(HTTPServing):
         chat = turn.chat
         stream = ResponsesStream(
             turn.frame,
-            parse_tools=splits_answer(chat, self.pipeline.guides.parser),
+            parse_tools=splits_answer(chat, self.pipeline.guides.parser, result.reasoning),
             parallel_tool_calls=chat.parallel_tool_calls,
             parser=self.pipeline.guides.parser,
+            reasoning=result.reasoning,
         )
         for event in stream.start():
             yield sse_event(event)

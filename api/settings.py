@@ -110,3 +110,5 @@ class IngressSettings:
     pools: tuple[str, ...] = ()
     # The tool-call format the model writes (``model.tool_call_parser``); None: the one its chat template teaches.
     tool_call_parser: str | None = None
+    # Where the model's reasoning ends in its answers (``model.reasoning_parser``); None: answers are not split.
+    reasoning_parser: str | None = None

@@ -48,9 +48,10 @@ class ChatStreamState:
         parallel_tool_calls: bool = True,
         id_factory: Callable[[], str] = random_tool_call_id,
         parser: str = DEFAULT_TOOL_CALL_PARSER,
+        reasoning: str | None = None,
     ) -> None:
         self._index = index
-        self._stream = ToolCallStream(parser, id_factory=id_factory) if parse_tools else None
+        self._stream = ToolCallStream(parser, id_factory=id_factory, reasoning=reasoning) if parse_tools else None
         self._parallel_tool_calls = parallel_tool_calls
         self._role_sent = False
         self._tool_calls: list[ToolCall] = []
@@ -64,13 +65,15 @@ class ChatStreamState:
         *,
         id_factory: Callable[[], str] = random_tool_call_id,
         parser: str = DEFAULT_TOOL_CALL_PARSER,
+        reasoning: str | None = None,
     ) -> ChatStreamState:
         return cls(
             index,
-            parse_tools=splits_answer(request, parser),
+            parse_tools=splits_answer(request, parser, reasoning),
             parallel_tool_calls=request.parallel_tool_calls,
             id_factory=id_factory,
             parser=parser,
+            reasoning=reasoning,
         )
 
     @property

@@ -207,6 +207,7 @@ def build_app(config: ClusterConfig) -> Application:
         app_name=APP_NAME,
         pools=tuple(pools + (["kv-store"] if store_nodes is not None else [])),
         tool_call_parser=config.model.tool_call_parser,
+        reasoning_parser=config.model.reasoning_parser,
     )
     return _bind(_deployment(Ingress).options(**options["ingress"]), decode, prefill, store_nodes, ingress_settings)
 

@@ -21,7 +21,7 @@ from typing import Any
 from rayturn.engine import RequestOutput
 from rayturn.engine.outputs import CompletionOutput
 from rayturn.engine.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallDelta, ToolCallStream
-from rayturn.messages import Delta, ResumePoint
+from rayturn.messages import Call, Delta, ResumePoint
 
 
 @dataclass(slots=True)
@@ -41,7 +41,14 @@ class AnswerTracker:
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the format the model's answers call tools in
     # The offered tools, for formats that type argument values by the tool's schema (the Call's ``tool_specs``).
     tool_specs: tuple[Mapping[str, Any], ...] = ()
+    # The answer opens in reasoning in this format (the Call's ``reasoning``); None: no reasoning to split off.
+    reasoning: str | None = None
     _sent: dict[int, _Sent] = field(default_factory=dict)
+
+    @classmethod
+    def for_call(cls, call: Call, tool_call_parser: str) -> AnswerTracker:
+        """The tracker of ``call``'s answers, split (as the call says) in the replica's tool-call format."""
+        return cls(call.tools, tool_call_parser, call.tool_specs, call.reasoning)
 
     def deltas(self, output: RequestOutput) -> tuple[Delta, ...]:
         """What each completion gained since the last call: new token ids, text, logprobs, finish reason."""
@@ -68,7 +75,7 @@ class AnswerTracker:
         sent = self._sent.get(index)
         if sent is None:
             tools = list(self.tool_specs) or None
-            tool_calls = ToolCallStream(self.tool_call_parser, tools) if self.tools else None
+            tool_calls = ToolCallStream(self.tool_call_parser, tools, reasoning=self.reasoning) if self.tools else None
             sent = self._sent[index] = _Sent(tool_calls=tool_calls)
         return sent
 

@@ -263,7 +263,7 @@ class DecodeServer:
             self._idle_work_task = asyncio.get_running_loop().create_task(self.idle_work.run_forever())
         session_id = call.session_id if self.planner is not None else None
         report = self.planner.arrive(session_id, call.call) if self.planner and session_id else None
-        answers = AnswerTracker(tools=call.tools, tool_call_parser=self.tool_call_parser, tool_specs=call.tool_specs)
+        answers = AnswerTracker.for_call(call, self.tool_call_parser)
         if call.resume is not None:
             self.counters["resumed"] += 1
             answers.resume(call.resume)

@@ -11,6 +11,7 @@ from rayturn.settings import check_at_least, check_choice, check_non_empty
 
 from .loader import DTYPES
 from .model_source import is_hub_id
+from .reasoning import REASONING_PARSERS
 from .speculative import SpeculativeConfig
 from .tool_calls import TOOL_CALL_PARSERS
 
@@ -18,8 +19,8 @@ from .tool_calls import TOOL_CALL_PARSERS
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """The ``model`` section: which checkpoint, its dtype, the engine's paging and batching limits, and the
-    format its answers call tools in (``tool_call_parser``; None: the one its chat template teaches), and
-    speculative decoding (``speculative``)."""
+    format its answers call tools in (``tool_call_parser``; None: the one its chat template teaches), where their
+    reasoning ends (``reasoning_parser``), and speculative decoding (``speculative``)."""
 
     name: str = "tiny"
     served_name: str | None = None
@@ -34,6 +35,9 @@ class ModelSettings:
     max_model_len: int | None = None
     backend: str | None = None
     tool_call_parser: str | None = None
+    # Where the model's reasoning ends in its answers (vLLM's --reasoning-parser, ``reasoning.REASONING_PARSERS``);
+    # None: answers are not split into reasoning and the rest.
+    reasoning_parser: str | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # No CUDA graphs of decode steps, even where the backend could replay them (vLLM's --enforce-eager).
     enforce_eager: bool = False
@@ -52,6 +56,8 @@ class ModelSettings:
             check_choice("backend", self.backend, BACKENDS)
         if self.tool_call_parser is not None:
             check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
     @property
     def model_name(self) -> str:

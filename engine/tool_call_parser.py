@@ -46,7 +46,8 @@ class FoundCall:
 @dataclass(frozen=True, slots=True)
 class Reasoning:
     """Text of the model's reasoning, which its format marks apart from the answer (harmony's analysis
-    channel): shown to the client as reasoning, never as the answer's content."""
+    channel, ``<think>`` with a reasoning parser): shown to the client as reasoning, never as the answer's
+    content."""
 
     text: str
 

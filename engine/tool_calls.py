@@ -25,6 +25,10 @@ calls that completed; text that may still turn out to be a call is held::
                    prose out, calls out (ids drawn in order), the rest held
     finish()    -> what is held is decided as final text (an unclosed call is prose)
 
+An answer that opens in reasoning (``rayturn.engine.reasoning``: Qwen3's and
+DeepSeek-R1's ``<think>``) has its reasoning taken apart first, and only what
+follows it goes to the tool-call format (``reasoning=``).
+
 ``forced_call_grammar`` gives, for a format, the grammar that makes a model
 answer with a call (constrained decoding, ``tool_choice`` required or named).
 """
@@ -38,6 +42,7 @@ from typing import Any
 
 from rayturn.registry import Registry
 
+from .reasoning import REASONING_PARSERS, ThinkingSplit
 from .tool_call_hermes import TOOL_CALL_END, TOOL_CALL_START
 from .tool_call_parser import Reasoning, TokenId, ToolCallParser, ToolSpec
 
@@ -156,7 +161,8 @@ class ToolCall:
 class ParsedToolCalls:
     content: str | None
     tool_calls: tuple[ToolCall, ...]
-    # The model's reasoning, where its format marks it apart (harmony's analysis channel); None when none.
+    # The model's reasoning, where its format marks it apart (harmony's analysis channel, ``<think>`` with a
+    # reasoning parser); None when none.
     reasoning: str | None = None
 
 
@@ -178,17 +184,19 @@ def parse_tool_calls(
     parser: str = DEFAULT_TOOL_CALL_PARSER,
     tools: Sequence[ToolSpec] | None = None,
     id_factory: Callable[[], str] = random_tool_call_id,
+    reasoning: str | None = None,
 ) -> ParsedToolCalls:
-    """Split model output into prose and tool calls; malformed calls stay in the prose (``ToolCallStream`` on
-    the whole text at once)."""
-    stream = ToolCallStream(parser, tools, id_factory=id_factory)
+    """Split model output into prose and tool calls (after its reasoning, in format ``reasoning``); malformed
+    calls stay in the prose (``ToolCallStream`` on the whole text at once)."""
+    stream = ToolCallStream(parser, tools, id_factory=id_factory, reasoning=reasoning)
     pushed, finished = stream.push(text), stream.finish()
     content, reasoning = pushed.content + finished.content, pushed.reasoning + finished.reasoning
     return ParsedToolCalls(content=content or None, tool_calls=stream.tool_calls, reasoning=reasoning or None)
 
 
 class ToolCallStream:
-    """``parse_tool_calls`` on text that arrives piece by piece, in format ``parser``.
+    """``parse_tool_calls`` on text that arrives piece by piece, in format ``parser``; an answer that opens in
+    reasoning (``reasoning``, a name of ``rayturn.engine.reasoning.REASONING_PARSERS``) has it split off first.
 
     ``tools`` (the call's function tools) let formats that write arguments as
     raw text type them by each tool's schema. Over a whole stream, the
@@ -209,8 +217,12 @@ class ToolCallStream:
         tools: Sequence[ToolSpec] | None = None,
         *,
         id_factory: Callable[[], str] = random_tool_call_id,
+        reasoning: str | None = None,
     ) -> None:
-        self._parser = tool_call_parser(parser)(tools)
+        answer = tool_call_parser(parser)(tools)
+        self._parser: ToolCallParser | ThinkingSplit = (
+            answer if reasoning is None else ThinkingSplit(REASONING_PARSERS.create(reasoning), answer)
+        )
         self._id_factory = id_factory
         self._held = ""  # text not decided yet: a possible call, or a possible start of one
         self._wait_for = ""  # the held text stays undecided until one of these characters arrives

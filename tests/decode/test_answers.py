@@ -96,3 +96,20 @@ def test_a_resumed_answer_sends_only_what_follows_and_splits_tool_calls_as_one_r
     assert "".join(piece.content for piece in parsed) == "".join(piece.content for piece in reference.tool_parse)
     calls = [(call.name, call.arguments) for piece in parsed for call in piece.tool_calls]
     assert calls == [(call.name, call.arguments) for piece in reference.tool_parse for call in piece.tool_calls]
+
+
+def test_the_call_s_reasoning_format_splits_the_reasoning_off_before_the_calls() -> None:
+    """The Call's ``reasoning`` (the ingress's choice: the server's parser, thinking on): what the model thinks,
+    and a call it only thinks about, stay reasoning; the call after ``</think>`` is the call."""
+    text = f"<think>\nFirst I would try <tool_call>.\n</think>\n\n{QWEN3_CODER_CALL}"
+    tracker = AnswerTracker(tools=True, tool_call_parser="qwen3_coder", reasoning="deepseek_r1")
+    cut = text.index("</th")
+    (first,) = tracker.deltas(_output(text[:cut], finished=False))
+    (last,) = tracker.deltas(_output(text, finished=True))
+    pieces = (*first.tool_parse, *last.tool_parse)
+    assert "".join(piece.reasoning for piece in pieces) == "First I would try <tool_call>."
+    assert "".join(piece.content for piece in pieces) == "Checking."
+    assert [call.name for piece in pieces for call in piece.tool_calls] == ["get_weather"]
+    plain = AnswerTracker(tools=True, tool_call_parser="qwen3_coder")
+    (whole,) = plain.deltas(_output(text, finished=True))
+    assert all(piece.reasoning == "" for piece in whole.tool_parse)
