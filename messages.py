@@ -118,7 +118,7 @@ class Call:
     # the tool's schema (Qwen3-Coder's XML parameters); empty for the formats that do not need them.
     tool_specs: tuple[Mapping[str, Any], ...] = ()
     # The answer opens in reasoning, split apart in this format (``rayturn.engine.reasoning``) before its tool
-    # calls; None: no reasoning to take apart (no reasoning parser, thinking turned off, a guided answer).
+    # calls; None: no reasoning to take apart (no reasoning parser, or thinking turned off).
     reasoning: str | None = None
     # A call whose decode replica died mid-stream, sent again: what its one completion had streamed
     # (``rayturn.api.resume``); None for a call's first send.

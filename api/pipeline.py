@@ -24,7 +24,7 @@ from rayturn.engine.llm_engine import model_identity
 from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import resolve_model_dir
-from rayturn.engine.reasoning import answer_reasoning
+from rayturn.engine.reasoning import answer_reasoning, guided_after_reasoning
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Tokenizer
@@ -252,10 +252,10 @@ class CallPipeline:
             max_tokens_param=max_tokens_param,
             vocab_size=self.vocab_size,
         )
-        params = self.guides.guided(params, chat)
+        reasoning = answer_reasoning(self.reasoning_parser, chat.template_kwargs)
+        params = guided_after_reasoning(self.guides.guided(params, chat), reasoning)
         retention = await self.retention(chat, prompt_ids)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
-        reasoning = answer_reasoning(self.reasoning_parser, chat.template_kwargs, guided=params.guide is not None)
         tools = splits_answer(chat, self.guides.parser, reasoning)
         # Formats that type argument values by schema need the tools on the decode replica too.
         specs = chat.prompt_tools if self.guides.parser in SCHEMA_TYPED_PARSERS else None

@@ -11,8 +11,11 @@ there) and gives the sequence its own ``GuideState``. One guided token::
         error    -> the sequence ends as "abort" (its batch mates go on)
         complete -> the sequence ends as "stop"  (accepting, nothing more can follow)
 
-EOS is allowed exactly when the grammar accepts. A fork deep-copies its
-parent's state. Tokens made elsewhere (a prefill replica's first token) go
+EOS is allowed exactly when the grammar accepts. A guide with ``after`` (a
+thinking model's ``</think>``) waits: the output is free, and the grammar
+untouched, until that text appears in it; the grammar holds from the next
+token on (vLLM's structured outputs wait for the reasoning's end the same
+way). A fork deep-copies its parent's state. Tokens made elsewhere (a prefill replica's first token) go
 through the same stop checks when the request arrives, so the state has
 consumed them before the engine samples the next token.
 
@@ -60,11 +63,14 @@ class Guide:
     ``json_schema``: ``spec`` is a JSON schema (a JSON object, as text).
     ``json_object``: any JSON object; ``spec`` stays empty. ``lark``:
     llguidance's Lark dialect, which may embed schemas as ``%json{...}``.
-    ``regex``: the whole output matches the pattern.
+    ``regex``: the whole output matches the pattern. ``after``: the grammar
+    holds only from the token after the output first contains this text (the
+    end of a thinking model's reasoning); "": from the first token.
     """
 
     kind: GuideKind
     spec: str = ""
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in GUIDE_KINDS:
@@ -75,6 +81,8 @@ class Guide:
             raise ValueError("Guide.spec must be empty for kind 'json_object' (use 'json_schema' for a schema)")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"Guide.spec must not be empty for kind {self.kind!r}")
+        if not isinstance(self.after, str):
+            raise ValueError(f"Guide.after must be a string, got {type(self.after).__name__}")
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Guide:
@@ -140,25 +148,37 @@ def check_guide(guide: Guide) -> None:
 
 
 class GuideState:
-    """One sequence's place in its guide's grammar."""
+    """One sequence's place in its guide's grammar, and what it still waits for before the grammar holds."""
 
-    __slots__ = ("_matcher", "error")
+    __slots__ = ("_matcher", "error", "waiting_for")
 
-    def __init__(self, matcher: LLMatcher) -> None:
+    def __init__(self, matcher: LLMatcher, waiting_for: str = "") -> None:
         self._matcher = matcher
         self.error: str | None = None  # set once the grammar broke; the sequence then ends
+        self.waiting_for = waiting_for  # the guide's ``after`` until the output shows it; then ""
 
     @property
     def matcher(self) -> LLMatcher:
         return self._matcher
 
     @property
+    def holds(self) -> bool:
+        """The grammar holds the next token (its ``after`` text, if any, is in the output)."""
+        return not self.waiting_for
+
+    @property
     def is_complete(self) -> bool:
         """The grammar accepts the output and nothing more can follow."""
-        return self.error is None and self._matcher.is_stopped() and self._matcher.is_accepting()
+        return self.holds and self.error is None and self._matcher.is_stopped() and self._matcher.is_accepting()
+
+    def watch(self, text: str, start_char: int) -> None:
+        """The output's text so far (new from ``start_char``): the grammar holds from here once it shows the
+        awaited text."""
+        if self.waiting_for and text.find(self.waiting_for, max(0, start_char - len(self.waiting_for) + 1)) != -1:
+            self.waiting_for = ""
 
     def fork(self) -> GuideState:
-        child = GuideState(self._matcher.deep_copy())
+        child = GuideState(self._matcher.deep_copy(), self.waiting_for)
         child.error = self.error
         return child
 
@@ -203,15 +223,16 @@ class GuideCompiler:
 
     def start(self, guide: Guide) -> GuideState:
         """A fresh state for ``guide``; ``ValueError`` naming the problem when it does not compile."""
-        prototype = self._grammars.get(guide)
+        grammar = Guide(guide.kind, guide.spec)  # one compiled grammar, whatever the guide waits for
+        prototype = self._grammars.get(grammar)
         if prototype is None:
-            prototype = self._compile(guide)
-            self._grammars[guide] = prototype
+            prototype = self._compile(grammar)
+            self._grammars[grammar] = prototype
             if len(self._grammars) > self.max_grammars:
                 self._grammars.popitem(last=False)
         else:
-            self._grammars.move_to_end(guide)
-        return GuideState(prototype.deep_copy())
+            self._grammars.move_to_end(grammar)
+        return GuideState(prototype.deep_copy(), guide.after)
 
     def _compile(self, guide: Guide) -> LLMatcher:
         matcher = LLMatcher(self._llguidance_tokenizer(), _grammar(guide), log_level=0, limits=_LIMITS)

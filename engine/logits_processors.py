@@ -46,7 +46,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Abs
     early = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
     if early:
         logits = mask_tokens(logits, early, [_stop_ids(seqs[i], eos_token_ids) for i in early])
-    guides = [seq.guide for seq in seqs]
+    guides = [seq.guide if seq.guide is not None and seq.guide.holds else None for seq in seqs]
     if any(guide is not None for guide in guides):
         logits = mask_guided_logits(logits, guides)
     return logits

@@ -15,8 +15,8 @@ Qwen3 drops every ``<think>`` inside the reasoning, DeepSeek-R1 only the
 first (later ones are its text), as vLLM's parsers do. What follows the reasoning
 goes to the model's tool-call parser, so a call written inside the reasoning
 is never taken for one. A guided answer (a JSON schema, a forced tool call)
-is not split: the guide holds from the answer's first token, so there is no
-reasoning to take apart.
+thinks first: its guide waits for the end of the reasoning
+(``guided_after_reasoning``), as vLLM's structured outputs do.
 
 ``ThinkingSplit`` is the split, a ``tool_call_parser.ToolCallParser``'s
 ``split`` in front of the tool-call format's own: it decides only what no
@@ -26,12 +26,15 @@ continuation can change, so a streamed answer splits as the whole one does.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from rayturn.registry import Registry
 
 from .tool_call_parser import Piece, Reasoning, Split, ToolCallParser, partial_tag_len
+
+if TYPE_CHECKING:
+    from .sampling_params import SamplingParams
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -58,16 +61,24 @@ REASONING_PARSERS.register(
 REASONING_PARSERS.register("deepseek_r1", ThinkFormat)
 
 
-def answer_reasoning(parser: str | None, template_kwargs: Mapping[str, Any] | None, *, guided: bool) -> str | None:
-    """The reasoning format a chat call's answer is split by: the server's ``parser``, unless the call is guided
-    or the format follows ``enable_thinking`` and the template variables turn thinking off; None: not split."""
-    if parser is None or guided:
+def answer_reasoning(parser: str | None, template_kwargs: Mapping[str, Any] | None) -> str | None:
+    """The reasoning format a chat call's answer is split by: the server's ``parser``, unless the format follows
+    ``enable_thinking`` and the template variables turn thinking off; None: not split."""
+    if parser is None:
         return None
     if REASONING_PARSERS.create(parser).follows_enable_thinking and not (template_kwargs or {}).get(
         "enable_thinking", True
     ):
         return None
     return parser
+
+
+def guided_after_reasoning(params: SamplingParams, reasoning: str | None) -> SamplingParams:
+    """``params`` whose guide (if any) waits for the end of the answer's reasoning in format ``reasoning``
+    (``Guide.after``): the model thinks freely, then answers under the guide."""
+    if params.guide is None or reasoning is None:
+        return params
+    return replace(params, guide=replace(params.guide, after=REASONING_PARSERS.create(reasoning).end))
 
 
 class ThinkingSplit:

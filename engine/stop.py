@@ -42,7 +42,7 @@ class StopChecker:
         params = self.params
         token = seq.token_ids[-1]
         guide = seq.guide
-        if guide is not None:
+        if guide is not None and guide.holds:
             guide.advance(token)
             if guide.error is not None:
                 logger.warning("request %s: guided decoding failed, sequence aborted: %s", seq.request_id, guide.error)
@@ -54,6 +54,8 @@ class StopChecker:
             return "stop", token
         before = len(self.text)
         self.text += self.detokenizer.add_token(token)
+        if guide is not None and not guide.holds:
+            guide.watch(self.text, before)
         if self._longest_stop and may_stop:
             verdict = self._match_stop_string(before)
             if verdict is not None:

@@ -4,10 +4,11 @@ The ``tiny`` preset's random weights never write ``</think>``, so each answer is
 reasoning: all of it is reasoning, as vLLM's ``qwen3`` parser reads it. That makes the same greedy text the
 reference for every API: the raw completion of the same prompt ids (``/v1/completions``, which no reasoning
 parser touches) is the chat answer's ``reasoning``, the Messages answer's thinking block, the Responses answer's
-reasoning item and gRPC's ``reasoning``; and it is the answer's ``content`` once the request turns thinking off
-(``chat_template_kwargs.enable_thinking``, ``reasoning_effort: none``, Anthropic's disabled thinking) or guides
-the answer. Prompts longer than the threshold go through the prefill pool, so the split also covers an answer
-whose first token came from there.
+reasoning item and gRPC's ``reasoning``, and a guided answer's reasoning too (its guide waits for the end of the
+reasoning); and it is the answer's ``content`` once the request turns thinking off
+(``chat_template_kwargs.enable_thinking``, ``reasoning_effort: none``, Anthropic's disabled thinking). Prompts
+longer than the threshold go through the prefill pool, so the split also covers an answer whose first token
+came from there.
 """
 
 from __future__ import annotations
@@ -127,19 +128,24 @@ def test_the_streamed_reasoning_is_the_whole_answers(client: openai.OpenAI, raw:
 
 @pytest.mark.parametrize(
     "fields",
-    [
-        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
-        {"reasoning_effort": "none"},
-        {"response_format": {"type": "json_object"}},  # a guided answer holds from its first token
-    ],
-    ids=["enable_thinking-false", "effort-none", "guided"],
+    [{"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, {"reasoning_effort": "none"}],
+    ids=["enable_thinking-false", "effort-none"],
 )
 def test_an_answer_without_thinking_is_content(client: openai.OpenAI, raw: str, fields: dict[str, Any]) -> None:
     message = _chat(client, **fields).choices[0].message
     assert "reasoning" not in (message.model_extra or {})
-    assert message.content
-    if "response_format" not in fields:
-        assert message.content == raw  # the same prompt: tiny's template reads neither variable
+    assert message.content == raw  # the same prompt: tiny's template reads neither variable
+
+
+def test_a_guided_answer_thinks_freely_first(client: openai.OpenAI, raw: str) -> None:
+    """The guide waits for ``</think>``, which tiny never writes: the answer is the free model's reasoning, no
+    token masked. Without thinking, the guide holds from the first token: the content is the grammar's."""
+    guided = {"response_format": {"type": "json_object"}}
+    thinking = _chat(client, **guided).choices[0].message
+    assert thinking.model_extra["reasoning"] == raw.strip() and thinking.content is None
+    off = _chat(client, **guided, reasoning_effort="none").choices[0].message
+    assert "reasoning" not in (off.model_extra or {})
+    assert off.content.startswith("{") and off.content != raw
 
 
 def test_messages_answer_with_a_thinking_block(server: str, raw: str) -> None:

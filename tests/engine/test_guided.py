@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import re
 from typing import Any
 
 import numpy as np
@@ -176,6 +177,43 @@ def test_disaggregated_continuation_equals_the_local_run(engine: LLMEngine) -> N
             assert final.text == local.text and final.finish_reason == "stop"
 
 
+def _gate(engine: LLMEngine, prompt: str) -> tuple[RequestOutput, str, int]:
+    """The free greedy answer to ``prompt``, a piece of its text to wait for, and how many of its tokens it
+    takes to show that piece (the guide holds from the token after)."""
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    after = free.text[4:7]
+    assert len(after) == 3 and free.text.find(after) == 4
+    shown = next(k for k in range(1, 25) if after in engine.tokenizer.decode(free.token_ids[:k]))
+    return free, after, shown
+
+
+def test_a_guide_waiting_for_the_reasoning_s_end_leaves_the_output_free_until_it_shows(engine: LLMEngine) -> None:
+    """``Guide.after`` (a thinking model's ``</think>``): every token up to the one that shows the text is the
+    free model's, the rest is the grammar's, whole; a fork, and a continuation on another engine (the
+    disaggregated path, the prefill replica's first token forced) wait the same way."""
+    prompt = "think first"
+    free, after, shown = _gate(engine, prompt)
+    guided = SamplingParams(
+        max_tokens=24, temperature=0.0, guide=dataclasses.replace(Guide.regex("[a-z]{3}!"), after=after)
+    )
+    (out,) = engine.generate([prompt], guided)
+    assert out.token_ids[:shown] == free.token_ids[:shown]
+    rest = engine.tokenizer.decode(out.token_ids[shown:])
+    assert re.fullmatch("[a-z]{3}!", rest) and out.finish_reason == "stop"
+    assert out.text == engine.tokenizer.decode(free.token_ids[:shown]) + rest
+    never = dataclasses.replace(guided, guide=dataclasses.replace(guided.guide, after="\x00never\x00"), ignore_eos=True)
+    (unguided,) = engine.generate([prompt], never)
+    assert unguided.token_ids == free.token_ids  # a guide that never opens never masks
+    (pair,) = engine.generate([prompt], dataclasses.replace(guided, n=2))
+    assert [(c.token_ids, c.text) for c in pair.completions] == [(out.token_ids, out.text)] * 2
+    decode = LLMEngine.from_pretrained("tiny", backend="torch")
+    shipped: SamplingParams = pickle.loads(pickle.dumps(guided))
+    assert shipped.guide is not None and shipped.guide.after == after
+    decode.add_request(prompt, shipped, request_id="continued", output_prefix=out.token_ids[:1])
+    (final,) = [each for each in run(decode) if each.finished]
+    assert final.token_ids == out.token_ids and final.text == out.text
+
+
 def test_forced_tokens_the_grammar_rejects_abort_on_arrival(engine: LLMEngine) -> None:
     engine.add_request("x", GREEDY_GUIDED, request_id="rejected", output_prefix=[ord("[")])
     (out,) = run(engine)
@@ -241,6 +279,7 @@ def test_good_guides_pass_the_edge_check() -> None:
         ({"kind": "regex", "spec": ""}, "Guide.spec must not be empty"),
         ({"kind": "json_object", "spec": "{}"}, "Guide.spec must be empty"),
         ({"kind": "lark", "spec": 5}, "Guide.spec must be a string"),
+        ({"kind": "regex", "spec": "a", "after": None}, "Guide.after must be a string"),
     ],
 )
 def test_malformed_guides_are_refused_when_made(kwargs: dict[str, Any], message: str) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from rayturn.engine.reasoning import REASONING_PARSERS, answer_reasoning
+from rayturn.engine import Guide, SamplingParams
+from rayturn.engine.reasoning import REASONING_PARSERS, answer_reasoning, guided_after_reasoning
 from rayturn.engine.settings import ModelSettings
 from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallStream, parse_tool_calls
 from rayturn.settings import FieldError
@@ -137,21 +138,25 @@ def test_without_a_reasoning_parser_think_tags_are_prose() -> None:
 
 
 @pytest.mark.parametrize(
-    ("parser", "kwargs", "guided", "expected"),
+    ("parser", "kwargs", "expected"),
     [
-        (None, None, False, None),
-        ("qwen3", None, False, "qwen3"),
-        ("qwen3", {"enable_thinking": True}, False, "qwen3"),
-        ("qwen3", {"enable_thinking": False}, False, None),  # the template closed the reasoning: all content
-        ("deepseek_r1", {"enable_thinking": False}, False, "deepseek_r1"),  # R1 always thinks, as vLLM reads it
-        ("qwen3", None, True, None),  # a guided answer is held from its first token: no reasoning in it
-        ("deepseek_r1", None, True, None),
+        (None, None, None),
+        ("qwen3", None, "qwen3"),
+        ("qwen3", {"enable_thinking": True}, "qwen3"),
+        ("qwen3", {"enable_thinking": False}, None),  # the template closed the reasoning: all content
+        ("deepseek_r1", {"enable_thinking": False}, "deepseek_r1"),  # R1 always thinks, as vLLM reads it
     ],
 )
-def test_which_answers_are_split(
-    parser: str | None, kwargs: dict[str, Any] | None, guided: bool, expected: str | None
-) -> None:
-    assert answer_reasoning(parser, kwargs, guided=guided) == expected
+def test_which_answers_are_split(parser: str | None, kwargs: dict[str, Any] | None, expected: str | None) -> None:
+    assert answer_reasoning(parser, kwargs) == expected
+
+
+def test_a_guide_waits_for_the_end_of_the_reasoning() -> None:
+    guided = SamplingParams(guide=Guide.json_object())
+    assert guided_after_reasoning(guided, "qwen3").guide == Guide("json_object", after="</think>")
+    assert guided_after_reasoning(guided, None) is guided  # no reasoning: the guide holds from the first token
+    free = SamplingParams()
+    assert guided_after_reasoning(free, "deepseek_r1") is free
 
 
 def test_the_parsers_are_named_as_vllm_names_them() -> None:
