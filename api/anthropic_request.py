@@ -37,7 +37,8 @@ constrained decoding, as the chat API's ``response_format``. rayturn's
 ``priority`` (the call's class, sent through the SDK's ``extra_body``) is read
 as every API reads it (``rayturn.api.priority``), and so is ``speculative``
 (``rayturn.api.protocol``). ``output_config.effort`` and ``thinking: {"type": "disabled"}`` (effort "none")
-reach the chat template as vLLM passes them (``chat_request.with_reasoning_effort``).
+reach the chat template as vLLM passes them (``chat_request.with_reasoning_effort``);
+``thinking: {"type": "enabled", "budget_tokens": N}`` bounds the reasoning (``thinking_fields``).
 
 Accepted and ignored: the rest of ``thinking``, ``context_management``,
 ``service_tier``, ``container``, ``mcp_servers`` and unknown top-level fields,
@@ -50,11 +51,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .chat_request import REASONING_EFFORTS, chat_template_kwargs, with_reasoning_effort
+from .chat_request import chat_template_kwargs, with_reasoning_effort
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .priority import body_priority
 from .protocol import JSON, CachePoint, ChatRequest, SamplingSpec, ToolChoice, model_field
+from .thinking_fields import ANTHROPIC_BUDGET, anthropic_budget, anthropic_effort
 
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 64
@@ -100,6 +102,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
     temperature = fields.number("temperature", minimum=0.0, maximum=1.0)
     top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
     top_k = fields.integer("top_k", minimum=0)
+    budget = anthropic_budget(fields)
     sampling = SamplingSpec(
         max_tokens=None,  # capped to the room left once the prompt is known (``max_tokens`` above)
         temperature=1.0 if temperature is None else temperature,
@@ -107,6 +110,8 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         top_k=top_k or 0,
         stop=_stop_sequences(fields),
         speculative=fields.boolean("speculative"),
+        thinking_token_budget=budget,
+        thinking_budget_param=None if budget is None else ANTHROPIC_BUDGET,
     )
     chat = ChatRequest(
         model=model,
@@ -120,7 +125,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         response_format=_output_format(fields),
         priority=body_priority(fields),
         continue_final_message=prefilled,
-        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), _effort(fields)),
+        template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), anthropic_effort(fields)),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 
@@ -371,19 +376,9 @@ def _metadata_session(fields: Fields) -> str | None:
     return legacy.group(1) if legacy else user_id
 
 
-def _effort(fields: Fields) -> str | None:
-    """Effort "none" when ``thinking`` is disabled, else ``output_config.effort`` (Claude Code sends one every
-    call); an effort of a later Claude Code than this server knows is left out, so the agent keeps working."""
-    thinking, config = fields.raw("thinking"), fields.raw("output_config")
-    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
-        return "none"
-    effort = config.get("effort") if isinstance(config, dict) else None
-    return effort if effort in REASONING_EFFORTS else None
-
-
 def _output_format(fields: Fields) -> JSON | None:
     """``output_config.format`` (structured outputs): a JSON schema the answer must follow, enforced as the chat
-    API's ``response_format`` (``effort``: ``_effort``)."""
+    API's ``response_format`` (``effort``: ``thinking_fields.anthropic_effort``)."""
     config = fields.nested("output_config")
     form = None if config is None else config.nested("format")
     if form is None:

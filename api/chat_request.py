@@ -72,6 +72,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         priority=body_priority(fields),
         continue_final_message=_continue_final_message(fields, messages),
         template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), reasoning_effort(fields)),
+        include_reasoning=fields.boolean("include_reasoning") is not False,
     )
 
 

@@ -73,6 +73,11 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
         top_logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+    if sampling.thinking_token_budget is not None:
+        message = (
+            "Unsupported 'thinking_token_budget': only chat answers are split into reasoning; use /v1/chat/completions."
+        )
+        raise unsupported(message, param="thinking_token_budget")
     best_of = fields.integer("best_of", minimum=1)
     if best_of is not None and best_of != sampling.n:
         raise unsupported(f"Unsupported 'best_of': only best_of == n ({sampling.n}) is supported.", param="best_of")

@@ -114,6 +114,7 @@ def _chat_only(request: pb.GenerateRequest) -> None:
         ("tool_choice", request.HasField("tool_choice")),
         ("parallel_tool_calls", request.HasField("parallel_tool_calls")),
         ("chat_template_kwargs_json", bool(request.chat_template_kwargs_json)),
+        ("sampling.thinking_token_budget", request.sampling.HasField("thinking_token_budget")),
     ):
         if given:
             message = f"Invalid '{name}': it needs 'messages' input (the chat template is what reads it)."
@@ -262,6 +263,7 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         bound = f"in [0, {max_tokens}] (max_tokens)" if max_tokens is not None else ">= 0"
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
     guide, guide_param = _structured_output(options) or (None, None)
+    budget = _thinking_budget(options)
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -283,7 +285,17 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         speculative=options.speculative if options.HasField("speculative") else None,
         guide=guide,
         guide_param=guide_param,
+        thinking_token_budget=budget,
+        thinking_budget_param=None if budget is None else "thinking_token_budget",
     )
+
+
+def _thinking_budget(options: pb.SamplingOptions) -> int | None:
+    """``sampling.thinking_token_budget``, read as the HTTP field: >= 0, or -1 (as unset) for no bound."""
+    budget = options.thinking_token_budget if options.HasField("thinking_token_budget") else -1
+    if budget < -1:
+        raise range_error("sampling.thinking_token_budget", "an integer >= 0, or -1 for no bound", budget)
+    return None if budget == -1 else budget
 
 
 def _structured_output(options: pb.SamplingOptions) -> tuple[Guide, str] | None:

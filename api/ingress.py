@@ -77,7 +77,8 @@ class Ingress:
         self.tokens = ServingTokens(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())
-        self.openapi = openapi_document(self.pipeline.served_model, self.pipeline.vocab_size)
+        reasoning = self.pipeline.reasoning_parser is not None
+        self.openapi = openapi_document(self.pipeline.served_model, self.pipeline.vocab_size, reasoning=reasoning)
 
     # -- gRPC (Serve's gRPC proxy calls these by name) ----------------------
 

@@ -163,7 +163,8 @@ _CHAT_RULES = (
 )
 
 
-def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
+def chat_request_schema(served_model: str, vocab_size: int, *, reasoning: bool = False) -> JSON:
+    """``reasoning``: the server splits reasoning off (a reasoning parser), which ``thinking_token_budget`` bounds."""
     properties = {
         "model": enum_of(served_model, ""),
         "messages": array_of(_CHAT_MESSAGE, min_items=1),
@@ -184,6 +185,8 @@ def chat_request_schema(served_model: str, vocab_size: int) -> JSON:
         "add_generation_prompt": BOOLEAN,
         "chat_template_kwargs": TEMPLATE_KWARGS,
         "reasoning_effort": enum_of(*REASONING_EFFORTS),
+        "include_reasoning": BOOLEAN,
+        **({"thinking_token_budget": integer(minimum=-1)} if reasoning else {}),
     }
     continue_final = {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]}
     return object_of(
@@ -328,8 +331,9 @@ def _operation(summary: str, shape: str, body: JSON | None = None, *, streams: b
 _RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": string()}]
 
 
-def openapi_document(served_model: str, vocab_size: int) -> JSON:
-    """The document ``GET /openapi.json`` serves, for the model this ingress serves."""
+def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = False) -> JSON:
+    """The document ``GET /openapi.json`` serves, for the model this ingress serves (``reasoning``: with a
+    reasoning parser)."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "rayturn", "version": __version__},
@@ -338,7 +342,7 @@ def openapi_document(served_model: str, vocab_size: int) -> JSON:
                 "post": _operation(
                     "OpenAI chat completions",
                     "OpenAIError",
-                    chat_request_schema(served_model, vocab_size),
+                    chat_request_schema(served_model, vocab_size, reasoning=reasoning),
                     streams=True,
                 )
             },

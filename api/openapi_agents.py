@@ -113,8 +113,16 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
         },
         "cache_control": _CACHE_CONTROL,
         "thinking": {
-            "type": "object",
-            "description": "'type': 'disabled' reaches the chat template as reasoning effort 'none'; else ignored.",
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"type": {"const": "enabled"}, "budget_tokens": integer(minimum=0)},
+                    "required": ["type", "budget_tokens"],
+                },
+                {"type": "object", "properties": {"type": {"not": {"const": "enabled"}}}},
+            ],
+            "description": "'enabled': 'budget_tokens' bounds the reasoning (with a reasoning parser); 'disabled' "
+            "reaches the chat template as reasoning effort 'none'.",
         },
         "metadata": object_of({"user_id": SESSION_ID}),
         "chat_template_kwargs": TEMPLATE_KWARGS,

@@ -24,7 +24,6 @@ from rayturn.engine.llm_engine import model_identity
 from rayturn.engine.page_hash import PageHash, hash_pages
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.presets import resolve_model_dir
-from rayturn.engine.reasoning import answer_reasoning, guided_after_reasoning
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.token_bytes import TokenBytes
 from rayturn.engine.tokenizer import Tokenizer
@@ -46,6 +45,7 @@ from .resume import CallResumer, capacity_refusal, replica_died
 from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
 from .tenants import presented_key
+from .thinking_fields import chat_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -252,8 +252,7 @@ class CallPipeline:
             max_tokens_param=max_tokens_param,
             vocab_size=self.vocab_size,
         )
-        reasoning = answer_reasoning(self.reasoning_parser, chat.template_kwargs)
-        params = guided_after_reasoning(self.guides.guided(params, chat), reasoning)
+        reasoning, params = chat_reasoning(self.reasoning_parser, chat, self.guides.guided(params, chat))
         retention = await self.retention(chat, prompt_ids)
         hints = LifecycleHints(said.call or call or classify_call(chat.messages), said.after)
         tools = splits_answer(chat, self.guides.parser, reasoning)

@@ -137,6 +137,10 @@ class SamplingSpec:
     # vLLM's structured outputs (``structured_outputs``, ``guided_*``): the guide, and the field that asked it.
     guide: Guide | None = None
     guide_param: str | None = None
+    # The most tokens the answer's reasoning may take (vLLM's ``thinking_token_budget``, Anthropic's
+    # ``thinking.budget_tokens``: ``api.thinking_fields``), and the field that set it; None: no bound.
+    thinking_token_budget: int | None = None
+    thinking_budget_param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,8 @@ class ChatRequest:
     continue_final_message: bool = False
     # vLLM's ``chat_template_kwargs``: more variables for the chat template (``enable_thinking``, ...).
     template_kwargs: JSON | None = None
+    # vLLM's ``include_reasoning``: false leaves the reasoning the server split off out of a chat answer.
+    include_reasoning: bool = True
 
     @property
     def prompt_tools(self) -> list[JSON] | None:
@@ -304,6 +310,8 @@ def sampling_spec(
     temperature = fields.number("temperature", minimum=0.0, maximum=MAX_TEMPERATURE)
     top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
     top_k = fields.integer("top_k", minimum=-1)
+    budget = fields.integer("thinking_token_budget", minimum=-1)  # -1: no bound, as vLLM reads it
+    budget = None if budget == -1 else budget
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -328,6 +336,8 @@ def sampling_spec(
         speculative=fields.boolean("speculative"),
         guide=guide,
         guide_param=guide_param,
+        thinking_token_budget=budget,
+        thinking_budget_param=None if budget is None else "thinking_token_budget",
     )
 
 

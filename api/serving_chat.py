@@ -71,7 +71,7 @@ class ServingChat(HTTPServing):
                     tool_calls=parsed.tool_calls,
                     finish_reason=state.finish_reason,
                     logprobs=logprobs,
-                    reasoning=parsed.reasoning,
+                    reasoning=parsed.reasoning if chat.include_reasoning else None,
                 )
             )
         return chat_completion(

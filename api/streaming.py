@@ -38,7 +38,15 @@ class ChatStreamState:
     with a delta go out with the next chunk this choice emits.
     """
 
-    __slots__ = ("_index", "_parallel_tool_calls", "_pending_logprobs", "_role_sent", "_stream", "_tool_calls")
+    __slots__ = (
+        "_index",
+        "_parallel_tool_calls",
+        "_pending_logprobs",
+        "_role_sent",
+        "_show_reasoning",
+        "_stream",
+        "_tool_calls",
+    )
 
     def __init__(
         self,
@@ -49,8 +57,10 @@ class ChatStreamState:
         id_factory: Callable[[], str] = random_tool_call_id,
         parser: str = DEFAULT_TOOL_CALL_PARSER,
         reasoning: str | None = None,
+        show_reasoning: bool = True,
     ) -> None:
         self._index = index
+        self._show_reasoning = show_reasoning  # the request's ``include_reasoning``
         self._stream = ToolCallStream(parser, id_factory=id_factory, reasoning=reasoning) if parse_tools else None
         self._parallel_tool_calls = parallel_tool_calls
         self._role_sent = False
@@ -74,6 +84,7 @@ class ChatStreamState:
             id_factory=id_factory,
             parser=parser,
             reasoning=reasoning,
+            show_reasoning=request.include_reasoning,
         )
 
     @property
@@ -116,6 +127,7 @@ class ChatStreamState:
             self._pending_logprobs = (self._pending_logprobs or []) + list(logprobs)
 
     def _choice(self, content: str, calls: list[JSON], reason: str | None, reasoning: str = "") -> JSON | None:
+        reasoning = reasoning if self._show_reasoning else ""
         if not content and not calls and not reasoning and reason is None:
             return None
         delta: JSON = {}

@@ -15,9 +15,10 @@ EOS is allowed exactly when the grammar accepts. A guide with ``after`` (a
 thinking model's ``</think>``) waits: the output is free, and the grammar
 untouched, until that text appears in it; the grammar holds from the next
 token on (vLLM's structured outputs wait for the reasoning's end the same
-way). A fork deep-copies its parent's state. Tokens made elsewhere (a prefill replica's first token) go
-through the same stop checks when the request arrives, so the state has
-consumed them before the engine samples the next token.
+way). A fork deep-copies its parent's state. Tokens made elsewhere (a
+prefill replica's first token) go through the same stop checks when the
+request arrives, so the state has consumed (or watched) them before the
+engine samples the next token.
 
 JSON guides are compact: no free whitespace, ``", "`` and ``": "`` between
 items (a schema's own ``x-guidance`` options override this). A ``%json``

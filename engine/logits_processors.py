@@ -49,7 +49,25 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Abs
     guides = [seq.guide if seq.guide is not None and seq.guide.holds else None for seq in seqs]
     if any(guide is not None for guide in guides):
         logits = mask_guided_logits(logits, guides)
+    forced = [(i, token) for i, seq in enumerate(seqs) if (token := _forced(seq)) is not None]
+    if forced:
+        logits = force_tokens(logits, [i for i, _ in forced], [token for _, token in forced])
     return logits
+
+
+def _forced(seq: Sequence) -> int | None:
+    """The token a sequence whose reasoning spent its budget must take next (``thinking.py``), if any."""
+    return seq.thinking.forced_token(seq.num_output_tokens) if seq.thinking is not None else None
+
+
+def force_tokens(logits: torch.Tensor, rows: Seq[int], token_ids: Seq[int]) -> torch.Tensor:
+    """A copy of ``logits`` in which row ``rows[i]`` allows only ``token_ids[i]`` (its logit 0, every other -inf,
+    whatever masked it before)."""
+    out = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = float("-inf")
+    out[index, torch.tensor(token_ids, device=logits.device)] = 0.0
+    return out
 
 
 def apply_repetition_penalty(

@@ -15,8 +15,9 @@ Qwen3 drops every ``<think>`` inside the reasoning, DeepSeek-R1 only the
 first (later ones are its text), as vLLM's parsers do. What follows the reasoning
 goes to the model's tool-call parser, so a call written inside the reasoning
 is never taken for one. A guided answer (a JSON schema, a forced tool call)
-thinks first: its guide waits for the end of the reasoning
-(``guided_after_reasoning``), as vLLM's structured outputs do.
+thinks first: its guide waits for the end of the reasoning, as vLLM's
+structured outputs do; and a token budget on the reasoning forces its end
+once spent (``reasoning_params``, ``thinking.py``).
 
 ``ThinkingSplit`` is the split, a ``tool_call_parser.ToolCallParser``'s
 ``split`` in front of the tool-call format's own: it decides only what no
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from rayturn.registry import Registry
 
+from .thinking import ThinkingBudget
 from .tool_call_parser import Piece, Reasoning, Split, ToolCallParser, partial_tag_len
 
 if TYPE_CHECKING:
@@ -73,12 +75,18 @@ def answer_reasoning(parser: str | None, template_kwargs: Mapping[str, Any] | No
     return parser
 
 
-def guided_after_reasoning(params: SamplingParams, reasoning: str | None) -> SamplingParams:
-    """``params`` whose guide (if any) waits for the end of the answer's reasoning in format ``reasoning``
-    (``Guide.after``): the model thinks freely, then answers under the guide."""
-    if params.guide is None or reasoning is None:
+def reasoning_params(params: SamplingParams, reasoning: str | None, budget: int | None = None) -> SamplingParams:
+    """``params`` for an answer that opens in reasoning in format ``reasoning`` (None: one that does not, unchanged):
+    its guide, if any, waits for the reasoning's end (``Guide.after``), so the model thinks freely and then answers
+    under the guide; ``budget``: the most tokens the reasoning may take before its end is forced."""
+    if reasoning is None:
         return params
-    return replace(params, guide=replace(params.guide, after=REASONING_PARSERS.create(reasoning).end))
+    end = REASONING_PARSERS.create(reasoning).end
+    if params.guide is not None:
+        params = replace(params, guide=replace(params.guide, after=end))
+    if budget is not None:
+        params = replace(params, thinking_budget=ThinkingBudget(budget, end))
+    return params
 
 
 class ThinkingSplit:

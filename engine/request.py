@@ -36,6 +36,7 @@ from .request_limits import RequestLimits
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceStatus, TokenLogprob
 from .stop import StopChecker, Verdict
+from .thinking import ThinkingState
 from .tokenizer import Tokenizer
 
 # Called when a sequence stops, before its pages are freed: (its request, the sequence, why it stopped).
@@ -140,6 +141,9 @@ class RequestTable:
         guide = self.guides.start(params.guide) if params.guide is not None else None
         request = Request(request_id, list(token_ids), params, session_id=session_id)
         seq = new_sequence(next(self._seq_ids), request_id, list(token_ids), params, cache_salt, page_hashes, guide)
+        if params.thinking_budget is not None:
+            end_ids = self.tokenizer.encode(params.thinking_budget.end, add_special_tokens=False)
+            seq.thinking = ThinkingState(params.thinking_budget, end_ids)
         request.add(seq, self._stop_checker(request))
         self._requests[request_id] = request
         self._append_output_prefix(request, output_prefix, output_prefix_logprobs)
@@ -280,6 +284,7 @@ def fork_sequence(parent: Sequence, seq_id: int, completion_index: int) -> Seque
         generator=_generator(parent.params, completion_index),
         completion_index=completion_index,
         guide=parent.guide.fork() if parent.guide is not None else None,
+        thinking=parent.thinking.fork() if parent.thinking is not None else None,
         prompt_logprobs=parent.prompt_logprobs,
         priority=parent.priority,
     )

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .guided import Guide
+from .thinking import ThinkingBudget
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
@@ -64,6 +65,10 @@ class SamplingParams:
     ``speculative``: whether decoding may verify draft tokens several at a
     time (``speculative/``); None takes the engine's default. The output is
     the same either way (greedy: token for token; seeded: draw for draw).
+
+    ``thinking_budget``: an answer that opens in reasoning ends it after at
+    most that many tokens (``thinking.py``): past them, the engine forces the
+    reasoning's end.
     """
 
     n: int = 1
@@ -87,6 +92,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -161,6 +167,13 @@ class SamplingParams:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         if self.guide is not None:
             _check(isinstance(self.guide, Guide), "guide", f"must be a Guide, got {type(self.guide).__name__}")
+        if self.thinking_budget is not None:
+            budget = self.thinking_budget
+            _check(
+                isinstance(budget, ThinkingBudget),
+                "thinking_budget",
+                f"must be a ThinkingBudget, got {type(budget).__name__}",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from .page_hash import PageHash
 from .page_pool import Page
 from .priority import Priority
 from .sampling_params import SamplingParams
+from .thinking import ThinkingState
 
 if TYPE_CHECKING:
     from .speculative.drafter import SequenceDrafts
@@ -73,6 +74,7 @@ class Sequence:
     completion_index: int = 0  # which of the request's n completions this is
     priority: Priority = Priority.INTERACTIVE  # its class: admission and step budget go by class (``priority``)
     guide: GuideState | None = None  # where the output stands in its grammar, for a guided request
+    thinking: ThinkingState | None = None  # its reasoning under a token budget (``params.thinking_budget``)
     # With params.prompt_logprobs: entry i scores prompt token i given those before it (entry 0 is
     # None), filled as prompt chunks run; forks share their parent's, complete by then.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

@@ -56,6 +56,8 @@ class StopChecker:
         self.text += self.detokenizer.add_token(token)
         if guide is not None and not guide.holds:
             guide.watch(self.text, before)
+        if seq.thinking is not None:
+            seq.thinking.watch(self.text, before)
         if self._longest_stop and may_stop:
             verdict = self._match_stop_string(before)
             if verdict is not None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crayturn/protos/rayturn.proto\x12\nrayturn.v1\"\xa2\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.rayturn.v1.TokenIdsH\x00\x12(\n\x08messages\x18\x04 \x01(\x0b\x32\x14.rayturn.v1.MessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.rayturn.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1f\n\x05tools\x18\x08 \x03(\x0b\x32\x10.rayturn.v1.Tool\x12+\n\x0btool_choice\x18\t \x01(\x0b\x32\x16.rayturn.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0b \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x0c \x01(\tB\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xab\x01\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.rayturn.v1.ToolChoice.ModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rayturn.v1.ChatMessage\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.rayturn.v1.ToolCall\"\xd1\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.rayturn.v1.SamplingOptions.LogitBiasEntry\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.rayturn.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0e\n\x0c_speculativeB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penalty\"\xb9\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.rayturn.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12%\n\x1d\x64isable_additional_properties\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe0\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.rayturn.v1.Usage\x12&\n\x08logprobs\x18\x06 \x01(\x0b\x32\x14.rayturn.v1.Logprobs\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.rayturn.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"Q\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.rayturn.v1.TopLogprobs\"=\n\x0bTopLogprobs\x12.\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32\x18.rayturn.v1.TokenLogprob\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fkv_store_tokens\x18\x04 \x01(\r\x12\"\n\x06\x65nergy\x18\x05 \x01(\x0b\x32\x12.rayturn.v1.Energy\x12\x18\n\x10reasoning_tokens\x18\x06 \x01(\r\"W\n\x06\x45nergy\x12\x0e\n\x06joules\x18\x01 \x01(\x01\x12\r\n\x05meter\x18\x02 \x01(\t\x12\x1b\n\x0esession_joules\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_session_joules\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.rayturn.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x0ePrewarmRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"4\n\x0fPrewarmResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t2\xd7\x01\n\x07RayTurn\x12G\n\x08Generate\x12\x1b.rayturn.v1.GenerateRequest\x1a\x1c.rayturn.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.rayturn.v1.HealthRequest\x1a\x1a.rayturn.v1.HealthResponse\x12\x42\n\x07Prewarm\x12\x1a.rayturn.v1.PrewarmRequest\x1a\x1b.rayturn.v1.PrewarmResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crayturn/protos/rayturn.proto\x12\nrayturn.v1\"\xa2\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.rayturn.v1.TokenIdsH\x00\x12(\n\x08messages\x18\x04 \x01(\x0b\x32\x14.rayturn.v1.MessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.rayturn.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1f\n\x05tools\x18\x08 \x03(\x0b\x32\x10.rayturn.v1.Tool\x12+\n\x0btool_choice\x18\t \x01(\x0b\x32\x16.rayturn.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0b \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x0c \x01(\tB\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xab\x01\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.rayturn.v1.ToolChoice.ModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rayturn.v1.ChatMessage\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.rayturn.v1.ToolCall\"\x8f\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.rayturn.v1.SamplingOptions.LogitBiasEntry\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.rayturn.v1.StructuredOutput\x12\"\n\x15thinking_token_budget\x18\x14 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0e\n\x0c_speculativeB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x18\n\x16_thinking_token_budget\"\xb9\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.rayturn.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12%\n\x1d\x64isable_additional_properties\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe0\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.rayturn.v1.Usage\x12&\n\x08logprobs\x18\x06 \x01(\x0b\x32\x14.rayturn.v1.Logprobs\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.rayturn.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\"Q\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.rayturn.v1.TopLogprobs\"=\n\x0bTopLogprobs\x12.\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32\x18.rayturn.v1.TokenLogprob\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fkv_store_tokens\x18\x04 \x01(\r\x12\"\n\x06\x65nergy\x18\x05 \x01(\x0b\x32\x12.rayturn.v1.Energy\x12\x18\n\x10reasoning_tokens\x18\x06 \x01(\r\"W\n\x06\x45nergy\x12\x0e\n\x06joules\x18\x01 \x01(\x01\x12\r\n\x05meter\x18\x02 \x01(\t\x12\x1b\n\x0esession_joules\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_session_joules\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.rayturn.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x0ePrewarmRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"4\n\x0fPrewarmResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t2\xd7\x01\n\x07RayTurn\x12G\n\x08Generate\x12\x1b.rayturn.v1.GenerateRequest\x1a\x1c.rayturn.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.rayturn.v1.HealthRequest\x1a\x1a.rayturn.v1.HealthResponse\x12\x42\n\x07Prewarm\x12\x1a.rayturn.v1.PrewarmRequest\x1a\x1b.rayturn.v1.PrewarmResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,35 +52,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=844
   _globals['_CHATMESSAGE']._serialized_end=966
   _globals['_SAMPLINGOPTIONS']._serialized_start=969
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1690
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=1490
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1538
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1693
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1878
-  _globals['_CHOICES']._serialized_start=1880
-  _globals['_CHOICES']._serialized_end=1905
-  _globals['_GENERATERESPONSE']._serialized_start=1908
-  _globals['_GENERATERESPONSE']._serialized_end=2132
-  _globals['_LOGPROBS']._serialized_start=2134
-  _globals['_LOGPROBS']._serialized_end=2215
-  _globals['_TOPLOGPROBS']._serialized_start=2217
-  _globals['_TOPLOGPROBS']._serialized_end=2278
-  _globals['_TOKENLOGPROB']._serialized_start=2280
-  _globals['_TOKENLOGPROB']._serialized_end=2364
-  _globals['_USAGE']._serialized_start=2367
-  _globals['_USAGE']._serialized_end=2534
-  _globals['_ENERGY']._serialized_start=2536
-  _globals['_ENERGY']._serialized_end=2623
-  _globals['_HEALTHREQUEST']._serialized_start=2625
-  _globals['_HEALTHREQUEST']._serialized_end=2640
-  _globals['_HEALTHRESPONSE']._serialized_start=2643
-  _globals['_HEALTHRESPONSE']._serialized_end=2781
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=2735
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=2781
-  _globals['_PREWARMREQUEST']._serialized_start=2783
-  _globals['_PREWARMREQUEST']._serialized_end=2819
-  _globals['_PREWARMRESPONSE']._serialized_start=2821
-  _globals['_PREWARMRESPONSE']._serialized_end=2873
-  _globals['_RAYTURN']._serialized_start=2876
-  _globals['_RAYTURN']._serialized_end=3091
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1752
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=1526
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1574
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1755
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1940
+  _globals['_CHOICES']._serialized_start=1942
+  _globals['_CHOICES']._serialized_end=1967
+  _globals['_GENERATERESPONSE']._serialized_start=1970
+  _globals['_GENERATERESPONSE']._serialized_end=2194
+  _globals['_LOGPROBS']._serialized_start=2196
+  _globals['_LOGPROBS']._serialized_end=2277
+  _globals['_TOPLOGPROBS']._serialized_start=2279
+  _globals['_TOPLOGPROBS']._serialized_end=2340
+  _globals['_TOKENLOGPROB']._serialized_start=2342
+  _globals['_TOKENLOGPROB']._serialized_end=2426
+  _globals['_USAGE']._serialized_start=2429
+  _globals['_USAGE']._serialized_end=2596
+  _globals['_ENERGY']._serialized_start=2598
+  _globals['_ENERGY']._serialized_end=2685
+  _globals['_HEALTHREQUEST']._serialized_start=2687
+  _globals['_HEALTHREQUEST']._serialized_end=2702
+  _globals['_HEALTHRESPONSE']._serialized_start=2705
+  _globals['_HEALTHRESPONSE']._serialized_end=2843
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=2797
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=2843
+  _globals['_PREWARMREQUEST']._serialized_start=2845
+  _globals['_PREWARMREQUEST']._serialized_end=2881
+  _globals['_PREWARMRESPONSE']._serialized_start=2883
+  _globals['_PREWARMRESPONSE']._serialized_end=2935
+  _globals['_RAYTURN']._serialized_start=2938
+  _globals['_RAYTURN']._serialized_end=3153
 # @@protoc_insertion_point(module_scope)

@@ -87,6 +87,7 @@ class Drafter:
             enabled
             and params.n == 1
             and params.guide is None
+            and params.thinking_budget is None
             and params.repetition_penalty == 1.0
             and not params.penalises_output
             and not params.logit_bias

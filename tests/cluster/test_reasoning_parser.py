@@ -198,3 +198,118 @@ def test_grpc_streams_the_reasoning_apart(server: str, raw: str) -> None:
     assert "".join(response.text for response in responses) == ""
     assert "".join(response.text for response in off) == raw
     assert "".join(response.reasoning for response in off) == ""
+
+
+BUDGET = 3
+
+
+@pytest.fixture(scope="module")
+def bounded(server: str, client: openai.OpenAI) -> tuple[str, str]:
+    """The reasoning and answer a budget of ``BUDGET`` tokens makes, from the free model: its first ``BUDGET``
+    tokens, then (``</think>`` forced) its greedy continuation of all that."""
+    prompt = requests.post(f"{server}/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    first = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=BUDGET,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    ids = [int(token.removeprefix("token_id:")) for token in first.logprobs.tokens]
+    end = requests.post(
+        f"{server}/tokenize", json={"prompt": "</think>", "add_special_tokens": False}, timeout=60
+    ).json()
+    rest = (
+        client.completions.create(
+            model="tiny",
+            prompt=prompt + ids + end["tokens"],
+            max_tokens=MAX_TOKENS - BUDGET - end["count"],
+            temperature=0,
+        )
+        .choices[0]
+        .text
+    )
+    return first.text.strip(), rest.strip()
+
+
+def test_a_budget_ends_the_reasoning_and_the_model_answers_after_it(
+    client: openai.OpenAI, bounded: tuple[str, str]
+) -> None:
+    reasoning, answer = bounded
+    message = _chat(client, extra_body={"thinking_token_budget": BUDGET}).choices[0].message
+    assert (message.model_extra["reasoning"], message.content or "") == (reasoning, answer)
+    streamed = {"reasoning": [], "content": []}
+    for chunk in _chat(client, stream=True, extra_body={"thinking_token_budget": BUDGET}):
+        for choice in chunk.choices:
+            streamed["reasoning"].append((choice.delta.model_extra or {}).get("reasoning") or "")
+            streamed["content"].append(choice.delta.content or "")
+    assert ("".join(streamed["reasoning"]), "".join(streamed["content"])) == (reasoning, answer)
+
+
+def test_claude_codes_thinking_budget_bounds_the_reasoning(server: str, bounded: tuple[str, str]) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=120)
+    answer = client.messages.create(
+        model="tiny",
+        max_tokens=MAX_TOKENS,
+        messages=MESSAGES,
+        thinking={"type": "enabled", "budget_tokens": BUDGET},
+        extra_body={"temperature": 0},
+    )
+    reasoning, text = bounded
+    expected = [("thinking", reasoning)] + ([("text", text)] if text else [])
+    assert [
+        (block.type, block.thinking if block.type == "thinking" else block.text) for block in answer.content
+    ] == expected
+
+
+def test_a_bounded_guided_answer_thinks_then_answers_under_the_guide(
+    client: openai.OpenAI, bounded: tuple[str, str]
+) -> None:
+    message = (
+        _chat(client, response_format={"type": "json_object"}, extra_body={"thinking_token_budget": BUDGET})
+        .choices[0]
+        .message
+    )
+    assert message.model_extra["reasoning"] == bounded[0]
+    assert message.content.startswith("{")
+
+
+def test_bad_budgets_are_refused_naming_the_field(server: str) -> None:
+    for value in (-2, "8", 1.5):
+        response = requests.post(
+            f"{server}/v1/chat/completions", json={"messages": MESSAGES, "thinking_token_budget": value}, timeout=60
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == "thinking_token_budget"
+    response = requests.post(f"{server}/v1/completions", json={"prompt": "x", "thinking_token_budget": 4}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "thinking_token_budget"
+    document = requests.get(f"{server}/openapi.json", timeout=60).json()
+    chat_schema = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
+    assert chat_schema["properties"]["thinking_token_budget"] == {
+        "type": "integer",
+        "minimum": -1,
+        "maximum": 2**63 - 1,
+    }
+
+
+def test_include_reasoning_false_leaves_it_out(client: openai.OpenAI) -> None:
+    answer = _chat(client, extra_body={"include_reasoning": False})
+    message = answer.choices[0].message
+    assert "reasoning" not in (message.model_extra or {}) and message.content is None
+    assert answer.usage.completion_tokens_details.reasoning_tokens > 0  # still counted: the model still thought
+
+
+def test_grpc_takes_vllms_budget(server: str, bounded: tuple[str, str]) -> None:
+    messages = pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES])
+    sampling = pb.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, thinking_token_budget=BUDGET)
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = pb_grpc.RayTurnStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(messages=messages, sampling=sampling), timeout=120))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(pb.GenerateRequest(text="x", sampling=sampling), timeout=120).next()
+    assert "".join(r.reasoning for r in responses) == bounded[0]
+    assert "".join(r.text for r in responses) == bounded[1]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.thinking_token_budget" in refused.value.details()

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from rayturn.engine import Guide, SamplingParams
-from rayturn.engine.reasoning import REASONING_PARSERS, answer_reasoning, guided_after_reasoning
+from rayturn.engine.reasoning import REASONING_PARSERS, answer_reasoning, reasoning_params
 from rayturn.engine.settings import ModelSettings
+from rayturn.engine.thinking import ThinkingBudget
 from rayturn.engine.tool_calls import ParsedToolCalls, ToolCallStream, parse_tool_calls
 from rayturn.settings import FieldError
 
@@ -151,12 +152,14 @@ def test_which_answers_are_split(parser: str | None, kwargs: dict[str, Any] | No
     assert answer_reasoning(parser, kwargs) == expected
 
 
-def test_a_guide_waits_for_the_end_of_the_reasoning() -> None:
+def test_a_guide_waits_for_the_end_of_the_reasoning_and_a_budget_ends_it() -> None:
     guided = SamplingParams(guide=Guide.json_object())
-    assert guided_after_reasoning(guided, "qwen3").guide == Guide("json_object", after="</think>")
-    assert guided_after_reasoning(guided, None) is guided  # no reasoning: the guide holds from the first token
+    assert reasoning_params(guided, "qwen3").guide == Guide("json_object", after="</think>")
+    assert reasoning_params(guided, None, 5) is guided  # no reasoning: the guide holds from the first token
     free = SamplingParams()
-    assert guided_after_reasoning(free, "deepseek_r1") is free
+    assert reasoning_params(free, "deepseek_r1") is free
+    bounded = reasoning_params(free, "deepseek_r1", 0)
+    assert bounded.thinking_budget == ThinkingBudget(0, "</think>") and bounded.guide is None
 
 
 def test_the_parsers_are_named_as_vllm_names_them() -> None:
