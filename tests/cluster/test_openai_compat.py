@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +18,7 @@ from typing import Any
 import pytest
 from openai_penalties import OpenAIPenalties
 from prometheus_client.parser import text_string_to_metric_families
-from rayturn_cli import rayturn_command
+from rayturn_cli import serve_process
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
@@ -36,7 +33,6 @@ from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 28581, 29581
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
-STARTUP_TIMEOUT_S = 240.0
 THRESHOLD = 64  # prompts this long go to the prefill pool, unless they ask for prompt logprobs
 CONFIG = f"""\
 model:
@@ -59,35 +55,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = tmp_path_factory.mktemp("serve")
     config = directory / "rayturn.yaml"
     config.write_text(CONFIG)
-    log = directory / "serve.log"
-    command = rayturn_command()
-    command += ["serve", "--model", "tiny", "--config", str(config)]
-    command += ["--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy():
-            assert process.poll() is None, f"rayturn serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"rayturn serve did not start:\n{log.read_text()}"
-            time.sleep(0.5)
-        yield BASE
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
-def _healthy() -> bool:
-    try:
-        response = requests.get(f"{BASE}/health", timeout=5)
-    except requests.RequestException:
-        return False
-    return response.status_code == 200 and response.json()["status"] == "ok"
+    args = ["--model", "tiny", "--config", str(config), "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
+    with serve_process(args, directory, BASE) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

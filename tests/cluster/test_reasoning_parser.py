@@ -13,15 +13,11 @@ came from there.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rayturn_cli import rayturn_command
+from rayturn_cli import serve_process
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -35,7 +31,6 @@ from rayturn.protos import rayturn_pb2_grpc as pb_grpc  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 28731, 29731
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
-STARTUP_TIMEOUT_S = 240.0
 CONFIG = """\
 model:
   num_pages: 256
@@ -55,34 +50,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = tmp_path_factory.mktemp("serve")
     config = directory / "rayturn.yaml"
     config.write_text(CONFIG)
-    log = directory / "serve.log"
-    command = rayturn_command() + ["serve", "--model", "tiny", "--config", str(config), "--reasoning-parser", "qwen3"]
-    command += ["--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy():
-            assert process.poll() is None, f"rayturn serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"rayturn serve did not start:\n{log.read_text()}"
-            time.sleep(0.5)
-        yield BASE
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
-def _healthy() -> bool:
-    try:
-        response = requests.get(f"{BASE}/health", timeout=5)
-    except requests.RequestException:
-        return False
-    return response.status_code == 200 and response.json()["status"] == "ok"
+    args = ["--model", "tiny", "--config", str(config), "--reasoning-parser", "qwen3"]
+    args += ["--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)]
+    with serve_process(args, directory, BASE) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
