@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import shutil
 
 import pytest
 
-from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
+from rayturn.engine import Guide, LLMEngine, RequestOutput, SamplingParams
+from rayturn.engine.presets import preset_dir
+from rayturn.engine.reasoning import reasoning_params
 from rayturn.engine.thinking import ThinkingBudget, ThinkingState
+from rayturn.engine.tool_calls import parse_tool_calls
 
 END = "</think>"
 PROMPT = "think about it"
@@ -87,3 +91,36 @@ def test_budgets_are_checked_when_made() -> None:
         SamplingParams(thinking_budget=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="encodes to no tokens"):
         ThinkingState(ThinkingBudget(3, END), [])
+
+
+@pytest.fixture(scope="module")
+def think_tokens(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    """``tiny`` whose tokenizer holds ``<think>`` and ``</think>`` as single added tokens that are not special, as
+    Qwen3's and DeepSeek-R1's do (they take the ids of tiny's ``<tool_call>`` pair; the weights are tiny's)."""
+    directory = tmp_path_factory.mktemp("think-tokens")
+    tiny = preset_dir("tiny")
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, directory / name)
+    (directory / "model.safetensors").symlink_to(tiny / "model.safetensors")
+    text = (tiny / "tokenizer.json").read_text().replace("</tool_call>", "</think>").replace("<tool_call>", "<think>")
+    (directory / "tokenizer.json").write_text(text)
+    return LLMEngine.from_pretrained(str(directory), backend="torch", dtype="float32", page_size=16)
+
+
+def test_single_token_tags_are_forced_as_one_token_kept_in_the_text_and_split_off(think_tokens: LLMEngine) -> None:
+    tokenizer = think_tokens.tokenizer
+    (end_id,) = tokenizer.encode(END, add_special_tokens=False)
+    reference = free(think_tokens, PROMPT, 24)
+    params = reasoning_params(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), "qwen3", 4)
+    (out,) = think_tokens.generate([PROMPT], params)
+    assert out.token_ids[:4] == reference.token_ids[:4] and out.token_ids[4] == end_id
+    assert out.text.count(END) == 1  # not special: detokenizing keeps it, so the split sees it
+    split = parse_tool_calls(out.text, reasoning="qwen3")
+    assert split.reasoning == (tokenizer.decode(out.token_ids[:4]).replace("<think>", "").strip() or None)
+    assert split.content == (tokenizer.decode(out.token_ids[5:]).strip() or None)
+    # A guide waiting for the single-token end holds from the token after it.
+    guided = reasoning_params(dataclasses.replace(params, guide=Guide.regex("[0-9]{3}")), "qwen3", 2)
+    (answer,) = think_tokens.generate([PROMPT], guided)
+    assert answer.token_ids[2] == end_id and answer.text.endswith(tokenizer.decode(answer.token_ids[3:]))
+    assert parse_tool_calls(answer.text, reasoning="qwen3").content.isdigit()
+    assert len(answer.token_ids) == 6 and answer.finish_reason == "stop"
