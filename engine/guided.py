@@ -43,6 +43,7 @@ from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from .guide_tokenizer import build_guide_tokenizer
+from .thinking import newly_shows
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class GuideState:
     def watch(self, text: str, start_char: int) -> None:
         """The output's text so far (new from ``start_char``): the grammar holds from here once it shows the
         awaited text."""
-        if self.waiting_for and text.find(self.waiting_for, max(0, start_char - len(self.waiting_for) + 1)) != -1:
+        if self.waiting_for and newly_shows(text, start_char, self.waiting_for):
             self.waiting_for = ""
 
     def fork(self) -> GuideState:

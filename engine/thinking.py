@@ -30,32 +30,36 @@ class ThinkingBudget:
             raise ValueError(f"ThinkingBudget.end must be a non-empty string, got {self.end!r}")
 
 
+def newly_shows(text: str, start_char: int, wanted: str) -> bool:
+    """Whether ``text`` (new from ``start_char``) holds ``wanted`` in a match that ends in its new part or later
+    (one that may have begun before it)."""
+    return text.find(wanted, max(0, start_char - len(wanted) + 1)) != -1
+
+
 class ThinkingState:
     """One sequence's reasoning under its budget: whether it has ended, and the end's tokens to force."""
 
-    __slots__ = ("end_ids", "ended", "tokens", "waiting_for")
+    __slots__ = ("budget", "end_ids", "ended")
 
     def __init__(self, budget: ThinkingBudget, end_ids: Sequence[int]) -> None:
         if not end_ids:
             raise ValueError(f"the reasoning's end {budget.end!r} encodes to no tokens")
-        self.tokens = budget.tokens
-        self.waiting_for = budget.end
+        self.budget = budget
         self.end_ids = tuple(end_ids)
         self.ended = False
 
     def forced_token(self, num_output_tokens: int) -> int | None:
         """The token the next step must take (the end's next one, the budget spent), or None: the model's."""
-        if self.ended or num_output_tokens < self.tokens:
+        if self.ended or num_output_tokens < self.budget.tokens:
             return None
-        index = num_output_tokens - self.tokens
+        index = num_output_tokens - self.budget.tokens
         return self.end_ids[index] if index < len(self.end_ids) else None
 
     def watch(self, text: str, start_char: int) -> None:
         """The output's text so far (new from ``start_char``): the reasoning has ended once it shows the end."""
-        if not self.ended and text.find(self.waiting_for, max(0, start_char - len(self.waiting_for) + 1)) != -1:
-            self.ended = True
+        self.ended = self.ended or newly_shows(text, start_char, self.budget.end)
 
     def fork(self) -> ThinkingState:
-        child = ThinkingState(ThinkingBudget(self.tokens, self.waiting_for), self.end_ids)
+        child = ThinkingState(self.budget, self.end_ids)
         child.ended = self.ended
         return child
