@@ -35,7 +35,7 @@ door. What changes on the way:
 ``output_config.format`` (structured outputs, a JSON schema) is enforced by
 constrained decoding, as the chat API's ``response_format``. rayturn's
 ``priority`` (the call's class, sent through the SDK's ``extra_body``) is read
-as every API reads it (``rayturn.api.priority``), and so is ``speculative``
+as every API reads it (``rayturn.api.priority``), and so are vLLM's ``cache_salt`` and ``speculative``
 (``rayturn.api.protocol``). ``output_config.effort`` and ``thinking: {"type": "disabled"}`` (effort "none")
 reach the chat template as vLLM passes them (``chat_request.with_reasoning_effort``);
 ``thinking: {"type": "enabled", "budget_tokens": N}`` bounds the reasoning (``thinking_fields``).
@@ -56,6 +56,7 @@ from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, json_in_text, range_error, type_error
 from .priority import body_priority
 from .protocol import JSON, CachePoint, ChatRequest, SamplingSpec, ToolChoice, model_field
+from .tenants import body_cache_salt
 from .thinking_fields import ANTHROPIC_BUDGET, anthropic_budget, anthropic_effort
 
 MAX_TOOLS = 128
@@ -126,6 +127,7 @@ def parse_messages_request(body: object, served_model: str) -> MessagesRequest:
         priority=body_priority(fields),
         continue_final_message=prefilled,
         template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), anthropic_effort(fields)),
+        cache_salt=body_cache_salt(fields),
     )
     return MessagesRequest(chat=chat, max_tokens=max_tokens, session_id=_metadata_session(fields))
 

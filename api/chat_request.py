@@ -20,6 +20,7 @@ from .protocol import (
     sampling_spec,
 )
 from .sampling_fields import reject_unsupported
+from .tenants import body_cache_salt
 
 MAX_TOOLS = 128
 # ``chat_template_kwargs`` names the server sets: the template's own variables and functions, the rendering's
@@ -73,6 +74,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         continue_final_message=_continue_final_message(fields, messages),
         template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), reasoning_effort(fields)),
         include_reasoning=fields.boolean("include_reasoning") is not False,
+        cache_salt=body_cache_salt(fields),
     )
 
 

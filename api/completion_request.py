@@ -18,6 +18,7 @@ from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, is_integer, range_error, type_error
 from .priority import body_priority
 from .protocol import SamplingSpec, include_usage, model_field, sampling_spec
+from .tenants import body_cache_salt
 
 # A batch this long is already a job for many requests; each prompt is a call of its own.
 MAX_PROMPTS = 256
@@ -41,6 +42,8 @@ class CompletionRequest:
     return_prompt_logprobs: bool = False
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
     priority: str | None = None
+    # vLLM's ``cache_salt`` (``rayturn.api.tenants``); None: the tenant's prefixes.
+    cache_salt: str | None = None
 
     @property
     def generates(self) -> bool:
@@ -93,6 +96,7 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
         return_prompt_logprobs=return_prompt_logprobs,
         priority=body_priority(fields),
+        cache_salt=body_cache_salt(fields),
     )
 
 

@@ -44,6 +44,7 @@ from .errors import invalid_request
 from .json_fields import Fields, json_object, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
 from .structured_outputs import CONSTRAINTS, structured_output_form
+from .tenants import cache_salt_value
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -58,6 +59,7 @@ class RawPrompt:
 
     prompt: str | list[int]
     sampling: SamplingSpec
+    cache_salt: str | None = None  # ``GenerateRequest.cache_salt`` (``rayturn.api.tenants``)
 
     @property
     def param(self) -> str:
@@ -71,15 +73,16 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
         message = f"Invalid 'model': {request.model!r} is not served here; this cluster serves {served_model!r}."
         raise invalid_request(message, param="model")
     sampling = _sampling(request.sampling)
+    cache_salt = cache_salt_value(request.cache_salt or None)  # empty: none, as every unset string field
     kind = request.WhichOneof("input")
     if kind != "messages":
         _chat_only(request)
     if kind == "text":
         if not request.text:
             raise invalid_request("Invalid 'text': the prompt must not be empty.", param="text")
-        return RawPrompt(prompt=request.text, sampling=sampling)
+        return RawPrompt(prompt=request.text, sampling=sampling, cache_salt=cache_salt)
     if kind == "token_ids":
-        return RawPrompt(prompt=list(request.token_ids.ids), sampling=sampling)
+        return RawPrompt(prompt=list(request.token_ids.ids), sampling=sampling, cache_salt=cache_salt)
     if kind is None:
         raise invalid_request("Invalid 'input': set one of text, token_ids, messages.", param="input")
     tools = _tools(request.tools)
@@ -94,6 +97,7 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
         stream=True,
         parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
         template_kwargs=_template_kwargs(request.chat_template_kwargs_json),
+        cache_salt=cache_salt,
     )
 
 

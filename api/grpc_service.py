@@ -153,7 +153,7 @@ class GrpcService:
             max_tokens_param="sampling.max_tokens",
         )
         return await pipeline.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, hints, priority=priority
+            request_id, prompt_ids, params, tenant, session_id, hints, priority=priority, cache_salt=raw.cache_salt
         )
 
     def _stream(self, call: Call, parsed: ChatRequest | RawPrompt) -> GrpcStream:

@@ -15,6 +15,7 @@ from .chat_request import RESERVED_KWARGS
 from .json_fields import INT64_MAX, INT64_MIN
 from .session import MAX_SESSION_ID_CHARS
 from .structured_outputs import CONSTRAINTS, MAX_CHOICES
+from .tenants import MAX_CACHE_SALT_CHARS
 
 JSON = dict[str, Any]
 
@@ -96,6 +97,11 @@ SESSION_ID = string(maxLength=MAX_SESSION_ID_CHARS)
 PRIORITY: JSON = {
     "anyOf": [enum_of(*PRIORITY_NAMES), integer()],
     "description": "The call's class; an integer as vLLM's: < 0 continuation, 0 unset, > 0 background.",
+}
+# vLLM's ``cache_salt`` on every HTTP API (``tenants.body_cache_salt``).
+CACHE_SALT: JSON = {
+    **string(minLength=1, maxLength=MAX_CACHE_SALT_CHARS, pattern=r"^[^@/\\\x00]*$"),
+    "description": "The call's cached prefix is shared only with calls of the same tenant naming the same salt.",
 }
 SPECULATIVE: JSON = {
     "type": "boolean",

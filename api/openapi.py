@@ -29,6 +29,7 @@ from .completion_request import MAX_PROMPTS
 from .json_schema import (
     ANY_OBJECT,
     BOOLEAN,
+    CACHE_SALT,
     JSON,
     NON_EMPTY,
     PRIORITY,
@@ -178,6 +179,7 @@ def chat_request_schema(served_model: str, vocab_size: int, *, reasoning: bool =
         "response_format": _RESPONSE_FORMAT,
         "prompt_cache_key": SESSION_ID,
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
+        "cache_salt": CACHE_SALT,
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
         # vLLM's assistant prefill: both or neither.
@@ -235,6 +237,7 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
         "logprobs": integer(0, MAX_LOGPROBS),
         "prompt_logprobs": integer(0, MAX_LOGPROBS),
         "suffix": {"const": "", "description": "Only an empty suffix is supported."},
+        "cache_salt": CACHE_SALT,
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
     }

@@ -12,6 +12,7 @@ from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .json_schema import (
     ANY_OBJECT,
     BOOLEAN,
+    CACHE_SALT,
     JSON,
     NON_EMPTY,
     PRIORITY,
@@ -135,6 +136,7 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
             "top_k": integer(minimum=0),
             "stop_sequences": array_of(NON_EMPTY, max_items=MAX_ANTHROPIC_STOP_SEQUENCES),
             "stream": BOOLEAN,
+            "cache_salt": CACHE_SALT,
             "priority": PRIORITY,
             "speculative": SPECULATIVE,
         }
@@ -260,6 +262,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "safety_identifier": string(),
         "background": {"const": False},
         "top_logprobs": {"const": 0},
+        "cache_salt": CACHE_SALT,
         "priority": PRIORITY,
         "speculative": SPECULATIVE,
         "chat_template_kwargs": TEMPLATE_KWARGS,

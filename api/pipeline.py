@@ -196,9 +196,11 @@ class CallPipeline:
         tool_specs: Sequence[Mapping[str, Any]] = (),
         priority: str | None = None,
         reasoning: str | None = None,
+        cache_salt: str | None = None,
     ) -> Call:
-        """What the decode pool receives; the page hashes (salted by the tenant) are computed once, here."""
-        salt = self.keys.cache_salt(tenant)
+        """What the decode pool receives; the page hashes (salted by the tenant, and by the call's own
+        ``cache_salt`` where it names one) are computed once, here."""
+        salt = self.keys.cache_salt(tenant, cache_salt)
         usable = (len(prompt_ids) - 1) // self.page_size
 
         def hashed() -> tuple[tuple[PageHash, ...], tuple[str, ...]]:
@@ -270,6 +272,7 @@ class CallPipeline:
             specs or (),
             priority,
             reasoning,
+            chat.cache_salt,
         )
 
     async def start(self, call: Call) -> tuple[CallResult, Steps, Any]:

@@ -24,7 +24,9 @@ clients routinely send extras such as ``metadata`` or ``store``):
   (``structured_outputs``). vLLM's other extensions
   (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``bad_words``, ...)
   are refused unless they hold their "off" value.
-* every API here (Anthropic Messages and Responses too): ``priority``, the
+* every API here (Anthropic Messages and Responses too): vLLM's
+  ``cache_salt`` (the call's cached prefix is shared only with calls of its
+  tenant that name the same salt: ``rayturn.api.tenants``), ``priority``, the
   call's class (a name, or vLLM's integer: ``rayturn.api.priority``), and
   ``speculative`` (a boolean: speculative decoding on or off for the call;
   absent or null: the server's ``model.speculative.enabled``). Every engine
@@ -179,6 +181,8 @@ class ChatRequest:
     template_kwargs: JSON | None = None
     # vLLM's ``include_reasoning``: false leaves the reasoning the server split off out of a chat answer.
     include_reasoning: bool = True
+    # vLLM's ``cache_salt``: the call's prefix is shared only with its tenant's calls naming the same salt.
+    cache_salt: str | None = None
 
     @property
     def prompt_tools(self) -> list[JSON] | None:

@@ -15,8 +15,9 @@ a ``text.format`` other than text: ``structured_outputs``),
 ``prompt_cache_key`` (the session id
 when no session header names one), ``prompt_cache_retention`` (how long
 the whole prompt stays cached, as the chat API keeps it) and rayturn's
-``priority`` (the call's class: ``rayturn.api.priority``) and ``speculative``
-(speculative decoding for the call: ``rayturn.api.protocol``).
+``priority`` (the call's class: ``rayturn.api.priority``), ``speculative``
+(speculative decoding for the call: ``rayturn.api.protocol``) and vLLM's
+``cache_salt`` (``rayturn.api.tenants``).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
 ``include`` (reasoning items come from the model's format, not from these),
@@ -59,6 +60,7 @@ from .protocol import (
 )
 from .responses_input import input_messages
 from .structured_outputs import LEGACY_FIELDS, STRUCTURED_OUTPUTS, structured_output_form
+from .tenants import body_cache_salt
 
 # Built-in tools Codex may list next to its function tools: web search, its shell and freeform
 # (grammar) tools, image generation, and deferred tool search with the namespaces it loads from.
@@ -107,6 +109,8 @@ class ResponsesRequest:
     echo: JSON = field(default_factory=dict)
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
     priority: str | None = None
+    # vLLM's ``cache_salt`` (``rayturn.api.tenants``); None: the tenant's prefixes.
+    cache_salt: str | None = None
     # vLLM's ``chat_template_kwargs`` (``chat_request.chat_template_kwargs``).
     template_kwargs: JSON | None = None
 
@@ -134,6 +138,7 @@ class ResponsesRequest:
             prompt_cache_key=self.prompt_cache_key,
             priority=self.priority,
             template_kwargs=self.template_kwargs,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -210,6 +215,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         echo=echo,
         priority=body_priority(fields),
         template_kwargs=with_reasoning_effort(chat_template_kwargs(fields), reasoning["effort"]),
+        cache_salt=body_cache_salt(fields),
     )
 
 

@@ -26,7 +26,6 @@ UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "spaces_between_special_tokens": True,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
 }

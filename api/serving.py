@@ -109,6 +109,7 @@ class HTTPServing:
         retention: Retention | None = None,
         tool_specs: Sequence[Mapping[str, Any]] = (),
         priority: str | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[CallResult, Steps, Any]:
         """Send a validated call to the decode pool; returns its result, its steps and the first step.
 
@@ -116,13 +117,24 @@ class HTTPServing:
         ``body_session``: (the session id the body names, the field it came from: OpenAI ``user`` or
         ``prompt_cache_key``, Anthropic ``metadata.user_id``); a session header wins over it.
         ``priority``: the class the body names; it wins over the ``x-rayturn-priority`` header.
+        ``cache_salt``: the call's own prefix-cache salt (``rayturn.api.tenants``).
         """
         session_id, said = self.call_context(request, body_session)
         if hints is not None:
             said = LifecycleHints(said.call or hints.call, said.after or hints.after)
         asked = requested_priority(priority, request.headers)
         call = await self.pipeline.serve_request(
-            request_id, prompt_ids, params, tenant, session_id, said, tools, retention, tool_specs, asked
+            request_id,
+            prompt_ids,
+            params,
+            tenant,
+            session_id,
+            said,
+            tools,
+            retention,
+            tool_specs,
+            priority=asked,
+            cache_salt=cache_salt,
         )
         return await self.pipeline.start(call)
 

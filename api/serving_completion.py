@@ -153,6 +153,7 @@ class ServingCompletion(HTTPServing):
                         prompt.params,
                         body_session=session,
                         priority=spec.priority,
+                        cache_salt=spec.cache_salt,
                     )
                     if first is NO_STEP:
                         raise server_error(f"The call ended without an answer (request id {call_id}).")

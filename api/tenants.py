@@ -17,7 +17,10 @@ A tenant's cached prefixes are its own on every tier: the ingress salts the
 page hashes of a call with its tenant (``cache_salt``), so the device caches,
 the store's keys and the routing hints of two tenants never name the same
 page, and the store answers a lookup only with the pages of the tenant that
-asks. A tenant's session ids are its own too: with keys, the session the
+asks. Within a tenant, a call may name a salt of its own (vLLM's
+``cache_salt`` field; ``body_cache_salt``): its prefix is then shared only
+with the tenant's calls that name the same salt, on every tier, while its
+pages still count against the tenant's store quota. A tenant's session ids are its own too: with keys, the session the
 cluster follows is ``<tenant>/<session id>``, so another tenant naming the
 same id neither lands on nor learns about it.
 
@@ -32,6 +35,11 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from rayturn.engine.page_hash import salted
+
+from .errors import invalid_request
+from .json_fields import Fields, type_error
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -98,9 +106,10 @@ class KeyTable:
         """The class of a tenant's calls that name none (``server.tenant_priorities``); None: by each call's kind."""
         return self.priorities.get(tenant)
 
-    def cache_salt(self, tenant: str) -> str:
-        """The page-hash salt of a tenant's calls: the tenant itself, and none for a cluster without keys."""
-        return tenant if self.tenants else ""
+    def cache_salt(self, tenant: str, call_salt: str | None = None) -> str:
+        """The page-hash salt of a tenant's call: the tenant itself (none for a cluster without keys), followed by
+        the call's own ``cache_salt`` when it names one (``page_hash.salted``)."""
+        return salted(tenant if self.tenants else "", call_salt)
 
     def session(self, tenant: str, session_id: str | None) -> str | None:
         """The session the cluster follows for a tenant's session id (scoped by tenant when keys are on)."""
@@ -119,3 +128,26 @@ def presented_key(headers: Mapping[str, str] | Iterable[tuple[str, str | bytes]]
         return credential.strip()
     api_key = by_name.get(API_KEY_HEADER, "").strip()
     return api_key or None
+
+
+CACHE_SALT_FIELD = "cache_salt"
+MAX_CACHE_SALT_CHARS = 128
+# What vLLM refuses in a salt, so that a salt one server takes the other takes too.
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+CACHE_SALT_RULE = f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters without '@', '/', '\\' or NUL"
+
+
+def cache_salt_value(value: object, param: str = CACHE_SALT_FIELD) -> str | None:
+    """A call's own prefix-cache salt as vLLM takes it: None when absent, else ``CACHE_SALT_RULE`` or a 400."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise type_error(param, CACHE_SALT_RULE, value)
+    if not value or len(value) > MAX_CACHE_SALT_CHARS or not CACHE_SALT_FORBIDDEN.isdisjoint(value):
+        raise invalid_request(f"Invalid '{param}': expected {CACHE_SALT_RULE}.", param=param)
+    return value
+
+
+def body_cache_salt(fields: Fields) -> str | None:
+    """The body's ``cache_salt`` (vLLM's field, on every HTTP API that makes a call)."""
+    return cache_salt_value(fields.raw(CACHE_SALT_FIELD))

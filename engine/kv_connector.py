@@ -14,10 +14,14 @@ engine's cache (``[layers, 2, page_size, kv_heads, head_dim]``):
 - ``pin(keys, ttl_s, tenant)``: keep the tenant's stored pages from eviction
   for ``ttl_s`` seconds (an earlier, longer pin stands).
 
-``tenant`` is the owner of the pages: a sequence's ``cache_salt``, which the
-serving layer sets to the caller's tenant ("" for a server without tenants:
-the store client's own). A tenant's pages are invisible to every other
-tenant, in the store as in the engine's own cache.
+``tenant`` is a sequence's ``cache_salt``, which the serving layer sets to
+the caller's tenant ("" for a server without tenants: the store client's
+own), followed by the call's own salt where it names one
+(``page_hash.salted``). The store keeps pages under their owner, the salt's
+tenant (``page_hash.salt_owner``): that tenant's quota counts them, and only
+its lookups see them. A tenant's pages are invisible to every other tenant,
+in the store as in the engine's own cache; a salted call's pages, hashed
+with its salt, are found only by calls with the same tenant and salt.
 
 ``StoreConnector`` adapts a ``rayturn.kvstore.KVStoreClient``. On a CPU the
 store reads into and writes from the cache pages themselves (no staging
@@ -30,6 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from .page_hash import salt_owner
 
 
 class KVConnector(Protocol):
@@ -91,16 +97,16 @@ class StoreConnector:
         self.replicas = replicas
 
     def longest_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
-        return self.client.longest_prefix(keys, tenant) if keys else 0
+        return self.client.longest_prefix(keys, salt_owner(tenant)) if keys else 0
 
     def load(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
-        return _land(pages, lambda buffers: self.client.get_into(keys, buffers, tenant))
+        return _land(pages, lambda buffers: self.client.get_into(keys, buffers, salt_owner(tenant)))
 
     def locate_prefix(self, keys: Sequence[bytes], tenant: str = "") -> StoredPrefix:
         """The store client's ``locate_prefix``: how many leading pages it holds, and where, in one lookup."""
-        prefix: StoredPrefix = self.client.locate_prefix(keys, tenant)
+        prefix: StoredPrefix = self.client.locate_prefix(keys, salt_owner(tenant))
         return prefix
 
     def load_prefix(self, prefix: Any, pages: Sequence[torch.Tensor]) -> list[bool]:
@@ -112,6 +118,7 @@ class StoreConnector:
     def save(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], tenant: str = "") -> list[bool]:
         if not keys:
             return []
+        tenant = salt_owner(tenant)
         if all(page.device.type == "cpu" and page.is_contiguous() for page in pages):
             return self.client.put_batch(keys, list(pages), replicas=self.replicas, tenant=tenant)
         host = torch.stack([page.to("cpu") for page in pages])
@@ -119,7 +126,7 @@ class StoreConnector:
 
     def pin(self, keys: Sequence[bytes], ttl_s: float, tenant: str = "") -> None:
         if keys:
-            self.client.pin(keys, ttl_s, tenant)
+            self.client.pin(keys, ttl_s, salt_owner(tenant))
 
 
 def _land(pages: Sequence[torch.Tensor], read: Callable[[list[torch.Tensor]], list[bool]]) -> list[bool]:

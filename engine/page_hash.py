@@ -6,6 +6,13 @@ makes a hash name the whole prefix up to and including the page, so equal
 hashes mean equal KV, in any process, after any restart. The encoding is
 explicit bytes (not Python's ``hash``), so the router, the KV store and every
 worker compute identical keys.
+
+The salt is a tenant's (``rayturn.api.tenants``), and after it, when a call
+names one, the call's own ``cache_salt`` (vLLM's field): ``salted`` joins
+them, ``salt_owner`` takes the tenant back, whose pages they are in the KV
+store (its quotas and its lookups). Tenant names hold no line break, so two
+(tenant, call salt) pairs never give the same salt, and a call without a
+salt of its own keeps its tenant's.
 """
 
 from __future__ import annotations
@@ -20,6 +27,17 @@ import numpy as np
 PageHash = NewType("PageHash", bytes)
 
 _DOMAIN = b"rayturn/page/v1"
+_CALL_SALT_SEPARATOR = "\n"
+
+
+def salted(tenant_salt: str, call_salt: str | None) -> str:
+    """The page-hash salt of a call: its tenant's, followed by the call's own ``cache_salt`` when it names one."""
+    return f"{tenant_salt}{_CALL_SALT_SEPARATOR}{call_salt}" if call_salt else tenant_salt
+
+
+def salt_owner(salt: str) -> str:
+    """The tenant whose pages a salt's pages are (``salted``'s first part): the store's owner of them."""
+    return salt.partition(_CALL_SALT_SEPARATOR)[0]
 
 
 def _length_prefixed(data: bytes) -> bytes:

@@ -34,7 +34,9 @@ layer turns that into a ``Retention`` on the call, and the engine keeps it:
    least as long takes its place.
 5. Per tenant: page hashes are salted by the tenant (``cache_salt``), so a
    pin keeps one tenant's pages and never makes another tenant's identical
-   prompt hit; the store pins only the tenant's own objects.
+   prompt hit; the store pins only the tenant's own objects. A call's own
+   salt (``page_hash.salted``) keys its pins apart, but they count as its
+   tenant's in the cap below.
 6. Bounded: pinned pages take at most ``MAX_PINNED_PAGE_FRACTION`` of the
    device cache (half), and at most ``MAX_PINNED_PREFIXES`` prefixes are
    pinned. A new pin that goes over releases pins of the tenant holding the
@@ -66,7 +68,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .page_hash import PageHash
+from .page_hash import PageHash, salt_owner
 from .page_pool import Page, PagePool
 
 MAX_PINNED_PAGE_FRACTION = 0.5
@@ -257,10 +259,11 @@ class PrefixPins:
         while len(self._pins) > self.max_prefixes or len(self._pins_per_page) > self.max_pages:
             held: Counter[str] = Counter()
             for pin in self._pins.values():
-                held[pin.tenant] += len(pin.pages)
+                held[salt_owner(pin.tenant)] += len(pin.pages)
             heaviest = max(held, key=lambda tenant: held[tenant])
             key = min(
-                (k for k, pin in self._pins.items() if pin.tenant == heaviest), key=lambda k: self._pins[k].expires_at_s
+                (k for k, pin in self._pins.items() if salt_owner(pin.tenant) == heaviest),
+                key=lambda k: self._pins[k].expires_at_s,
             )
             self._release(key)
             self.released_over_cap += 1

@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 from rayturn.api.tenants import KeyTable, key_digest, key_tenant, presented_key
+from rayturn.engine.page_hash import salted
 
 
 def table() -> KeyTable:
@@ -27,11 +28,13 @@ def test_without_keys_everyone_is_the_default_tenant_and_nothing_is_salted_or_sc
     assert not open_door.enabled
     assert open_door.tenant_of(None) == open_door.tenant_of("anything") == "acme"
     assert open_door.cache_salt("acme") == "" and open_door.session("acme", "s1") == "s1"
+    assert open_door.cache_salt("acme", "s1") == salted("", "s1") != ""  # a call's own salt still keeps it apart
 
 
 def test_with_keys_a_tenant_salts_its_pages_and_scopes_its_sessions() -> None:
     keys = table()
-    assert keys.cache_salt("team") == "team"
+    assert keys.cache_salt("team") == keys.cache_salt("team", None) == "team"
+    assert keys.cache_salt("team", "s1") == salted("team", "s1") not in ("team", keys.cache_salt("other", "s1"))
     assert keys.session("team", "s1") == "team/s1" != keys.session("other", "s1")
     assert keys.session("team", None) is None
 

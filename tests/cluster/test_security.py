@@ -5,7 +5,8 @@ a prefill replica sharing the KV store; a 1 MiB body limit. Checked: the key
 on every gRPC method as on HTTP, both ports listening only at ``server.host``,
 busy ports refused, bodies and prompts bounded before they cost anything,
 nesting too deep for the parser answered in the API's shape, tenants that
-share no cached prefix and no session, health and metrics that show an
+share no cached prefix and no session, a call's own ``cache_salt`` that
+keeps its prefix apart within its tenant, health and metrics that show an
 unauthenticated caller neither secret nor model, logs without secrets, and a
 decode replica killed mid-stream: a clean retryable error, a health report
 that names it, and the survivor still serving. The kill comes last.
@@ -71,7 +72,9 @@ def client(url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def chat(url: str, key: str, content: str, session: str | None = None, max_tokens: int = 4) -> Any:
+def chat(
+    url: str, key: str, content: str, session: str | None = None, max_tokens: int = 4, cache_salt: str | None = None
+) -> Any:
     headers = {"x-session-id": session} if session else {}
     return client(url, key).chat.completions.with_raw_response.create(
         model="tiny",
@@ -79,6 +82,7 @@ def chat(url: str, key: str, content: str, session: str | None = None, max_token
         max_tokens=max_tokens,
         temperature=0,
         extra_headers=headers,
+        extra_body={"cache_salt": cache_salt} if cache_salt else None,
     )
 
 
@@ -257,6 +261,43 @@ def test_two_tenants_with_the_same_prompt_share_nothing(cluster: str) -> None:
     # One tenant's keys share it: the team's second key finds what the first one cached.
     team = chat(cluster, TEAM_KEYS[1], LONG_PROMPT).parse()
     assert team.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+def grpc_chat_usage(content: str, key: str, cache_salt: str) -> Any:
+    messages = pb.Messages(messages=[pb.ChatMessage(role="user", content=content)])
+    request = pb.GenerateRequest(
+        messages=messages, sampling=pb.SamplingOptions(max_tokens=4, temperature=0.0), cache_salt=cache_salt
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        responses = list(pb_grpc.RayTurnStub(channel).Generate(request, metadata=grpc_metadata(("x-api-key", key))))
+    return responses[-1].usage
+
+
+def test_a_calls_cache_salt_keeps_its_prefix_apart_within_its_tenant_on_http_and_grpc(cluster: str) -> None:
+    prompt = "Salted. " + LONG_PROMPT  # a prefix no other test cached
+    first = chat(cluster, KEY_A, prompt, cache_salt="s1").parse()
+    num_tokens = first.usage.prompt_tokens
+    assert num_tokens >= 2000 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = chat(cluster, KEY_A, prompt, cache_salt="s1").parse()  # the same tenant and salt: cached
+    assert again.usage.prompt_tokens_details.cached_tokens >= num_tokens - 16
+    # gRPC's field names the same salt: its chat renders the same prompt and finds the pages cached over HTTP.
+    on_grpc = grpc_chat_usage(prompt, KEY_A, "s1")
+    assert on_grpc.prompt_tokens == num_tokens and on_grpc.cached_tokens >= num_tokens - 16
+    # Another salt, no salt, the same salt under another tenant: nothing of it, on any tier; the same answer.
+    for key, salt in [(KEY_A, "s2"), (KEY_A, None), (KEY_B, "s1")]:
+        other = chat(cluster, key, prompt, cache_salt=salt).parse()
+        assert other.usage.prompt_tokens_details.cached_tokens == 0, (key, salt)
+        assert other.usage.prompt_tokens_details.kv_store_tokens == 0  # type: ignore[attr-defined]
+        assert other.choices[0].message.content == first.choices[0].message.content
+    assert grpc_chat_usage(prompt, KEY_A, "s3").cached_tokens == 0
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        request = pb.GenerateRequest(text=prompt, cache_salt="a/b")
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.RayTurnStub(channel).Generate(request, metadata=grpc_metadata(("x-api-key", KEY_A))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in (err.value.details() or "")
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(cluster, KEY_A, prompt, cache_salt="x" * 129)
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "cache_salt"
 
 
 def test_a_session_id_belongs_to_its_tenant(cluster: str) -> None:

@@ -17,6 +17,7 @@ import torch
 from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
 from rayturn.engine.kv_connector import StoreConnector
 from rayturn.engine.kv_transfer import PREWARM_FREE_FRACTION
+from rayturn.engine.page_hash import salt_owner, salted
 from rayturn.engine.sequence import TokenLogprob
 
 PAGE = 16
@@ -284,6 +285,46 @@ def test_a_tenants_pages_are_stored_as_its_own_and_never_load_for_another() -> N
         assert final.completions[0].token_ids == expected
         # bob's salt names other pages, and the store would not hand alice's to bob anyway.
         assert final.num_loaded_prompt_tokens == (0 if salt == "bob" else len(alice_keys) * PAGE)
+
+
+def test_a_calls_own_salt_keeps_its_pages_apart_within_its_tenant_yet_stores_them_as_the_tenants() -> None:
+    store = DictStore()
+    writer, reader = make_engine(store), make_engine(store)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    expected = writer.generate([PROMPT], params)[0].token_ids
+    for salt in ("alice", salted("alice", "s1")):
+        writer.add_request(PROMPT, params, f"write-{salt}", cache_salt=salt)
+        while writer.has_unfinished_requests():
+            writer.step()
+    # Both sets of pages are alice's in the store (her quota, her lookups), under different keys.
+    assert Counter(store.tenants.values()) == {OWN_TENANT: 4, "alice": 8}
+    for salt, loaded in [
+        (salted("alice", "s2"), 0),  # another salt of the same tenant
+        (salted("bob", "s1"), 0),  # the same salt of another tenant
+        (salted("", "s1"), 0),  # the same salt with no tenant (the client's own)
+        (salted("alice", "s1"), len(PROMPT) // PAGE * PAGE),
+    ]:
+        reader.add_request(PROMPT, params, f"read-{salt}", cache_salt=salt)
+        outputs: list[RequestOutput] = []
+        while reader.has_unfinished_requests():
+            outputs += reader.step()
+        (final,) = [output for output in outputs if output.finished]
+        assert final.completions[0].token_ids == expected
+        assert (final.num_loaded_prompt_tokens, final.num_cached_prompt_tokens) == (loaded, loaded), salt
+
+
+def test_a_salt_names_its_tenant_and_no_two_tenant_and_salt_pairs_share_one() -> None:
+    call_salts = [None, "s", "s\nwith a line break", "alice", "alice\nx"]
+    pairs = {
+        (tenant, call_salt): salted(tenant, call_salt)
+        for tenant in ("", "alice", "team.a-1")
+        for call_salt in call_salts
+    }
+    assert len(set(pairs.values())) == len(pairs)
+    for (tenant, call_salt), salt in pairs.items():
+        assert salt_owner(salt) == tenant
+        assert (salt == tenant) is (call_salt is None)  # no salt of its own: the tenant's pages
+    assert salted("alice", "") == "alice"
 
 
 def test_a_request_scoring_its_prompt_loads_nothing_but_still_publishes(reference: list[int]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from rayturn.engine import LLMEngine, RequestOutput, SamplingParams
 from rayturn.engine.kv_connector import StoreConnector
-from rayturn.engine.page_hash import PageHash, hash_page
+from rayturn.engine.page_hash import PageHash, hash_page, salted
 from rayturn.engine.page_pool import PagePool
 from rayturn.engine.prefix_pins import PrefixPins, Retention, reclaim_in_order
 
@@ -368,8 +368,10 @@ def test_an_aborted_request_pins_nothing() -> None:
     assert pin_stats(engine)["pinned_prefixes"] == 0 and engine.kv_cache.num_free_pages == 16
 
 
-def test_over_the_cap_the_tenant_holding_most_gives_way() -> None:
-    """A tenant flooding the pins releases its own: another tenant's pin outlives pins that expire later."""
+@pytest.mark.parametrize("salt_each_call", [False, True], ids=["tenant", "salted-calls"])
+def test_over_the_cap_the_tenant_holding_most_gives_way(salt_each_call: bool) -> None:
+    """A tenant flooding the pins releases its own: another tenant's pin outlives pins that expire later. Pins
+    made under call salts of its own (``page_hash.salted``) are still the tenant's: salting does not dodge this."""
     pool = PagePool(8)
     pages = pool.allocate(5)
     hashes = [hash_page(None, [i], "m") for i in range(5)]
@@ -379,7 +381,20 @@ def test_over_the_cap_the_tenant_holding_most_gives_way() -> None:
     pins = PrefixPins(pool, PAGE, max_prefixes=3, clock=Clock())
     assert pins.pin([hashes[0]], 10.0, "alice") == 1  # expires first of all
     for i, ttl_s in zip(range(1, 5), (100.0, 200.0, 300.0, 400.0)):
-        pins.pin([hashes[i]], ttl_s, "mallory")
+        pins.pin([hashes[i]], ttl_s, salted("mallory", f"salt-{i}" if salt_each_call else None))
     assert pins.stats()["pinned_prefixes"] == 3 and pins.stats()["pins_released_over_cap"] == 2
     assert pool.pages[0].ref_count == 1  # alice's pin stays
     assert [page.ref_count for page in pool.pages[1:5]] == [0, 0, 1, 1]  # mallory's soonest went
+
+
+def test_the_store_connector_pins_a_salted_calls_pages_as_its_tenants() -> None:
+    pinned: list[str | None] = []
+
+    class Client:
+        def pin(self, keys: Sequence[bytes], ttl_s: float | None, tenant: str | None = None) -> None:
+            pinned.append(tenant)
+
+    connector = StoreConnector(Client())  # type: ignore[arg-type]
+    connector.pin([b"k0"], 90.0, salted("alice", "s1"))
+    connector.pin([b"k0"], 90.0, salted("", "s1"))  # a server without tenants: the client's own
+    assert pinned == ["alice", ""]
