@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from rayturn.engine.guided import Guide
 from rayturn.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -43,6 +44,7 @@ from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, chat_template_kwa
 from .errors import invalid_request
 from .json_fields import Fields, json_object, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
+from .sampling_fields import checked_bad_words
 from .structured_outputs import CONSTRAINTS, structured_output_form
 from .tenants import cache_salt_value
 
@@ -268,6 +270,11 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
     guide, guide_param = _structured_output(options) or (None, None)
     budget = _thinking_budget(options)
+    allowed = tuple(options.allowed_token_ids) or None
+    if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise range_error("sampling.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids", len(allowed))
+    if allowed is not None and min(allowed) < 0:
+        raise range_error("sampling.allowed_token_ids", "non-negative token ids", min(allowed))
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -291,6 +298,8 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         guide_param=guide_param,
         thinking_token_budget=budget,
         thinking_budget_param=None if budget is None else "thinking_token_budget",
+        allowed_token_ids=allowed,
+        bad_words=checked_bad_words(list(options.bad_words), "sampling.bad_words"),
     )
 
 

@@ -22,7 +22,7 @@ to a caller with a valid key when keys are set.
 from __future__ import annotations
 
 from rayturn import __version__
-from rayturn.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY
+from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .completion_request import MAX_PROMPTS
@@ -37,20 +37,17 @@ from .json_schema import (
     SHARED_RULES,
     SPECULATIVE,
     STRUCTURED_OUTPUT_RULE,
-    STRUCTURED_OUTPUTS,
     TEMPLATE_KWARGS,
     TOOL_NAME_64,
     array_of,
     enum_of,
     integer,
-    number,
     object_of,
     string,
-    token_id_key,
 )
 from .openapi_agents import messages_request_schema, responses_request_schema
-from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
-from .sampling_fields import MAX_STOP_SEQUENCES
+from .openapi_sampling import sampling_properties
+from .protocol import PROMPT_CACHE_RETENTION_S
 from .tokenize_request import CHAT_ONLY_FIELDS
 
 # -- the OpenAI chat completions and completions APIs ----------------------------------------------
@@ -122,38 +119,6 @@ _RESPONSE_FORMAT: JSON = {
 }
 
 
-def _sampling(vocab_size: int) -> JSON:
-    """The sampling fields of both OpenAI APIs, vLLM's extensions included (``protocol.sampling_spec``)."""
-    return {
-        "max_tokens": integer(minimum=1),
-        "temperature": number(0.0, MAX_TEMPERATURE),
-        "top_p": number(0.0, 1.0, exclusive_minimum=True),
-        "n": integer(1, MAX_N),
-        "stop": {"anyOf": [NON_EMPTY, array_of(NON_EMPTY, max_items=MAX_STOP_SEQUENCES)]},
-        "seed": integer(),
-        "stream": BOOLEAN,
-        "stream_options": object_of({"include_usage": BOOLEAN}),
-        "user": SESSION_ID,
-        "frequency_penalty": number(-MAX_PENALTY, MAX_PENALTY),
-        "presence_penalty": number(-MAX_PENALTY, MAX_PENALTY),
-        "logit_bias": {
-            "type": "object",
-            "propertyNames": token_id_key(vocab_size),
-            "additionalProperties": number(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
-            "maxProperties": MAX_LOGIT_BIAS_TOKENS,
-            "description": "Token ids (in the vocabulary) to a number added to their logits.",
-        },
-        "top_k": integer(minimum=-1),
-        "min_p": number(0.0, 1.0),
-        "repetition_penalty": number(0.0, MAX_REPETITION_PENALTY, exclusive_minimum=True),
-        "ignore_eos": BOOLEAN,
-        "include_stop_str_in_output": BOOLEAN,
-        "skip_special_tokens": BOOLEAN,
-        "return_tokens_as_token_ids": BOOLEAN,
-        "structured_outputs": STRUCTURED_OUTPUTS,
-    }
-
-
 # ``stream_options`` only with ``"stream": true``.
 _STREAM_OPTIONS_NEED_STREAM = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
 
@@ -169,7 +134,7 @@ def chat_request_schema(served_model: str, vocab_size: int, *, reasoning: bool =
     properties = {
         "model": enum_of(served_model, ""),
         "messages": array_of(_CHAT_MESSAGE, min_items=1),
-        **_sampling(vocab_size),
+        **sampling_properties(vocab_size),
         "max_completion_tokens": integer(minimum=1),
         "logprobs": BOOLEAN,
         "top_logprobs": integer(0, MAX_LOGPROBS),
@@ -232,7 +197,7 @@ def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
     properties = {
         "model": enum_of(served_model, ""),
         "prompt": prompt,
-        **_sampling(vocab_size),
+        **sampling_properties(vocab_size),
         "echo": BOOLEAN,
         "logprobs": integer(0, MAX_LOGPROBS),
         "prompt_logprobs": integer(0, MAX_LOGPROBS),

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from rayturn.engine.config import ModelConfig
@@ -162,8 +163,7 @@ class CallPipeline:
         default_max_tokens: int,
         max_tokens_param: str = "max_tokens",
     ) -> tuple[list[int], SamplingParams]:
-        """A prompt given as text or token ids (no chat template): its ids and its sampling; 400 naming
-        ``param`` when it cannot fit or holds an id the vocabulary lacks."""
+        """A text or token-id prompt (no chat template): its ids and sampling; a 400 naming ``param`` if unusable."""
         prompt_ids = await self.text_prompt(prompt, param=param) if isinstance(prompt, str) else list(prompt)
         # The length first: a prompt of a million ids is refused without walking them.
         params = to_sampling_params(
@@ -174,6 +174,7 @@ class CallPipeline:
             prompt_param=param,
             max_tokens_param=max_tokens_param,
             vocab_size=self.vocab_size,
+            encode=partial(self.tokenizer.encode, add_special_tokens=False),
         )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if not prompt_ids or bad:
@@ -198,8 +199,7 @@ class CallPipeline:
         reasoning: str | None = None,
         cache_salt: str | None = None,
     ) -> Call:
-        """What the decode pool receives; the page hashes (salted by the tenant, and by the call's own
-        ``cache_salt`` where it names one) are computed once, here."""
+        """What the decode pool receives; the page hashes (salted: ``KeyTable.cache_salt``) are computed once, here."""
         salt = self.keys.cache_salt(tenant, cache_salt)
         usable = (len(prompt_ids) - 1) // self.page_size
 
@@ -253,6 +253,7 @@ class CallPipeline:
             prompt_param=prompt_param,
             max_tokens_param=max_tokens_param,
             vocab_size=self.vocab_size,
+            encode=partial(self.tokenizer.encode, add_special_tokens=False),
         )
         reasoning, params = chat_reasoning(self.reasoning_parser, chat, self.guides.guided(params, chat))
         retention = await self.retention(chat, prompt_ids)

@@ -17,12 +17,13 @@ clients routinely send extras such as ``metadata`` or ``store``):
   (token ids, as strings, to numbers in [-100, 100]; at most 1,024); vLLM's
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-  ``skip_special_tokens`` and ``return_tokens_as_token_ids``; vLLM's structured
+  ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``allowed_token_ids``
+  and ``bad_words`` (``sampling_fields``); vLLM's structured
   outputs (``structured_outputs``: ``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``; and the earlier ``guided_json``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``), enforced by constrained decoding
   (``structured_outputs``). vLLM's other extensions
-  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``bad_words``, ...)
+  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``truncate_prompt_tokens``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): vLLM's
   ``cache_salt`` (the call's cached prefix is shared only with calls of its
@@ -60,6 +61,7 @@ too, rather than being silently ignored.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +70,15 @@ from rayturn.engine.sampling_params import MAX_PENALTY, SamplingParams
 
 from .errors import context_length_exceeded, invalid_request, model_not_found
 from .json_fields import INT64_MAX, INT64_MIN, Fields, range_error
-from .sampling_fields import logit_bias, reject_unsupported, stop_sequences, stop_token_ids
+from .sampling_fields import (
+    allowed_token_ids,
+    bad_word_ids,
+    bad_words,
+    logit_bias,
+    reject_unsupported,
+    stop_sequences,
+    stop_token_ids,
+)
 from .structured_outputs import structured_output
 
 MAX_N = 16
@@ -143,6 +153,9 @@ class SamplingSpec:
     # ``thinking.budget_tokens``: ``api.thinking_fields``), and the field that set it; None: no bound.
     thinking_token_budget: int | None = None
     thinking_budget_param: str | None = None
+    # vLLM's ``allowed_token_ids`` (None: every token) and ``bad_words`` (words; tokenized with the prompt).
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +226,7 @@ def to_sampling_params(
     prompt_param: str = "messages",
     max_tokens_param: str = "max_tokens",
     vocab_size: int | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> SamplingParams:
     """Engine settings once the prompt length is known.
 
@@ -220,10 +234,17 @@ def to_sampling_params(
     at ``default_max_tokens``. ``prompt_param`` is the field blamed when the
     prompt alone is too long (``"prompt"`` for completions), ``max_tokens_param``
     the one blamed when the answer would not fit (``"max_output_tokens"`` for Responses). Stop token ids the
-    vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica.
+    vocabulary (``vocab_size``, when given) lacks are refused here, not on the decode replica. ``encode`` (text to
+    token ids, no special tokens) tokenizes ``bad_words``; without it a spec naming some is refused.
     """
+    if spec.bad_words and encode is None:
+        raise invalid_request("Invalid 'bad_words': this call cannot take them.", param="bad_words")
     if vocab_size is not None:
-        named = {"stop_token_ids": spec.stop_token_ids, "logit_bias": [t for t, _ in spec.logit_bias]}
+        named = {
+            "stop_token_ids": spec.stop_token_ids,
+            "logit_bias": [t for t, _ in spec.logit_bias],
+            "allowed_token_ids": spec.allowed_token_ids or (),
+        }
         for param, token_ids in named.items():
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:
@@ -263,6 +284,8 @@ def to_sampling_params(
             frequency_penalty=spec.frequency_penalty,
             presence_penalty=spec.presence_penalty,
             logit_bias=spec.logit_bias,
+            allowed_token_ids=spec.allowed_token_ids,
+            bad_words=bad_word_ids(spec.bad_words, encode) if spec.bad_words and encode is not None else (),
             min_p=spec.min_p,
             min_tokens=spec.min_tokens,
             include_stop_str_in_output=spec.include_stop_str_in_output,
@@ -332,6 +355,8 @@ def sampling_spec(
         frequency_penalty=frequency_penalty or 0.0,
         presence_penalty=presence_penalty or 0.0,
         logit_bias=logit_bias(fields),
+        allowed_token_ids=allowed_token_ids(fields),
+        bad_words=bad_words(fields),
         min_p=min_p or 0.0,
         min_tokens=min_tokens,
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output") or False,

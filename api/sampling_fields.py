@@ -1,16 +1,27 @@
 """Sampling fields of an OpenAI-shaped body that take more than a typed read: the stop sequences and stop token
-ids, the logit bias, and vLLM's extensions this server refuses unless they hold their "off" value
-(``reject_unsupported``). ``protocol.sampling_spec`` reads the rest."""
+ids, the logit bias, vLLM's ``allowed_token_ids`` and ``bad_words`` (tokenized as vLLM does: ``bad_word_ids``),
+and vLLM's extensions this server refuses unless they hold their "off" value (``reject_unsupported``).
+``protocol.sampling_spec`` reads the rest."""
 
 from __future__ import annotations
 
-from rayturn.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS
+from collections.abc import Callable, Sequence
+
+from rayturn.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, is_integer, range_error, type_error
 
 MAX_STOP_SEQUENCES = 4
 TOKEN_ID_KEY_DIGITS = 18
+MAX_BAD_WORD_CHARS = 256
 """A ``logit_bias`` key longer than this is no token id of any vocabulary (and would be slow to parse)."""
 
 
@@ -19,8 +30,6 @@ TOKEN_ID_KEY_DIGITS = 18
 UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "allowed_token_ids": None,
-    "bad_words": None,
     "truncate_prompt_tokens": None,
     "logits_processors": None,
     "guided_decoding_backend": None,
@@ -104,3 +113,59 @@ def stop_token_ids(fields: Fields) -> tuple[int, ...]:
         if not is_integer(token_id) or token_id < 0:
             raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)
     return tuple(int(token_id) for token_id in values)
+
+
+def allowed_token_ids(fields: Fields) -> tuple[int, ...] | None:
+    """The body's ``allowed_token_ids`` (vLLM's): null is every token; else a non-empty array of at most
+    ``MAX_ALLOWED_TOKEN_IDS`` non-negative integers (the vocabulary bound is ``protocol.to_sampling_params``'s)."""
+    values = fields.array("allowed_token_ids")
+    if values is None:
+        return None
+    if not values or len(values) > MAX_ALLOWED_TOKEN_IDS:
+        message = f"Invalid 'allowed_token_ids': expected 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(values)}."
+        raise invalid_request(message, param="allowed_token_ids")
+    for i, token_id in enumerate(values):
+        if not is_integer(token_id) or token_id < 0:
+            raise range_error(f"allowed_token_ids[{i}]", "a non-negative integer", token_id)
+    return tuple(int(token_id) for token_id in values)
+
+
+def bad_words(fields: Fields) -> tuple[str, ...]:
+    """The body's ``bad_words`` (vLLM's): null or an array of at most ``MAX_BAD_WORDS`` strings, each with
+    something besides leading whitespace, of at most ``MAX_BAD_WORD_CHARS`` characters."""
+    values = fields.array("bad_words") or []
+    return checked_bad_words(values, "bad_words")
+
+
+def checked_bad_words(values: Sequence[object], param: str) -> tuple[str, ...]:
+    """``bad_words`` of any API (gRPC's ``sampling.bad_words`` too), checked; a 400 naming ``param`` otherwise."""
+    if len(values) > MAX_BAD_WORDS:
+        message = f"Invalid '{param}': expected at most {MAX_BAD_WORDS} words, got {len(values)}."
+        raise invalid_request(message, param=param)
+    for i, word in enumerate(values):
+        if not isinstance(word, str):
+            raise type_error(f"{param}[{i}]", "a string", word)
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            expected = f"a word of 1 to {MAX_BAD_WORD_CHARS} characters, not only whitespace"
+            raise invalid_request(f"Invalid '{param}[{i}]': expected {expected}.", param=f"{param}[{i}]")
+    return tuple(str(word) for word in values)
+
+
+def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as the token sequences the engine bans, as vLLM makes them: each word with its leading
+    whitespace stripped, and again after one space where that gives a different first token and as many
+    tokens (the word in the middle of a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        bare = tuple(encode(word.lstrip()))
+        if not 0 < len(bare) <= MAX_BAD_WORD_TOKENS:
+            message = f"Invalid 'bad_words[{i}]': expected 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(bare)}."
+            raise invalid_request(message, param=f"bad_words[{i}]")
+        sequences.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS:
+        message = f"Invalid 'bad_words': the words make {len(sequences)} token sequences; at most {MAX_BAD_WORDS}."
+        raise invalid_request(message, param="bad_words")
+    return tuple(sequences)

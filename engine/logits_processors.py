@@ -1,6 +1,8 @@
 """What changes the logits of a row before any token is picked from them, greedy rows included.
 
-In order, as vLLM: the ``logit_bias`` (added to the named tokens), the
+In order, as vLLM: ``allowed_token_ids`` (every other token at -inf), the
+``bad_words`` (the last token of each whose earlier tokens end the output, at
+-inf), the ``logit_bias`` (added to the named tokens), the
 repetition penalty (over every token of the sequence: prompt and output), the
 frequency and presence penalties (over the output's tokens only: OpenAI's
 ``logit - count * frequency - (count > 0) * presence``), the ``min_tokens``
@@ -23,6 +25,13 @@ from .sequence import Sequence
 
 def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: AbstractSet[int]) -> torch.Tensor:
     """The logits [B, V] each sequence (row) picks its next token from."""
+    allowing = [i for i, seq in enumerate(seqs) if seq.params.allowed_token_ids is not None]
+    if allowing:
+        logits = allow_only(logits, allowing, [seqs[i].params.allowed_token_ids or () for i in allowing])
+    allowed = logits
+    banning = [(i, banned) for i, seq in enumerate(seqs) if seq.params.bad_words and (banned := banned_tokens(seq))]
+    if banning:
+        logits = mask_tokens(logits, [i for i, _ in banning], [banned for _, banned in banning])
     biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
     if biased:
         logits = apply_logit_bias(logits, biased, [seqs[i].params.logit_bias for i in biased])
@@ -49,6 +58,8 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Abs
     guides = [seq.guide if seq.guide is not None and seq.guide.holds else None for seq in seqs]
     if any(guide is not None for guide in guides):
         logits = mask_guided_logits(logits, guides)
+    if allowing or banning:
+        logits = keep_a_choice(logits, allowed, sorted({*allowing, *(i for i, _ in banning)}))
     forced = [(i, token) for i, seq in enumerate(seqs) if (token := _forced(seq)) is not None]
     if forced:
         logits = force_tokens(logits, [i for i, _ in forced], [token for _, token in forced])
@@ -58,6 +69,48 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Abs
 def _forced(seq: Sequence) -> int | None:
     """The token a sequence whose reasoning spent its budget must take next (``thinking.py``), if any."""
     return seq.thinking.forced_token(seq.num_output_tokens) if seq.thinking is not None else None
+
+
+def allow_only(logits: torch.Tensor, rows: Seq[int], token_ids: Seq[Seq[int]]) -> torch.Tensor:
+    """A copy of ``logits`` in which row ``rows[i]`` keeps only the logits of ``token_ids[i]``, every other at -inf
+    (every id is in the vocabulary: ``RequestLimits.check_request`` refuses a request naming one that is not)."""
+    device = logits.device
+    flat_ids = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids]))
+    row_of_id = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(ids) for ids in token_ids]))
+    index = torch.tensor(rows, device=device)
+    selected = logits[index]
+    keep = torch.zeros_like(selected, dtype=torch.bool)
+    keep[row_of_id.to(device), flat_ids.to(device)] = True
+    out = logits.clone()
+    out[index] = selected.masked_fill(~keep, float("-inf"))
+    return out
+
+
+def keep_a_choice(logits: torch.Tensor, allowed: torch.Tensor, rows: Seq[int]) -> torch.Tensor:
+    """``logits``, except that each row of ``rows`` the masks left with no token at all (the bad words, a guide or
+    ``min_tokens`` banned every allowed token) takes its row of ``allowed`` (only ``allowed_token_ids`` applied):
+    a row is never sampled from nothing."""
+    index = torch.tensor(rows, device=logits.device)
+    dead = ~torch.isfinite(logits[index]).any(dim=-1)
+    if not bool(dead.any()):
+        return logits
+    out = logits.clone()
+    out[index[dead]] = allowed[index[dead]]
+    return out
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """The tokens ``seq``'s ``bad_words`` ban next: the last of each token sequence whose earlier tokens end the
+    output so far (vLLM looks at the output only, so a word is never completed across the prompt's end)."""
+    num_output = seq.num_output_tokens
+    banned = []
+    for word in seq.params.bad_words:
+        before = len(word) - 1
+        if before > num_output:
+            continue
+        if before == 0 or tuple(seq.token_ids[len(seq.token_ids) - before :]) == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def force_tokens(logits: torch.Tensor, rows: Seq[int], token_ids: Seq[int]) -> torch.Tensor:

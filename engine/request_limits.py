@@ -82,9 +82,15 @@ class RequestLimits:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids out of vocabulary [0, {self.vocab_size}): {bad_stop[:5]}")
-        bad_bias = self._out_of_vocabulary([t for t, _ in params.logit_bias])
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids out of vocabulary [0, {self.vocab_size}): {bad_bias[:5]}")
+        named = {
+            "logit_bias": [t for t, _ in params.logit_bias],
+            "allowed_token_ids": params.allowed_token_ids or (),
+            "bad_words": [t for word in params.bad_words for t in word],
+        }
+        for name, token_ids in named.items():
+            bad = self._out_of_vocabulary(token_ids)
+            if bad:
+                raise ValueError(f"{name} token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         check_known_hashes(page_hashes, prompt_len, self.page_size)
 
     def _check_output_prefix(

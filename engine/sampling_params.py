@@ -19,6 +19,12 @@ MAX_LOGIT_BIAS = 100.0
 """A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_LOGIT_BIAS_TOKENS = 1024
 """The most tokens one request's ``logit_bias`` may name (each costs a write into the row's logits per step)."""
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+"""The most ids one request's ``allowed_token_ids`` may hold (more than any vocabulary; repeats are harmless)."""
+MAX_BAD_WORDS = 128
+"""The most token sequences one request's ``bad_words`` may hold (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``)."""
+MAX_BAD_WORD_TOKENS = 64
+"""The most tokens one of them may hold (a longer one only bans its last token after as long a match)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,13 @@ class SamplingParams:
     ``thinking_budget``: an answer that opens in reasoning ends it after at
     most that many tokens (``thinking.py``): past them, the engine forces the
     reasoning's end.
+
+    ``allowed_token_ids`` (None: every token) leaves only those tokens to be
+    sampled; ``bad_words``, as token sequences, bans the last token of each
+    while the output ends with the ones before it (a one-token sequence: always),
+    as vLLM does, which looks at the output only, never at the prompt. Both
+    apply before the bias and the penalties (vLLM's order); like them, they do
+    not show in logprobs.
     """
 
     n: int = 1
@@ -93,6 +106,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     thinking_budget: ThinkingBudget | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) from callers; store tuples.
@@ -101,6 +116,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(tuple(word) for word in self.bad_words))
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -149,6 +167,24 @@ class SamplingParams:
             len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
             "logit_bias",
             f"must name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}",
+        )
+        if self.allowed_token_ids is not None:
+            _check(
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids >= 0 (None allows every token)",
+            )
+        words = self.bad_words
+        _check(
+            len(words) <= MAX_BAD_WORDS,
+            "bad_words",
+            f"must hold at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words)}",
+        )
+        _check(
+            all(0 < len(word) <= MAX_BAD_WORD_TOKENS and all(_is_int(t) and t >= 0 for t in word) for word in words),
+            "bad_words",
+            f"entries must be sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids >= 0",
         )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,

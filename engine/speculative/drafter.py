@@ -91,6 +91,8 @@ class Drafter:
             and params.repetition_penalty == 1.0
             and not params.penalises_output
             and not params.logit_bias
+            and params.allowed_token_ids is None
+            and not params.bad_words
         )
 
     def start(self, seq: Sequence, session_id: str | None) -> None:

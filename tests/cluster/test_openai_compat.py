@@ -427,6 +427,42 @@ def test_logit_bias_and_frequency_and_presence_penalties_match_transformers(
     assert answer == expected
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["local", "disaggregated"])
+def test_allowed_token_ids_and_bad_words_match_transformers(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any, prompt: str
+) -> None:
+    token_ids = tokenizer.encode(prompt)
+    letters = [tokenizer.encode(letter)[0] for letter in "xyz"]  # one token each: a byte-level vocabulary
+
+    def only_letters(_sequence: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(scores, float("-inf"))
+        mask[:, letters] = 0.0
+        return scores + mask
+
+    plain = _hf_greedy_steps(hf_model, token_ids, lambda _sequence, scores: scores)
+    lettered = _hf_greedy_steps(hf_model, token_ids, only_letters)
+    assert lettered != plain and set(lettered) <= set(letters)
+    assert _greedy_token_ids(client, token_ids, extra_body={"allowed_token_ids": letters}) == lettered
+    # A word the letters made, given as text: the server tokenizes it, and bans its last token after the first.
+    word = lettered[2:4]
+    no_word = transformers.NoBadWordsLogitsProcessor([word])  # the prompt ends in a newline: no letter to match
+    expected = _hf_greedy_steps(hf_model, token_ids, lambda seq, scores: no_word(seq, only_letters(seq, scores)))
+    assert expected != lettered
+    extra_body = {"allowed_token_ids": letters, "bad_words": [tokenizer.decode(word)]}
+    assert _greedy_token_ids(client, token_ids, extra_body=extra_body) == expected
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=6,
+        temperature=0.8,
+        extra_body={"allowed_token_ids": letters, "ignore_eos": True},
+    )
+    assert chat.choices[0].message.content and set(chat.choices[0].message.content) <= set("xyz")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
+    assert caught.value.param == "allowed_token_ids" and "out of vocabulary" in caught.value.message  # type: ignore[attr-defined]
+
+
 def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
     client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:
@@ -479,8 +515,8 @@ def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tok
     [
         ("use_beam_search", True),
         ("guided_decoding_backend", "xgrammar"),
-        ("bad_words", ["x"]),
-        ("allowed_token_ids", [5]),
+        ("length_penalty", 0.5),
+        ("truncate_prompt_tokens", 10),
     ],
 )
 def test_fields_not_supported_are_refused_by_name(client: openai.OpenAI, field: str, value: Any) -> None:

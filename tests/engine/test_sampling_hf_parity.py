@@ -1,6 +1,7 @@
-"""Repetition penalty, logit bias, frequency and presence penalties, min_tokens and min_p equal Hugging Face
-transformers' on the same weights (for the frequency and presence penalties, transformers' logits with OpenAI's
-published formula applied to them)."""
+"""Repetition penalty, logit bias, frequency and presence penalties, min_tokens, min_p, and vLLM's allowed token ids
+and bad words equal Hugging Face transformers' on the same weights (for the frequency and presence penalties,
+transformers' logits with OpenAI's published formula applied to them; for the bad words, transformers' processor
+where it and vLLM agree: vLLM looks at the output only)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from hf_models import VOCAB_SIZE, make_hf_checkpoint
 from openai_penalties import OpenAIPenalties
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.logits_processors import apply_logit_bias, apply_output_penalties, apply_repetition_penalty
+from rayturn.engine.logits_processors import (
+    apply_logit_bias,
+    apply_output_penalties,
+    apply_repetition_penalty,
+    banned_tokens,
+)
 from rayturn.engine.sampler import apply_min_p
+from rayturn.engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
 
@@ -278,3 +285,95 @@ def test_min_p_one_leaves_only_the_top_token(engine: LLMEngine) -> None:
     only_top = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.5, seed=7, ignore_eos=True, min_p=1.0)
     outs = engine.generate(prompts, only_top)
     assert [out.token_ids for out in outs] == expected
+
+
+# -- allowed token ids and bad words (vLLM's) ----------------------------------
+
+
+def test_greedy_allowed_token_ids_match_transformers_prefix_allowed_tokens(
+    engine: LLMEngine, hf_model: transformers.PreTrainedModel
+) -> None:
+    prompts = make_prompts()
+    free = [out.token_ids for out in engine.generate(prompts, greedy())]
+    # Each prompt's allowed set leaves out its free run's first token, so the filter must change the answer.
+    allowed = [sorted({3, 17, 42, 99, *run[2:6]} - {run[0]}) for run in free]
+    expected = [
+        hf_greedy(hf_model, prompt, prefix_allowed_tokens_fn=lambda _batch, _ids, ids=ids: ids)
+        for prompt, ids in zip(prompts, allowed)
+    ]
+    # One batch: two rows filtered, two free (their own free runs).
+    params = [greedy(allowed_token_ids=ids) if i % 2 == 0 else greedy() for i, ids in enumerate(allowed)]
+    outs = [out.token_ids for out in engine.generate(prompts, params)]
+    assert outs[0] == expected[0] and outs[2] == expected[2]
+    assert outs[1] == free[1] and outs[3] == free[3]
+    assert all(set(outs[i]) <= set(allowed[i]) and outs[i] != free[i] for i in (0, 2))
+
+
+def test_sampled_and_forked_answers_keep_to_the_allowed_tokens(engine: LLMEngine) -> None:
+    allowed = [5, 6, 7, 250]
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.5, seed=3, n=3, allowed_token_ids=allowed)
+    (out,) = engine.generate([make_prompts()[3]], params)
+    assert len(out.completions) == 3
+    for completion in out.completions:
+        assert len(completion.token_ids) == MAX_NEW_TOKENS and set(completion.token_ids) <= set(allowed)
+    assert len({tuple(completion.token_ids) for completion in out.completions}) > 1  # still sampled
+
+
+def bad_words_for(prompt: list[int], free_run: list[int]) -> list[list[int]]:
+    """A one-token word (the free run's 5th token) and a two-token word (its 2nd and 3rd, whose first token is
+    not the prompt's last: transformers also looks into the prompt, vLLM only into the output)."""
+    start = next(i for i in range(1, MAX_NEW_TOKENS - 1) if free_run[i] != prompt[-1])
+    return [[free_run[4]], free_run[start : start + 2]]
+
+
+def test_greedy_bad_words_match_transformers_no_bad_words(
+    engine: LLMEngine, hf_model: transformers.PreTrainedModel
+) -> None:
+    prompts = make_prompts()
+    free = [out.token_ids for out in engine.generate(prompts, greedy())]
+    words = [bad_words_for(prompt, run) for prompt, run in zip(prompts, free)]
+    expected = [hf_greedy(hf_model, prompt, bad_words_ids=w) for prompt, w in zip(prompts, words)]
+    outs = [out.token_ids for out in engine.generate(prompts, [greedy(bad_words=w) for w in words])]
+    assert outs == expected
+    for out, run, (single, pair) in zip(outs, free, words):
+        assert out != run and single[0] not in out
+        assert all(out[i : i + 2] != pair for i in range(len(out) - 1))
+
+
+def test_bad_words_look_at_the_output_only_as_vllm() -> None:
+    prompt = [11, 12, 13]
+    seq = Sequence(0, "r", [*prompt], len(prompt), SamplingParams(bad_words=[[13, 14], [20], [12, 13, 15]]))
+    assert banned_tokens(seq) == [20]  # the prompt's 13 does not start [13, 14]; nor its 12, 13 [12, 13, 15]
+    seq.token_ids += [13]
+    assert banned_tokens(seq) == [14, 20]
+    seq.token_ids += [12, 13]
+    assert banned_tokens(seq) == [14, 20, 15]
+
+
+def test_masks_that_leave_nothing_give_way_to_the_allowed_tokens(engine: LLMEngine) -> None:
+    """A row is never sampled from nothing: when the bad words (or min_tokens) ban every allowed token, the
+    allowed tokens alone hold for that step."""
+    prompt = make_prompts()[2]
+    eos = min(engine.eos_token_ids)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            max_tokens=4, temperature=temperature, seed=1, ignore_eos=True, allowed_token_ids=[9], bad_words=[[9]]
+        )
+        (out,) = engine.generate([prompt], params)
+        assert out.token_ids == [9] * 4
+    (held,) = engine.generate([prompt], greedy(ignore_eos=False, allowed_token_ids=[eos], min_tokens=3))
+    # EOS is sampled all the same, but it ends the answer only once min_tokens are out.
+    assert held.token_ids == [eos] * 3 and held.finish_reason == "stop"
+
+
+def test_filtered_requests_do_not_speculate_and_refuse_ids_beyond_the_vocabulary(engine: LLMEngine) -> None:
+    drafter = engine.drafter
+    assert not drafter.wants(SamplingParams(speculative=True, allowed_token_ids=[1]))
+    assert not drafter.wants(SamplingParams(speculative=True, bad_words=[[1]]))
+    assert drafter.wants(SamplingParams(speculative=True))
+    for params in (greedy(allowed_token_ids=[1, VOCAB_SIZE]), greedy(bad_words=[[1, VOCAB_SIZE + 3]])):
+        with pytest.raises(ValueError, match="out of vocabulary"):
+            engine.generate([[1, 2]], params)
+    for bad, field in [({"allowed_token_ids": []}, "allowed_token_ids"), ({"bad_words": [[]]}, "bad_words")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)  # type: ignore[arg-type]
