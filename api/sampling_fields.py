@@ -6,6 +6,7 @@ and vLLM's extensions this server refuses unless they hold their "off" value (``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rayturn.engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -105,28 +106,24 @@ def stop_sequences(fields: Fields) -> tuple[str, ...]:
 def stop_token_ids(fields: Fields) -> tuple[int, ...]:
     """The body's ``stop_token_ids``: up to ``MAX_STOP_TOKEN_IDS`` non-negative integers (the vocabulary bound
     is ``protocol.to_sampling_params``'s, once the model is known)."""
-    values = fields.array("stop_token_ids") or []
-    if len(values) > MAX_STOP_TOKEN_IDS:
-        message = f"Invalid 'stop_token_ids': expected at most {MAX_STOP_TOKEN_IDS} token ids, got {len(values)}."
-        raise invalid_request(message, param="stop_token_ids")
-    for i, token_id in enumerate(values):
-        if not is_integer(token_id) or token_id < 0:
-            raise range_error(f"stop_token_ids[{i}]", "a non-negative integer", token_id)
-    return tuple(int(token_id) for token_id in values)
+    return _token_ids(fields.array("stop_token_ids") or [], "stop_token_ids", 0, MAX_STOP_TOKEN_IDS)
 
 
 def allowed_token_ids(fields: Fields) -> tuple[int, ...] | None:
     """The body's ``allowed_token_ids`` (vLLM's): null is every token; else a non-empty array of at most
     ``MAX_ALLOWED_TOKEN_IDS`` non-negative integers (the vocabulary bound is ``protocol.to_sampling_params``'s)."""
     values = fields.array("allowed_token_ids")
-    if values is None:
-        return None
-    if not values or len(values) > MAX_ALLOWED_TOKEN_IDS:
-        message = f"Invalid 'allowed_token_ids': expected 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(values)}."
-        raise invalid_request(message, param="allowed_token_ids")
+    return None if values is None else _token_ids(values, "allowed_token_ids", 1, MAX_ALLOWED_TOKEN_IDS)
+
+
+def _token_ids(values: list[Any], param: str, least: int, most: int) -> tuple[int, ...]:
+    """``least`` to ``most`` non-negative integers, or a 400 naming ``param`` (or the entry at fault)."""
+    if not least <= len(values) <= most:
+        expected = f"at most {most}" if least == 0 else f"{least} to {most}"
+        raise invalid_request(f"Invalid '{param}': expected {expected} token ids, got {len(values)}.", param=param)
     for i, token_id in enumerate(values):
         if not is_integer(token_id) or token_id < 0:
-            raise range_error(f"allowed_token_ids[{i}]", "a non-negative integer", token_id)
+            raise range_error(f"{param}[{i}]", "a non-negative integer", token_id)
     return tuple(int(token_id) for token_id in values)
 
 

@@ -74,16 +74,26 @@ def _forced(seq: Sequence) -> int | None:
 def allow_only(logits: torch.Tensor, rows: Seq[int], token_ids: Seq[Seq[int]]) -> torch.Tensor:
     """A copy of ``logits`` in which row ``rows[i]`` keeps only the logits of ``token_ids[i]``, every other at -inf
     (every id is in the vocabulary: ``RequestLimits.check_request`` refuses a request naming one that is not)."""
+    index, selected, keep = _named_in_rows(logits, rows, token_ids)
+    out = logits.clone()
+    out[index] = selected.masked_fill(~keep, float("-inf"))
+    return out
+
+
+def _named_in_rows(
+    logits: torch.Tensor, rows: Seq[int], token_ids: Seq[Seq[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' index, their logits, and a mask of the same shape that is true at the tokens ``token_ids[i]``
+    name in row ``rows[i]`` (one flat id array for all rows: numpy turns a long list into a tensor several times
+    faster than torch)."""
     device = logits.device
     flat_ids = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids]))
     row_of_id = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(ids) for ids in token_ids]))
     index = torch.tensor(rows, device=device)
     selected = logits[index]
-    keep = torch.zeros_like(selected, dtype=torch.bool)
-    keep[row_of_id.to(device), flat_ids.to(device)] = True
-    out = logits.clone()
-    out[index] = selected.masked_fill(~keep, float("-inf"))
-    return out
+    named = torch.zeros_like(selected, dtype=torch.bool)
+    named[row_of_id.to(device), flat_ids.to(device)] = True
+    return index, selected, named
 
 
 def keep_a_choice(logits: torch.Tensor, allowed: torch.Tensor, rows: Seq[int]) -> torch.Tensor:
@@ -132,15 +142,8 @@ def apply_repetition_penalty(
     (as in vLLM and transformers), so a penalty above 1 makes a seen token
     less likely whatever its sign.
     """
-    device = logits.device
-    # One flat id array for all rows (numpy turns a long list into a tensor several times faster than torch).
-    flat_ids = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids]))
-    row_of_id = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(ids) for ids in token_ids]))
-    index = torch.tensor(rows, device=device)
-    selected = logits[index]
-    seen = torch.zeros_like(selected, dtype=torch.bool)
-    seen[row_of_id.to(device), flat_ids.to(device)] = True
-    penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)[:, None]
+    index, selected, seen = _named_in_rows(logits, rows, token_ids)
+    penalty = torch.tensor(penalties, dtype=logits.dtype, device=logits.device)[:, None]
     penalised = torch.where(selected > 0, selected / penalty, selected * penalty)
     out = logits.clone()
     out[index] = torch.where(seen, penalised, selected)

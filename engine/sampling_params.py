@@ -20,7 +20,7 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
 """The most tokens one request's ``logit_bias`` may name (each costs a write into the row's logits per step)."""
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
-"""The most ids one request's ``allowed_token_ids`` may hold (more than any vocabulary; repeats are harmless)."""
+"""The most ids one request's ``allowed_token_ids`` may hold (the largest vocabularies' size; repeats are harmless)."""
 MAX_BAD_WORDS = 128
 """The most token sequences one request's ``bad_words`` may hold (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``)."""
 MAX_BAD_WORD_TOKENS = 64

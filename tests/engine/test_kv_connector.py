@@ -266,22 +266,26 @@ def test_short_misses_are_computed_unless_a_remote_prefill_made_them(reference: 
     assert outputs[-1].num_loaded_prompt_tokens == 64 and outputs[-1].token_ids == reference
 
 
+def run_salted(engine: LLMEngine, params: SamplingParams, request_id: str, salt: str) -> RequestOutput:
+    """``PROMPT`` run to its end under ``salt``; its final output."""
+    engine.add_request(PROMPT, params, request_id, cache_salt=salt)
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [output for output in outputs if output.finished]
+    return final
+
+
 def test_a_tenants_pages_are_stored_as_its_own_and_never_load_for_another() -> None:
     store = DictStore()
     writer, reader = make_engine(store), make_engine(store)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     expected = writer.generate([PROMPT], params)[0].token_ids  # no tenant: the client's own
-    writer.add_request(PROMPT, params, "alice-1", cache_salt="alice")
-    while writer.has_unfinished_requests():
-        writer.step()
+    run_salted(writer, params, "alice-1", "alice")
     alice_keys = {key for key, tenant in store.tenants.items() if tenant == "alice"}
     assert len(alice_keys) == len(PROMPT) // PAGE and set(store.tenants.values()) == {OWN_TENANT, "alice"}
     for salt in ("bob", "alice"):
-        reader.add_request(PROMPT, params, f"{salt}-read", cache_salt=salt)
-        outputs: list[RequestOutput] = []
-        while reader.has_unfinished_requests():
-            outputs += reader.step()
-        (final,) = [output for output in outputs if output.finished]
+        final = run_salted(reader, params, f"{salt}-read", salt)
         assert final.completions[0].token_ids == expected
         # bob's salt names other pages, and the store would not hand alice's to bob anyway.
         assert final.num_loaded_prompt_tokens == (0 if salt == "bob" else len(alice_keys) * PAGE)
@@ -293,9 +297,7 @@ def test_a_calls_own_salt_keeps_its_pages_apart_within_its_tenant_yet_stores_the
     params = SamplingParams(max_tokens=4, temperature=0.0)
     expected = writer.generate([PROMPT], params)[0].token_ids
     for salt in ("alice", salted("alice", "s1")):
-        writer.add_request(PROMPT, params, f"write-{salt}", cache_salt=salt)
-        while writer.has_unfinished_requests():
-            writer.step()
+        run_salted(writer, params, f"write-{salt}", salt)
     # Both sets of pages are alice's in the store (her quota, her lookups), under different keys.
     assert Counter(store.tenants.values()) == {OWN_TENANT: 4, "alice": 8}
     for salt, loaded in [
@@ -304,11 +306,7 @@ def test_a_calls_own_salt_keeps_its_pages_apart_within_its_tenant_yet_stores_the
         (salted("", "s1"), 0),  # the same salt with no tenant (the client's own)
         (salted("alice", "s1"), len(PROMPT) // PAGE * PAGE),
     ]:
-        reader.add_request(PROMPT, params, f"read-{salt}", cache_salt=salt)
-        outputs: list[RequestOutput] = []
-        while reader.has_unfinished_requests():
-            outputs += reader.step()
-        (final,) = [output for output in outputs if output.finished]
+        final = run_salted(reader, params, f"read-{salt}", salt)
         assert final.completions[0].token_ids == expected
         assert (final.num_loaded_prompt_tokens, final.num_cached_prompt_tokens) == (loaded, loaded), salt
 
