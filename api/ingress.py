@@ -33,6 +33,8 @@ from prometheus_client import generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rayturn import __version__
+
 from .anthropic_bodies import anthropic_status, error_body
 from .bodies import model_card, models_list
 from .errors import APIError, invalid_request, model_not_found, route_not_found
@@ -189,6 +191,20 @@ class Ingress:
         detailed = self.pipeline.tenant(request.headers) is not None
         status, body = await self.pipeline.health(detailed)
         return JSONResponse({"status": status, **body}, status_code=200 if status == "ok" else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(self, request: Request) -> JSONResponse:
+        """SageMaker's health probe (GET or POST), as vLLM serves it: the answer of ``/health``."""
+        return await self.health(request)
+
+    @app.get("/version")
+    async def version(self, request: Request) -> JSONResponse:
+        """The server's version, as vLLM's ``/version`` (``{"version": ...}``); with keys set, for a valid key."""
+        try:
+            self.http.authorize(request)
+        except APIError as err:
+            return self.http.failure("version", err, new_request_id())
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:

@@ -297,6 +297,10 @@ def _operation(summary: str, shape: str, body: JSON | None = None, *, streams: b
 
 
 _RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": string()}]
+_HEALTH: JSON = {
+    "summary": "Pool health",
+    "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
+}
 
 
 def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = False) -> JSON:
@@ -352,12 +356,9 @@ def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = Fa
                 "get": {**_operation("A stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
                 "delete": {**_operation("Delete a stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
             },
-            "/health": {
-                "get": {
-                    "summary": "Pool health",
-                    "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
-                }
-            },
+            "/health": {"get": _HEALTH},
+            "/ping": {"get": {**_HEALTH, "summary": "Pool health, as SageMaker probes it (also POST)"}},
+            "/version": {"get": _operation("The server's version", "OpenAIError")},
         },
         "components": {"schemas": ERROR_SCHEMAS},
     }

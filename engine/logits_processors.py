@@ -116,9 +116,9 @@ def banned_tokens(seq: Sequence) -> list[int]:
     banned = []
     for word in seq.params.bad_words:
         before = len(word) - 1
-        if before > num_output:
+        if before > num_output or (before and seq.token_ids[-1] != word[-2]):  # the last token decides most
             continue
-        if before == 0 or tuple(seq.token_ids[len(seq.token_ids) - before :]) == word[:-1]:
+        if before <= 1 or tuple(seq.token_ids[len(seq.token_ids) - before :]) == word[:-1]:
             banned.append(word[-1])
     return banned
 

@@ -23,8 +23,9 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 """The most ids one request's ``allowed_token_ids`` may hold (the largest vocabularies' size; repeats are harmless)."""
 MAX_BAD_WORDS = 128
 """The most token sequences one request's ``bad_words`` may hold (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``)."""
-MAX_BAD_WORD_TOKENS = 64
-"""The most tokens one of them may hold (a longer one only bans its last token after as long a match)."""
+MAX_BAD_WORD_TOKENS = 1024
+"""The most tokens one of them may hold: four per character of the longest word the APIs take (256 characters),
+so that no word they take is refused for its tokens (a byte-level vocabulary spends up to four on a character)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ requests = pytest.importorskip("requests")
 
 from small_cluster import serving, small_cluster  # noqa: E402
 
+import rayturn  # noqa: E402
 from rayturn.api.session import SESSION_STATE_HEADER  # noqa: E402
 from rayturn.api.tenants import key_digest  # noqa: E402
 from rayturn.cluster.config import load_config  # noqa: E402
@@ -327,6 +328,20 @@ def test_health_and_metrics_show_no_secret_and_no_model_without_a_key(cluster: s
             assert revealing not in text
     detailed = requests.get(f"{cluster}/health", headers={"x-api-key": KEY_B}, timeout=30).json()
     assert detailed["details"]["model"] == "tiny" and len(detailed["pools"]["decode"]["replica_states"]) == 2
+
+
+def test_ping_answers_as_health_and_the_version_asks_for_a_key(cluster: str) -> None:
+    """vLLM's ``/ping`` (SageMaker's probe, GET or POST) and ``/version``."""
+    for method in ("GET", "POST"):
+        for headers in ({}, {"x-api-key": KEY_B}):
+            ping = requests.request(method, f"{cluster}/ping", headers=headers, timeout=30)
+            health = requests.get(f"{cluster}/health", headers=headers, timeout=30)
+            assert ping.status_code == health.status_code == 200
+            assert set(ping.json()) == set(health.json()) and ping.json()["status"] == "ok"
+    refused = requests.get(f"{cluster}/version", timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    version = requests.get(f"{cluster}/version", headers={"authorization": f"Bearer {KEY_A}"}, timeout=30)
+    assert version.status_code == 200 and version.json() == {"version": rayturn.__version__}
 
 
 def test_no_secret_reaches_the_logs(cluster: str) -> None:
