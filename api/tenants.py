@@ -20,9 +20,11 @@ page, and the store answers a lookup only with the pages of the tenant that
 asks. Within a tenant, a call may name a salt of its own (vLLM's
 ``cache_salt`` field; ``body_cache_salt``): its prefix is then shared only
 with the tenant's calls that name the same salt, on every tier, while its
-pages still count against the tenant's store quota. A tenant's session ids are its own too: with keys, the session the
-cluster follows is ``<tenant>/<session id>``, so another tenant naming the
-same id neither lands on nor learns about it.
+pages still count against the tenant's store quota.
+
+A tenant's session ids are its own too: with keys, the session the cluster
+follows is ``<tenant>/<session id>``, so another tenant naming the same id
+neither lands on nor learns about it.
 
 Raw keys never leave the process that read the config: the ingress is built
 from SHA-256 digests (a ``KeyTable``), so Serve's stored deployment
