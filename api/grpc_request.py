@@ -47,6 +47,7 @@ from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
 from .sampling_fields import checked_bad_words
 from .structured_outputs import CONSTRAINTS, structured_output_form
 from .tenants import cache_salt_value
+from .truncation import SIDES, checked_truncation
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -270,6 +271,10 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
     guide, guide_param = _structured_output(options) or (None, None)
     budget = _thinking_budget(options)
+    side = options.truncation_side or None
+    if side is not None and side not in SIDES:
+        raise range_error("sampling.truncation_side", "one of left, right (empty: left)", side)
+    keep = options.truncate_prompt_tokens if options.HasField("truncate_prompt_tokens") else None
     allowed = tuple(options.allowed_token_ids) or None
     if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
         raise range_error("sampling.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids", len(allowed))
@@ -298,6 +303,7 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         guide_param=guide_param,
         thinking_token_budget=budget,
         thinking_budget_param=None if budget is None else "thinking_token_budget",
+        truncation=checked_truncation(keep, side, "sampling."),
         allowed_token_ids=allowed,
         bad_words=checked_bad_words(list(options.bad_words), "sampling.bad_words"),
     )

@@ -79,8 +79,11 @@ class Ingress:
         self.tokens = ServingTokens(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())
-        reasoning = self.pipeline.reasoning_parser is not None
-        self.openapi = openapi_document(self.pipeline.served_model, self.pipeline.vocab_size, reasoning=reasoning)
+        pipeline = self.pipeline
+        reasoning = pipeline.reasoning_parser is not None
+        self.openapi = openapi_document(
+            pipeline.served_model, pipeline.vocab_size, reasoning=reasoning, max_model_len=pipeline.max_model_len
+        )
 
     # -- gRPC (Serve's gRPC proxy calls these by name) ----------------------
 

@@ -26,6 +26,7 @@ from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .completion_request import MAX_PROMPTS
+from .json_fields import INT64_MAX
 from .json_schema import (
     ANY_OBJECT,
     BOOLEAN,
@@ -129,12 +130,14 @@ _CHAT_RULES = (
 )
 
 
-def chat_request_schema(served_model: str, vocab_size: int, *, reasoning: bool = False) -> JSON:
+def chat_request_schema(
+    served_model: str, vocab_size: int, *, reasoning: bool = False, max_model_len: int = INT64_MAX
+) -> JSON:
     """``reasoning``: the server splits reasoning off (a reasoning parser), which ``thinking_token_budget`` bounds."""
     properties = {
         "model": enum_of(served_model, ""),
         "messages": array_of(_CHAT_MESSAGE, min_items=1),
-        **sampling_properties(vocab_size),
+        **sampling_properties(vocab_size, max_model_len),
         "max_completion_tokens": integer(minimum=1),
         "logprobs": BOOLEAN,
         "top_logprobs": integer(0, MAX_LOGPROBS),
@@ -190,14 +193,14 @@ def chat_request_schema(served_model: str, vocab_size: int, *, reasoning: bool =
     )
 
 
-def completion_request_schema(served_model: str, vocab_size: int) -> JSON:
+def completion_request_schema(served_model: str, vocab_size: int, max_model_len: int = INT64_MAX) -> JSON:
     text = NON_EMPTY
     token_ids = array_of(integer(0, vocab_size - 1), min_items=1)
     prompt = {"anyOf": [text, token_ids, array_of({"anyOf": [text, token_ids]}, 1, MAX_PROMPTS)]}
     properties = {
         "model": enum_of(served_model, ""),
         "prompt": prompt,
-        **sampling_properties(vocab_size),
+        **sampling_properties(vocab_size, max_model_len),
         "echo": BOOLEAN,
         "logprobs": integer(0, MAX_LOGPROBS),
         "prompt_logprobs": integer(0, MAX_LOGPROBS),
@@ -303,7 +306,9 @@ _HEALTH: JSON = {
 }
 
 
-def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = False) -> JSON:
+def openapi_document(
+    served_model: str, vocab_size: int, *, reasoning: bool = False, max_model_len: int = INT64_MAX
+) -> JSON:
     """The document ``GET /openapi.json`` serves, for the model this ingress serves (``reasoning``: with a
     reasoning parser)."""
     return {
@@ -314,7 +319,7 @@ def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = Fa
                 "post": _operation(
                     "OpenAI chat completions",
                     "OpenAIError",
-                    chat_request_schema(served_model, vocab_size, reasoning=reasoning),
+                    chat_request_schema(served_model, vocab_size, reasoning=reasoning, max_model_len=max_model_len),
                     streams=True,
                 )
             },
@@ -322,7 +327,7 @@ def openapi_document(served_model: str, vocab_size: int, *, reasoning: bool = Fa
                 "post": _operation(
                     "OpenAI completions",
                     "OpenAIError",
-                    completion_request_schema(served_model, vocab_size),
+                    completion_request_schema(served_model, vocab_size, max_model_len),
                     streams=True,
                 )
             },

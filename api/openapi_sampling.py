@@ -11,6 +11,7 @@ from rayturn.engine.sampling_params import (
     MAX_PENALTY,
 )
 
+from .json_fields import INT64_MAX
 from .json_schema import (
     BOOLEAN,
     JSON,
@@ -18,6 +19,7 @@ from .json_schema import (
     SESSION_ID,
     STRUCTURED_OUTPUTS,
     array_of,
+    enum_of,
     integer,
     number,
     object_of,
@@ -26,10 +28,12 @@ from .json_schema import (
 )
 from .protocol import MAX_N, MAX_REPETITION_PENALTY, MAX_TEMPERATURE
 from .sampling_fields import MAX_BAD_WORD_CHARS, MAX_STOP_SEQUENCES
+from .truncation import SIDES
 
 
-def sampling_properties(vocab_size: int) -> JSON:
-    """The sampling fields' schemas, by name, for a model of ``vocab_size`` tokens."""
+def sampling_properties(vocab_size: int, max_model_len: int = INT64_MAX) -> JSON:
+    """The sampling fields' schemas, by name, for a model of ``vocab_size`` tokens and a context of
+    ``max_model_len`` (the default: none named)."""
     return {
         "max_tokens": integer(minimum=1),
         "temperature": number(0.0, MAX_TEMPERATURE),
@@ -56,6 +60,15 @@ def sampling_properties(vocab_size: int) -> JSON:
         "bad_words": {
             **array_of(string(minLength=1, maxLength=MAX_BAD_WORD_CHARS, pattern=r"\S"), max_items=MAX_BAD_WORDS),
             "description": "Words the output must not complete (the last token of each is banned after the rest).",
+        },
+        "truncate_prompt_tokens": {
+            "anyOf": [{"const": -1}, integer(1, max_model_len)],
+            "description": "Keep at most this many prompt tokens (at most the context); -1: as many as leave "
+            "room for max_tokens (one token without it). Absent or null: the whole prompt.",
+        },
+        "truncation_side": {
+            **enum_of(*SIDES),
+            "description": "Which end a truncated prompt keeps: left keeps the last tokens; absent: left.",
         },
         "top_k": integer(minimum=-1),
         "min_p": number(0.0, 1.0),

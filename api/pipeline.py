@@ -39,14 +39,15 @@ from .energy import EnergyAccounts
 from .errors import client_error, invalid_request, replica_unavailable, server_error
 from .guides import GuideMaker
 from .metrics import IngressMetrics
-from .pool_health import PoolHealthProbe
-from .protocol import ChatRequest, SamplingSpec, to_sampling_params
+from .pool_health import PoolHealthProbe, cluster_health
+from .protocol import JSON, ChatRequest, SamplingSpec, to_sampling_params
 from .request_limits import PromptBudget, off_loop
 from .resume import CallResumer, capacity_refusal, replica_died
 from .session import LifecycleHints, classify_call
 from .settings import IngressSettings
 from .tenants import presented_key
 from .thinking_fields import chat_reasoning
+from .truncation import MESSAGES, fit_messages
 
 logger = logging.getLogger(__name__)
 
@@ -129,29 +130,39 @@ class CallPipeline:
     # -- prompts ----------------------------------------------------------
 
     async def chat_prompt(self, chat: ChatRequest, num_bytes: int) -> list[int]:
-        """Render and tokenize a chat (in a worker thread when its body was large); 400 when it cannot fit."""
+        """Render and tokenize a chat (in a worker thread when its body was large), cut as its ``truncation``
+        asks (``rayturn.api.truncation``); without one a 400 when it cannot fit."""
+        truncation = chat.sampling.truncation
 
-        def encode() -> list[int]:
+        def encode(messages: list[JSON]) -> list[int]:
             text = render_chat(
                 self.tokenizer,
-                chat.messages,
+                messages,
                 chat.prompt_tools,
                 chat.template_kwargs,
                 continue_final_message=chat.continue_final_message,
             )
-            self.budget.check(text, param="messages")
+            if truncation is None:  # a cut prompt may be longer than the context: the body's size bounds it
+                self.budget.check(text, param="messages")
             return self.tokenizer.encode(text, add_special_tokens=False)
 
-        return await off_loop(num_bytes, encode)
+        if truncation is None:
+            return await off_loop(num_bytes, lambda: encode(chat.messages))
+        limit = truncation.limit(self.max_model_len, chat.sampling.max_tokens)
+        if truncation.side == MESSAGES:
+            return await off_loop(num_bytes, lambda: fit_messages(chat.messages, encode, limit))
+        return truncation.tokens(await off_loop(num_bytes, lambda: encode(chat.messages)), limit)
 
     async def retention(self, chat: ChatRequest, prompt_ids: Sequence[int]) -> Retention | None:
         """The retention contract of a chat's cache breakpoints (``chat_prompt.retained_prefix``), off the loop
         when the prompt is long."""
         return await off_loop(len(prompt_ids) * 4, lambda: retained_prefix(self.tokenizer, chat, prompt_ids))
 
-    async def text_prompt(self, text: str, *, param: str) -> list[int]:
-        """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it."""
-        self.budget.check(text, param=param)
+    async def text_prompt(self, text: str, *, param: str, checked: bool = True) -> list[int]:
+        """Tokenize a raw prompt (off the loop when long); 400 when it cannot fit, before tokenizing it (unless
+        not ``checked``: a prompt to be cut)."""
+        if checked:
+            self.budget.check(text, param=param)
         return await off_loop(len(text), lambda: self.tokenizer.encode(text))
 
     async def raw_prompt(
@@ -163,8 +174,15 @@ class CallPipeline:
         default_max_tokens: int,
         max_tokens_param: str = "max_tokens",
     ) -> tuple[list[int], SamplingParams]:
-        """A text or token-id prompt (no chat template): its ids and sampling; a 400 naming ``param`` if unusable."""
-        prompt_ids = await self.text_prompt(prompt, param=param) if isinstance(prompt, str) else list(prompt)
+        """A text or token-id prompt (no chat template), cut as its ``truncation`` asks: its ids and sampling; a 400
+        naming ``param`` if unusable."""
+        cut = sampling.truncation
+        if isinstance(prompt, str):
+            prompt_ids = await self.text_prompt(prompt, param=param, checked=cut is None)
+        else:
+            prompt_ids = list(prompt)
+        if cut is not None:
+            prompt_ids = cut.tokens(prompt_ids, cut.limit(self.max_model_len, sampling.max_tokens))
         # The length first: a prompt of a million ids is refused without walking them.
         params = to_sampling_params(
             sampling,
@@ -363,31 +381,7 @@ class CallPipeline:
     # -- health -----------------------------------------------------------
 
     async def health(self, detailed: bool) -> tuple[str, dict[str, Any]]:
-        """``ok`` or ``degraded``, with every pool's replica counts; ``detailed`` adds replica states, the model
-        and one decode and prefill replica's own report (for callers allowed to see them)."""
-        body: dict[str, Any] = {}
-        try:
-            pools = await self.health_probe.check()
-        except Exception as err:  # Serve's controller is away: nothing can be vouched for
-            logger.warning("health: Serve's controller did not answer: %s: %s", type(err).__name__, err)
-            return "degraded", {"pools": {}, "error": "the cluster's controller did not answer"}
-        status = "ok" if all(pool.ok for pool in pools) else "degraded"
-        body["pools"] = {pool.name: pool.detail() if detailed else pool.summary() for pool in pools}
-        if not detailed:
-            return status, body
-        details: dict[str, Any] = {"model": self.served_model, "model_id": self.model_id}
-        for pool in pools:
-            details[f"{pool.name}.replicas"] = pool.num_ok
-        handles: Sequence[tuple[str, Any]] = [("decode", self.decode), ("prefill", self.prefill)]
-        for name, handle in handles:
-            if handle is None:
-                continue
-            try:
-                report = await handle.health.remote()
-            except Exception as err:
-                details[f"{name}.error"] = client_error(err, f"health-{name}").message
-                continue
-            for key, value in report.items():
-                details[f"{name}.{key}"] = value
-        body["details"] = details
-        return status, body
+        """The pools' health (``pool_health.cluster_health``); ``detailed`` adds the model and the replicas' own."""
+        model = {"model": self.served_model, "model_id": self.model_id}
+        handles = [("decode", self.decode), ("prefill", self.prefill)]
+        return await cluster_health(self.health_probe, detailed, model, handles)

@@ -30,6 +30,8 @@ from typing import Any
 import ray
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
+from .errors import client_error
+
 logger = logging.getLogger(__name__)
 
 REPLICA_TIMEOUT_S = 2.0
@@ -148,3 +150,35 @@ class PoolHealthProbe:
             self._actors.pop(actor_name, None)
             return ReplicaHealth(replica_id, "UNREACHABLE", node_id)
         return ReplicaHealth(replica_id, RUNNING, node_id)
+
+
+async def cluster_health(
+    probe: PoolHealthProbe, detailed: bool, model: Mapping[str, Any], handles: Sequence[tuple[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """``ok`` or ``degraded``, with every pool's replica counts; ``detailed`` adds replica states, the ``model``
+    and the own report of one replica behind each of ``handles`` (for callers allowed to see them)."""
+    body: dict[str, Any] = {}
+    try:
+        pools = await probe.check()
+    except Exception as err:  # Serve's controller is away: nothing can be vouched for
+        logger.warning("health: Serve's controller did not answer: %s: %s", type(err).__name__, err)
+        return "degraded", {"pools": {}, "error": "the cluster's controller did not answer"}
+    status = "ok" if all(pool.ok for pool in pools) else "degraded"
+    body["pools"] = {pool.name: pool.detail() if detailed else pool.summary() for pool in pools}
+    if not detailed:
+        return status, body
+    details: dict[str, Any] = dict(model)
+    for pool in pools:
+        details[f"{pool.name}.replicas"] = pool.num_ok
+    for name, handle in handles:
+        if handle is None:
+            continue
+        try:
+            report = await handle.health.remote()
+        except Exception as err:
+            details[f"{name}.error"] = client_error(err, f"health-{name}").message
+            continue
+        for key, value in report.items():
+            details[f"{name}.{key}"] = value
+    body["details"] = details
+    return status, body

@@ -18,12 +18,13 @@ clients routinely send extras such as ``metadata`` or ``store``):
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
   ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``allowed_token_ids``
-  and ``bad_words`` (``sampling_fields``); vLLM's structured
+  and ``bad_words`` (``sampling_fields``), ``truncate_prompt_tokens`` and
+  ``truncation_side`` (``truncation``); vLLM's structured
   outputs (``structured_outputs``: ``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``; and the earlier ``guided_json``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``), enforced by constrained decoding
   (``structured_outputs``). vLLM's other extensions
-  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``truncate_prompt_tokens``, ...)
+  (``sampling_fields.UNSUPPORTED_AT_DEFAULT``: beam search, ``length_penalty``, ...)
   are refused unless they hold their "off" value.
 * every API here (Anthropic Messages and Responses too): vLLM's
   ``cache_salt`` (the call's cached prefix is shared only with calls of its
@@ -80,6 +81,7 @@ from .sampling_fields import (
     stop_token_ids,
 )
 from .structured_outputs import structured_output
+from .truncation import Truncation, prompt_truncation
 
 MAX_N = 16
 MAX_TEMPERATURE = 2.0
@@ -156,6 +158,8 @@ class SamplingSpec:
     # vLLM's ``allowed_token_ids`` (None: every token) and ``bad_words`` (words; tokenized with the prompt).
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    # How to cut a prompt too long to keep whole (``rayturn.api.truncation``); None: it is refused.
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +371,7 @@ def sampling_spec(
         guide_param=guide_param,
         thinking_token_budget=budget,
         thinking_budget_param=None if budget is None else "thinking_token_budget",
+        truncation=prompt_truncation(fields),
     )
 
 

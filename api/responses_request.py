@@ -16,13 +16,14 @@ a ``text.format`` other than text: ``structured_outputs``),
 when no session header names one), ``prompt_cache_retention`` (how long
 the whole prompt stays cached, as the chat API keeps it) and rayturn's
 ``priority`` (the call's class: ``rayturn.api.priority``), ``speculative``
-(speculative decoding for the call: ``rayturn.api.protocol``) and vLLM's
-``cache_salt`` (``rayturn.api.tenants``).
+(speculative decoding for the call: ``rayturn.api.protocol``), vLLM's
+``cache_salt`` (``rayturn.api.tenants``) and ``truncation`` (``"auto"``: the
+oldest messages of a conversation too long for the context are dropped until
+it fits, ``rayturn.api.truncation``; ``"disabled"``, the default: a 400).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
 ``include`` (reasoning items come from the model's format, not from these),
-``metadata``, ``truncation``
-(an overlong prompt is a 400 either way), ``service_tier``, ``user`` (the
+``metadata``, ``service_tier``, ``user`` (the
 session id when neither a header nor ``prompt_cache_key`` names one),
 ``safety_identifier``, ``text.verbosity``, ``stream_options``. The built-in
 tools Codex adds on its own (``IGNORED_TOOL_TYPES``) are dropped, so the
@@ -61,6 +62,7 @@ from .protocol import (
 from .responses_input import input_messages
 from .structured_outputs import LEGACY_FIELDS, STRUCTURED_OUTPUTS, structured_output_form
 from .tenants import body_cache_salt
+from .truncation import MESSAGES, Truncation
 
 # Built-in tools Codex may list next to its function tools: web search, its shell and freeform
 # (grammar) tools, image generation, and deferred tool search with the namespaces it loads from.
@@ -165,6 +167,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
     retention = _choice(fields, "prompt_cache_retention", tuple(PROMPT_CACHE_RETENTION_S))
     prompt_cache_key = fields.string("prompt_cache_key")
     user = fields.string("user")
+    truncation = _choice(fields, "truncation", TRUNCATION_MODES) or "disabled"
     sampling = SamplingSpec(
         max_tokens=max_output_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -172,6 +175,8 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         speculative=fields.boolean("speculative"),
         guide=guide,
         guide_param=guide_param,
+        # OpenAI's "auto": the oldest input items go until the conversation fits (``truncation.fit_messages``).
+        truncation=Truncation(side=MESSAGES, param="truncation") if truncation == "auto" else None,
     )
     reasoning = _reasoning(fields)
     echo: JSON = {
@@ -186,7 +191,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         "store": store,
         "text": text,
         "reasoning": reasoning,
-        "truncation": _choice(fields, "truncation", TRUNCATION_MODES) or "disabled",
+        "truncation": truncation,
         "metadata": _metadata(fields),
         "prompt_cache_key": prompt_cache_key,
         "prompt_cache_retention": retention,

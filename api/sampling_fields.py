@@ -31,7 +31,6 @@ MAX_BAD_WORD_CHARS = 256
 UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "truncate_prompt_tokens": None,
     "logits_processors": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,

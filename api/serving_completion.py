@@ -125,7 +125,7 @@ class ServingCompletion(HTTPServing):
         if params.prompt_logprobs is not None:
             _check_score_size(len(token_ids), params.prompt_logprobs, param)
         text = prompt if isinstance(prompt, str) else ""
-        if spec.echo and not isinstance(prompt, str):
+        if spec.echo and (not isinstance(prompt, str) or sampling.truncation is not None):  # what the model read
             skip = spec.sampling.skip_special_tokens
             tokenizer = self.pipeline.tokenizer
             text = await off_loop(len(token_ids) * 4, lambda: tokenizer.decode(token_ids, skip_special_tokens=skip))

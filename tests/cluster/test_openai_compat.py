@@ -463,6 +463,53 @@ def test_allowed_token_ids_and_bad_words_match_transformers(
     assert caught.value.param == "allowed_token_ids" and "out of vocabulary" in caught.value.message  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_truncated_prompt_is_answered_as_transformers_answers_the_kept_tokens(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_model: Any, side: str
+) -> None:
+    text = LONG_PROMPT * 40
+    token_ids = tokenizer.encode(text)
+    assert len(token_ids) > 4096 + 1000  # the context of the tiny preset
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=token_ids, max_tokens=4)
+    assert caught.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
+    kept = token_ids[-200:] if side == "left" else token_ids[:200]
+    truncation = {"truncate_prompt_tokens": 200, "truncation_side": side}
+    expected = _hf_greedy_steps(hf_model, kept, lambda _sequence, scores: scores)
+    assert _greedy_token_ids(client, token_ids, extra_body=truncation) == expected
+    # As text, echoed: the echo is the prompt the model read, and usage counts it.
+    echoed = client.completions.create(
+        model="tiny", prompt=text, max_tokens=3, temperature=0, echo=True, extra_body={**truncation, "ignore_eos": True}
+    )
+    assert echoed.usage is not None and echoed.usage.prompt_tokens == 200
+    assert echoed.choices[0].text == tokenizer.decode(kept + expected[:3])
+
+
+def test_chat_and_responses_cut_a_conversation_too_long_for_the_context(client: openai.OpenAI) -> None:
+    """vLLM's ``truncate_prompt_tokens: -1`` on a chat (room left for its max_tokens), and the Responses API's
+    ``truncation: "auto"`` through the official SDK (the oldest turns dropped); without them both are a 400."""
+    messages = [{"role": "user", "content": LONG_PROMPT * 40}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": -1, "ignore_eos": True},
+    )
+    assert chat.usage is not None and (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (4096 - 8, 8)
+    turns: list[Any] = [
+        {"role": role, "content": f"turn {i}: {LONG_PROMPT * 4}"} for i in range(14) for role in ("user", "assistant")
+    ][:-1]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input=turns, max_output_tokens=16)
+    assert caught.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
+    answer = client.responses.create(model="tiny", input=turns, max_output_tokens=16, truncation="auto")
+    assert answer.status in ("completed", "incomplete") and answer.truncation == "auto"
+    assert answer.usage is not None and 4096 // 2 < answer.usage.input_tokens <= 4096 - 16
+
+
 def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
     client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:
@@ -516,7 +563,7 @@ def test_min_tokens_and_min_p_are_honoured(client: openai.OpenAI, tokenizer: Tok
         ("use_beam_search", True),
         ("guided_decoding_backend", "xgrammar"),
         ("length_penalty", 0.5),
-        ("truncate_prompt_tokens", 10),
+        ("spaces_between_special_tokens", False),
     ],
 )
 def test_fields_not_supported_are_refused_by_name(client: openai.OpenAI, field: str, value: Any) -> None:
