@@ -65,6 +65,8 @@ class CallResult:
     count_tokens: Callable[[str], int] | None = None
     # The format the answers' reasoning is split off in (the Call's ``reasoning``); None: none is.
     reasoning: str | None = None
+    # The prompt's token ids as the call was sent (vLLM's ``return_token_ids`` shows them).
+    prompt_token_ids: tuple[int, ...] = ()
 
     @property
     def completion_tokens(self) -> int:

@@ -13,6 +13,7 @@ from .priority import body_priority
 from .protocol import (
     JSON,
     ChatRequest,
+    SamplingSpec,
     ToolChoice,
     include_usage,
     model_field,
@@ -56,6 +57,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
     )
     response_format = _response_format(fields)
     one_guide(sampling.guide_param, response_format, tools, tool_choice)
+    unfiltered_guide(sampling, response_format, tools, tool_choice)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -69,6 +71,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         cache_points=prompt_cache_points(fields, len(messages)),
         prompt_cache_key=fields.string("prompt_cache_key"),
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
+        return_token_ids=fields.boolean("return_token_ids") or False,
         response_format=response_format,
         priority=body_priority(fields),
         continue_final_message=_continue_final_message(fields, messages),
@@ -118,6 +121,26 @@ def one_guide(
     if tools and (choice == "required" or isinstance(choice, dict)):
         message = f"Cannot set '{param}' with a forced 'tool_choice': the answer is either a tool call or the format."
         raise invalid_request(message, param=param)
+
+
+def unfiltered_guide(
+    sampling: SamplingSpec,
+    response_format: JSON | None,
+    tools: list[JSON] | None,
+    choice: ToolChoice,
+    prefix: str = "",
+) -> None:
+    """A guided answer (structured outputs, a ``response_format``, a forced tool call) takes neither vLLM's
+    ``allowed_token_ids`` nor ``bad_words`` (under ``prefix``: gRPC's ``sampling.``): where the format's next token
+    is one they forbid, no token is left that both allow, and the answer could neither go on nor keep its form."""
+    forced = bool(tools) and (choice == "required" or isinstance(choice, dict))
+    guide = (
+        sampling.guide_param or ("response_format" if response_format else None) or ("tool_choice" if forced else None)
+    )
+    filters = {"allowed_token_ids": sampling.allowed_token_ids is not None, "bad_words": bool(sampling.bad_words)}
+    for name in (name for name, used in filters.items() if used and guide is not None):
+        message = f"Cannot set '{prefix}{name}' with '{guide}': the answer's format decides which tokens follow."
+        raise invalid_request(message, param=f"{prefix}{name}")
 
 
 # Chat fields (OpenAI's and vLLM's) this server does not honour, with the value that means "not used".

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from rayturn.engine.sampling_params import MAX_LOGPROBS
 
+from .chat_request import unfiltered_guide
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, is_integer, range_error, type_error
 from .priority import body_priority
@@ -38,6 +39,8 @@ class CompletionRequest:
     user: str | None = None
     echo: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's ``return_token_ids``: each choice carries its prompt's token ids and its own.
+    return_token_ids: bool = False
     # vLLM's ``prompt_logprobs`` asked for: each choice carries the prompt's scores in vLLM's form.
     return_prompt_logprobs: bool = False
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
@@ -76,6 +79,7 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
         top_logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+    unfiltered_guide(sampling, None, None, "none")
     if sampling.thinking_token_budget is not None:
         message = (
             "Unsupported 'thinking_token_budget': only chat answers are split into reasoning; use /v1/chat/completions."
@@ -94,6 +98,7 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
         user=fields.string("user"),
         echo=echo,
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,
+        return_token_ids=fields.boolean("return_token_ids") or False,
         return_prompt_logprobs=return_prompt_logprobs,
         priority=body_priority(fields),
         cache_salt=body_cache_salt(fields),

@@ -40,7 +40,15 @@ from rayturn.engine.sampling_params import (
 )
 from rayturn.protos import rayturn_pb2 as pb
 
-from .chat_request import MAX_TOOLS, MESSAGE_ROLES, TOOL_NAME, chat_template_kwargs, decoded_arguments, one_guide
+from .chat_request import (
+    MAX_TOOLS,
+    MESSAGE_ROLES,
+    TOOL_NAME,
+    chat_template_kwargs,
+    decoded_arguments,
+    one_guide,
+    unfiltered_guide,
+)
 from .errors import invalid_request
 from .json_fields import Fields, json_object, range_error
 from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
@@ -80,6 +88,7 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
     kind = request.WhichOneof("input")
     if kind != "messages":
         _chat_only(request)
+        unfiltered_guide(sampling, None, None, "none", "sampling.")
     if kind == "text":
         if not request.text:
             raise invalid_request("Invalid 'text': the prompt must not be empty.", param="text")
@@ -91,6 +100,7 @@ def parse_generate_request(request: pb.GenerateRequest, served_model: str) -> Ch
     tools = _tools(request.tools)
     tool_choice = _tool_choice(request, tools)
     one_guide(sampling.guide_param, None, tools, tool_choice)
+    unfiltered_guide(sampling, None, tools, tool_choice, "sampling.")
     return ChatRequest(
         model=served_model,
         messages=_messages(request.messages),

@@ -124,6 +124,10 @@ STRUCTURED_OUTPUTS: JSON = object_of(
     oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
 )
 STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"
+# Where vLLM's token filters are taken (``chat_request.unfiltered_guide``).
+TOKEN_FILTER_RULE = (
+    "'allowed_token_ids' and 'bad_words' go with no structured output, 'response_format' or forced tool call"
+)
 # vLLM's ``chat_template_kwargs``: variables for the chat template, none the server sets itself.
 TEMPLATE_KWARGS: JSON = {
     "type": "object",

@@ -39,6 +39,7 @@ from .json_schema import (
     SPECULATIVE,
     STRUCTURED_OUTPUT_RULE,
     TEMPLATE_KWARGS,
+    TOKEN_FILTER_RULE,
     TOOL_NAME_64,
     array_of,
     enum_of,
@@ -188,6 +189,7 @@ def chat_request_schema(
                 *SHARED_RULES,
                 *_CHAT_RULES,
                 STRUCTURED_OUTPUT_RULE,
+                TOKEN_FILTER_RULE,
             ]
         },
     )
@@ -213,6 +215,7 @@ def completion_request_schema(served_model: str, vocab_size: int, max_model_len:
         *SHARED_RULES[:1],
         "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated",
         STRUCTURED_OUTPUT_RULE,
+        TOKEN_FILTER_RULE,
     ]
     return object_of(
         properties, ("prompt",), dependentSchemas=_STREAM_OPTIONS_NEED_STREAM, **{"x-rayturn-rules": rules}

@@ -77,5 +77,6 @@ def sampling_properties(vocab_size: int, max_model_len: int = INT64_MAX) -> JSON
         "include_stop_str_in_output": BOOLEAN,
         "skip_special_tokens": BOOLEAN,
         "return_tokens_as_token_ids": BOOLEAN,
+        "return_token_ids": {**BOOLEAN, "description": "The answer carries the prompt's token ids and each choice's."},
         "structured_outputs": STRUCTURED_OUTPUTS,
     }

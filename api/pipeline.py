@@ -301,6 +301,7 @@ class CallPipeline:
             request_id=call.request_id,
             count_tokens=self.tokenizer.count_tokens,
             reasoning=call.reasoning,
+            prompt_token_ids=call.prompt_token_ids,
         )
         steps = self._steps(call, result)
         return result, steps, await first_step(steps, call.request_id)

@@ -17,9 +17,9 @@ clients routinely send extras such as ``metadata`` or ``store``):
   (token ids, as strings, to numbers in [-100, 100]; at most 1,024); vLLM's
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-  ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``allowed_token_ids``
-  and ``bad_words`` (``sampling_fields``), ``truncate_prompt_tokens`` and
-  ``truncation_side`` (``truncation``); vLLM's structured
+  ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``return_token_ids``,
+  ``allowed_token_ids`` and ``bad_words`` (``sampling_fields``),
+  ``truncate_prompt_tokens`` and ``truncation_side`` (``truncation``); vLLM's structured
   outputs (``structured_outputs``: ``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``; and the earlier ``guided_json``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``), enforced by constrained decoding
@@ -190,6 +190,8 @@ class ChatRequest:
     prompt_cache_key: str | None = None
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N``.
     return_tokens_as_token_ids: bool = False
+    # vLLM's ``return_token_ids``: the answer carries the prompt's token ids and each choice's.
+    return_token_ids: bool = False
     # The class the body's ``priority`` names (``rayturn.api.priority``); None: it names none.
     priority: str | None = None
     # The prompt ends inside the final (assistant) message, for the model to continue (Anthropic's prefill).

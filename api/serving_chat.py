@@ -64,23 +64,26 @@ class ServingChat(HTTPServing):
                 reasoning=result.reasoning,
             )
             logprobs = chat_logprobs(state.logprobs, names) if chat.sampling.logprobs else None
-            choices.append(
-                chat_choice(
-                    index,
-                    content=parsed.content if parsed.content or not parsed.tool_calls else None,
-                    tool_calls=parsed.tool_calls,
-                    finish_reason=state.finish_reason,
-                    logprobs=logprobs,
-                    reasoning=parsed.reasoning if chat.include_reasoning else None,
-                )
+            choice = chat_choice(
+                index,
+                content=parsed.content if parsed.content or not parsed.tool_calls else None,
+                tool_calls=parsed.tool_calls,
+                finish_reason=state.finish_reason,
+                logprobs=logprobs,
+                reasoning=parsed.reasoning if chat.include_reasoning else None,
             )
-        return chat_completion(
+            if chat.return_token_ids:  # hidden reasoning hides its tokens too, as vLLM hides them
+                hidden = not chat.include_reasoning and result.reasoning is not None
+                choice["token_ids"] = None if hidden else state.token_ids
+            choices.append(choice)
+        body = chat_completion(
             response_id=chat_completion_id(),
             model=self.served_model,
             created=int(time.time()),
             choices=choices,
             usage=result.usage(),
         )
+        return body | {"prompt_token_ids": list(result.prompt_token_ids)} if chat.return_token_ids else body
 
     async def _stream(self, chat: ChatRequest, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
         response_id, created = chat_completion_id(), int(time.time())
@@ -91,7 +94,7 @@ class ServingChat(HTTPServing):
             for index in range(chat.sampling.n)
         }
 
-        def chunk(choices: list[JSON]) -> str:
+        def chunk(choices: list[JSON], **extra: Any) -> str:
             return sse(
                 chat_chunk(
                     response_id=response_id,
@@ -100,14 +103,17 @@ class ServingChat(HTTPServing):
                     choices=choices,
                     include_usage=chat.include_usage,
                 )
+                | extra
             )
 
-        yield chunk([state.start() for state in states.values()])
+        prompt_ids = {"prompt_token_ids": list(result.prompt_token_ids)} if chat.return_token_ids else {}
+        yield chunk([state.start() for state in states.values()], **prompt_ids)
         try:
             async for deltas in chain_steps(first, steps):
                 texts, endings = [], []  # one choice per index per chunk: text first, then the finish
                 for delta in deltas:
                     state = states[delta.index]
+                    state.hold_token_ids(delta.token_ids)
                     logprobs = (
                         chat_logprobs(delta.logprobs, names) if chat.sampling.logprobs and delta.logprobs else None
                     )

@@ -218,6 +218,8 @@ class ServingCompletion(HTTPServing):
         )
         if spec.return_prompt_logprobs:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(_scores(prompt, result), names)
+        if spec.return_token_ids:
+            choice |= {"prompt_token_ids": prompt.token_ids, "token_ids": state.token_ids if spec.generates else []}
         return choice
 
     async def _stream(
@@ -299,6 +301,9 @@ class ServingCompletion(HTTPServing):
         choice = completion_choice(index, text=text, finish_reason=finish_reason, logprobs=logprobs)
         if spec.return_prompt_logprobs and first:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(_scores(prompt, results[prompt.index]), names)
+        if spec.return_token_ids:  # the prompt's on a choice's first chunk, then each chunk's new ones
+            choice["prompt_token_ids"] = prompt.token_ids if first else None
+            choice["token_ids"] = list(delta.token_ids) if spec.generates else []
         return choice
 
 

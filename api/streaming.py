@@ -35,13 +35,17 @@ class ChatStreamState:
     the whole answer would. The decode replica runs that split already (a call
     whose answer is split carries it in its deltas, ``Delta.tool_parse``); given
     here, it is used as is and nothing is parsed twice. Logprob entries given
-    with a delta go out with the next chunk this choice emits.
+    with a delta go out with the next chunk this choice emits, and so do its
+    token ids (``hold_token_ids``, vLLM's ``return_token_ids``): the chunks'
+    ``token_ids`` together are the answer's, however its text was held back.
     """
 
     __slots__ = (
+        "_hide_token_ids",
         "_index",
         "_parallel_tool_calls",
         "_pending_logprobs",
+        "_pending_token_ids",
         "_role_sent",
         "_show_reasoning",
         "_stream",
@@ -58,6 +62,7 @@ class ChatStreamState:
         parser: str = DEFAULT_TOOL_CALL_PARSER,
         reasoning: str | None = None,
         show_reasoning: bool = True,
+        token_ids: bool = False,
     ) -> None:
         self._index = index
         self._show_reasoning = show_reasoning  # the request's ``include_reasoning``
@@ -66,6 +71,9 @@ class ChatStreamState:
         self._role_sent = False
         self._tool_calls: list[ToolCall] = []
         self._pending_logprobs: list[JSON] | None = None
+        # The token ids not sent yet; None: the chunks carry none. Hidden reasoning hides them (as vLLM does).
+        self._pending_token_ids: list[int] | None = [] if token_ids else None
+        self._hide_token_ids = not show_reasoning and reasoning is not None
 
     @classmethod
     def for_request(
@@ -85,6 +93,7 @@ class ChatStreamState:
             parser=parser,
             reasoning=reasoning,
             show_reasoning=request.include_reasoning,
+            token_ids=request.return_token_ids,
         )
 
     @property
@@ -122,6 +131,11 @@ class ChatStreamState:
         assert choice is not None
         return choice
 
+    def hold_token_ids(self, token_ids: Sequence[int]) -> None:
+        """A delta's token ids, sent with the next chunk this choice emits (when the request asked for them)."""
+        if self._pending_token_ids is not None:
+            self._pending_token_ids.extend(token_ids)
+
     def _hold_logprobs(self, logprobs: Sequence[JSON] | None) -> None:
         if logprobs is not None:
             self._pending_logprobs = (self._pending_logprobs or []) + list(logprobs)
@@ -141,7 +155,11 @@ class ChatStreamState:
         if calls:
             delta["tool_calls"] = calls
         logprobs, self._pending_logprobs = self._pending_logprobs, None
-        return chat_chunk_choice(self._index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        choice = chat_chunk_choice(self._index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        if self._pending_token_ids is not None:
+            choice["token_ids"] = None if self._hide_token_ids else self._pending_token_ids
+            self._pending_token_ids = []
+        return choice
 
     def _record(self, calls: Sequence[ToolCall]) -> list[JSON]:
         """The tool-call deltas for ``calls``; surplus calls under ``parallel_tool_calls=false`` are dropped."""

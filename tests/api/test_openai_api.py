@@ -1005,6 +1005,27 @@ def test_logprobs_wait_for_the_next_emitted_chunk() -> None:
     assert state.finish("stop")["logprobs"] is None
 
 
+def test_token_ids_wait_for_the_next_emitted_chunk_and_none_are_lost() -> None:
+    """vLLM's ``return_token_ids``: every delta's ids go out with the next chunk the choice emits, so the chunks'
+    ids together are the answer's however the text was held back; a request that did not ask gets none."""
+    state = ChatStreamState(0, parse_tools=True, token_ids=True)
+    state.hold_token_ids([1, 2])
+    assert state.push("<tool_") is None
+    state.hold_token_ids([3])
+    emitted = state.push("x> and more")
+    assert emitted is not None and emitted["token_ids"] == [1, 2, 3]
+    state.hold_token_ids([4])
+    assert state.push("") is None
+    state.hold_token_ids([5, 6])
+    assert state.finish("stop")["token_ids"] == [4, 5, 6]
+    quiet = ChatStreamState(0, parse_tools=False)
+    quiet.hold_token_ids([1])
+    assert "token_ids" not in (quiet.push("a") or {}) and "token_ids" not in quiet.finish("stop")
+    hidden = ChatStreamState(0, parse_tools=True, token_ids=True, reasoning="qwen3", show_reasoning=False)
+    hidden.hold_token_ids([7])
+    assert hidden.finish("stop")["token_ids"] is None
+
+
 def test_stream_state_for_request_parses_only_when_tools_are_offered() -> None:
     text = '<tool_call>{"name": "get_weather"}</tool_call>'
     offered = parse_chat_request(_chat_body(tools=[WEATHER_TOOL]), MODEL)

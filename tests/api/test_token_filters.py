@@ -112,3 +112,59 @@ def test_bad_grpc_values_are_invalid_argument(pipeline: RecordingPipeline, sampl
     with pytest.raises(GrpcCallFailed):
         send_grpc(pipeline, pb.GenerateRequest(text="hi", sampling=sampling), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and said in context.details, context.details
+
+
+READ = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+GUIDED: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [READ], "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [READ], "tool_choice": {"type": "function", "function": {"name": "read"}}}, "tool_choice"),
+    ("completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+]
+
+
+@pytest.mark.parametrize(("api", "guide", "guide_name"), GUIDED, ids=[f"{api}-{name}" for api, _, name in GUIDED])
+@pytest.mark.parametrize("filters", [{"allowed_token_ids": [40, 41]}, {"bad_words": ["ab"]}], ids=["allowed", "bad"])
+def test_a_guided_answer_takes_no_token_filter(
+    pipeline: RecordingPipeline, api: str, guide: dict[str, Any], guide_name: str, filters: dict[str, Any]
+) -> None:
+    """Where the format's next token is one the filters forbid, no token would be left: refused before it is sent
+    (it was a 500 once the guide broke), with the guide alone and the filters alone still taken."""
+    (name,) = filters
+    status, body, call = send_http(pipeline, api, {**guide, **filters})
+    assert (status, call) == (400, None), body
+    assert body["error"]["param"] == name and f"Cannot set '{name}' with '{guide_name}" in body["error"]["message"]
+    assert any("'allowed_token_ids' and 'bad_words' go with no" in rule for rule in _rules(api))
+    for alone in (guide, filters):
+        status, body, call = send_http(pipeline, api, alone)
+        assert status == 200 and call is not None, body
+
+
+def _rules(api: str) -> list[str]:
+    rules: list[str] = DOCUMENT["paths"][APIS[api][1]]["post"]["x-rayturn-rules"]
+    return rules
+
+
+def test_a_guided_grpc_call_takes_no_token_filter(pipeline: RecordingPipeline) -> None:
+    regex = pb.StructuredOutput(regex="a+")
+    tool = pb.Tool(name="read", parameters_json='{"type": "object"}')
+    messages = pb.Messages(messages=[pb.ChatMessage(role="user", content="hi")])
+    forced = pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED)
+    cases = [
+        (
+            pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(allowed_token_ids=[7], structured_output=regex)),
+            "sampling.allowed_token_ids",
+        ),
+        (
+            pb.GenerateRequest(
+                messages=messages, tools=[tool], tool_choice=forced, sampling=pb.SamplingOptions(bad_words=["ab"])
+            ),
+            "sampling.bad_words",
+        ),
+    ]
+    for request, param in cases:
+        context = GrpcContext()
+        with pytest.raises(GrpcCallFailed):
+            send_grpc(pipeline, request, context)
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT and f"Cannot set '{param}' with" in context.details

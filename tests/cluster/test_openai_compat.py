@@ -510,6 +510,49 @@ def test_chat_and_responses_cut_a_conversation_too_long_for_the_context(client: 
     assert answer.usage is not None and 4096 // 2 < answer.usage.input_tokens <= 4096 - 16
 
 
+def _extra(item: Any, name: str) -> Any:
+    """A field the SDK's models do not name (vLLM's), as the server sent it."""
+    return (item.model_extra or {}).get(name)
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(
+    client: openai.OpenAI, tokenizer: Tokenizer, hf_tokenizer: Any
+) -> None:
+    token_ids = tokenizer.encode(LONG_PROMPT)
+    fields = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0}
+    extra_body = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(**fields, extra_body=extra_body).choices[0]  # type: ignore[call-overload]
+    assert _extra(whole, "prompt_token_ids") == token_ids
+    assert _extra(whole, "token_ids") == _greedy_token_ids(client, token_ids)
+    assert tokenizer.decode(_extra(whole, "token_ids")) == whole.text
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**fields, stream=True, extra_body=extra_body)]
+    assert _extra(chunks[0], "prompt_token_ids") == token_ids
+    assert [t for chunk in chunks for t in _extra(chunk, "token_ids")] == _extra(whole, "token_ids")
+    plain = client.completions.create(**fields).choices[0]  # type: ignore[call-overload]
+    assert _extra(plain, "token_ids") is None and _extra(plain, "prompt_token_ids") is None
+    # A chat whose answer is a forced tool call: its text is held back while the call is split off, its ids are
+    # held with it and sent with the next chunk.
+    chat = {
+        "model": "tiny",
+        "messages": AGENT_TURN,
+        "tools": [READ_FILE],
+        "tool_choice": "required",
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    answer = client.chat.completions.create(**chat, extra_body={"return_token_ids": True})  # type: ignore[call-overload]
+    expected_prompt = _hf_chat_ids(hf_tokenizer, AGENT_TURN, tools=[READ_FILE], add_generation_prompt=True)
+    assert _extra(answer, "prompt_token_ids") == expected_prompt
+    answer_ids = _extra(answer.choices[0], "token_ids")
+    assert answer.usage is not None and len(answer_ids) == answer.usage.completion_tokens == 24
+    assert tokenizer.decode(answer_ids).startswith("<tool_call>")
+    stream = client.chat.completions.create(**chat, stream=True, extra_body={"return_token_ids": True})  # type: ignore[call-overload]
+    streamed = [chunk for chunk in stream]
+    assert _extra(streamed[0], "prompt_token_ids") == expected_prompt
+    streamed_ids = [t for chunk in streamed for choice in chunk.choices for t in _extra(choice, "token_ids") or []]
+    assert streamed_ids == answer_ids
+
+
 def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
     client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:
