@@ -13,7 +13,6 @@ The API modules own their wire formats; this module owns all in between: a call 
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
@@ -48,8 +47,6 @@ from .settings import IngressSettings
 from .tenants import presented_key
 from .thinking_fields import chat_reasoning
 from .truncation import MESSAGES, fit_messages
-
-logger = logging.getLogger(__name__)
 
 NO_HINTS = LifecycleHints()
 # Tool-call formats whose argument values are typed by the tool's schema (the decode replica parses them).

@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import jsonschema
+import pytest
 from starlette.requests import Request
 
 from rayturn.api.call_result import CallResult
-from rayturn.api.grpc_service import GrpcService
+from rayturn.api.grpc_service import GrpcCallFailed, GrpcService
 from rayturn.api.pipeline import CallPipeline, Steps
 from rayturn.api.serving_chat import ServingChat
 from rayturn.api.serving_completion import ServingCompletion
@@ -105,3 +107,28 @@ def send_grpc(pipeline: RecordingPipeline, request: pb.GenerateRequest, context:
     asyncio.run(run())
     (sent,) = pipeline.sent[before:]
     return sent
+
+
+def grpc_refusal(pipeline: RecordingPipeline, request: pb.GenerateRequest) -> GrpcContext:
+    """The context of a ``Generate`` request that was refused (``GrpcCallFailed``), its status set."""
+    context = GrpcContext()
+    with pytest.raises(GrpcCallFailed):
+        send_grpc(pipeline, request, context)
+    return context
+
+
+def request_schema(document: dict[str, Any], api: str) -> jsonschema.Draft202012Validator:
+    """The body schema ``document`` (the OpenAPI document) publishes for ``api``."""
+    schema = document["paths"][APIS[api][1]]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator(schema)
+
+
+def assert_refused(
+    pipeline: RecordingPipeline, api: str, extra: dict[str, Any], param: str, said: str, document: dict[str, Any]
+) -> None:
+    """``api``'s small body with ``extra`` is a 400 naming ``param`` and saying ``said``, nothing is sent, and the
+    schema ``document`` publishes refuses that body too."""
+    status, body, call = send_http(pipeline, api, extra)
+    assert (status, call) == (400, None), body
+    assert body["error"]["param"] == param and said in body["error"]["message"], body
+    assert not request_schema(document, api).is_valid({**APIS[api][2], **extra})

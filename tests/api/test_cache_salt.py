@@ -14,9 +14,16 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ingress_recorder import APIS, GrpcContext, RecordingPipeline, send_grpc, send_http
+from ingress_recorder import (
+    APIS,
+    GrpcContext,
+    RecordingPipeline,
+    grpc_refusal,
+    request_schema,
+    send_grpc,
+    send_http,
+)
 
-from rayturn.api.grpc_service import GrpcCallFailed
 from rayturn.api.openapi import openapi_document
 from rayturn.api.tenants import KeyTable
 from rayturn.engine.page_hash import hash_pages, salt_owner, salted
@@ -60,10 +67,7 @@ def with_keys() -> RecordingPipeline:
 
 
 def body_schema(api: str) -> jsonschema.Draft202012Validator:
-    path = APIS[api][1]
-    return jsonschema.Draft202012Validator(
-        DOCUMENT["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    )
+    return request_schema(DOCUMENT, api)
 
 
 def expected_hashes(pipeline: RecordingPipeline, call: Call, salt: str) -> tuple[bytes, ...]:
@@ -145,8 +149,6 @@ def test_grpc_sends_the_field_joined_with_the_keys_tenant(
 
 @pytest.mark.parametrize(("value", "said"), [case for case in BAD if isinstance(case[0], str) and case[0]])
 def test_a_bad_grpc_salt_is_invalid_argument(open_door: RecordingPipeline, value: str, said: str) -> None:
-    context = GrpcContext()
-    with pytest.raises(GrpcCallFailed):
-        send_grpc(open_door, pb.GenerateRequest(text="hi", cache_salt=value), context)
+    context = grpc_refusal(open_door, pb.GenerateRequest(text="hi", cache_salt=value))
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "'cache_salt'" in context.details and said in context.details

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ingress_recorder import APIS, RecordingPipeline, send_grpc, send_http
+from ingress_recorder import APIS, RecordingPipeline, request_schema, send_grpc, send_http
 
 from rayturn.api.openapi import openapi_document
 from rayturn.protos import rayturn_pb2 as pb
@@ -33,10 +33,7 @@ def call_http(pipeline: RecordingPipeline, api: str, extra: dict[str, Any]) -> t
 
 
 def body_schema(api: str) -> jsonschema.Draft202012Validator:
-    path = APIS[api][1]
-    return jsonschema.Draft202012Validator(
-        DOCUMENT["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    )
+    return request_schema(DOCUMENT, api)
 
 
 @pytest.mark.parametrize("api", list(APIS))

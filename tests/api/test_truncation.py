@@ -16,11 +16,18 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ingress_recorder import APIS, GrpcContext, RecordingPipeline, send_grpc, send_http
+from ingress_recorder import (
+    APIS,
+    RecordingPipeline,
+    assert_refused,
+    grpc_refusal,
+    request_schema,
+    send_grpc,
+    send_http,
+)
 
 from rayturn.api.chat_prompt import render_chat
 from rayturn.api.errors import APIError
-from rayturn.api.grpc_service import GrpcCallFailed
 from rayturn.api.openapi import openapi_document
 from rayturn.api.truncation import Truncation, fit_messages
 from rayturn.engine.page_hash import hash_pages
@@ -38,8 +45,7 @@ def pipeline() -> RecordingPipeline:
 
 
 def body_schema(api: str) -> jsonschema.Draft202012Validator:
-    schema = DOCUMENT["paths"][APIS[api][1]]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    return jsonschema.Draft202012Validator(schema)
+    return request_schema(DOCUMENT, api)
 
 
 def whole_prompt(pipeline: RecordingPipeline, api: str, text: str) -> list[int]:
@@ -204,10 +210,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
 def test_a_bad_value_is_a_400_naming_the_field_and_nothing_is_sent(
     pipeline: RecordingPipeline, api: str, extra: dict[str, Any], param: str, said: str
 ) -> None:
-    status, body, call = send_http(pipeline, api, extra)
-    assert (status, call) == (400, None), body
-    assert body["error"]["param"] == param and said in body["error"]["message"], body
-    assert not body_schema(api).is_valid({**APIS[api][2], **extra})
+    assert_refused(pipeline, api, extra, param, said, DOCUMENT)
 
 
 @pytest.mark.parametrize("api", TRUNCATING_APIS)
@@ -309,7 +312,5 @@ def test_grpc_sampling_options_carry_it(pipeline: RecordingPipeline) -> None:
     ],
 )
 def test_bad_grpc_values_are_invalid_argument(pipeline: RecordingPipeline, sampling: Any, said: str) -> None:
-    context = GrpcContext()
-    with pytest.raises(GrpcCallFailed):
-        send_grpc(pipeline, pb.GenerateRequest(text=LONG, sampling=sampling), context)
+    context = grpc_refusal(pipeline, pb.GenerateRequest(text=LONG, sampling=sampling))
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and said in context.details, context.details
