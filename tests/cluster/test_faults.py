@@ -82,6 +82,22 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie: it ran its last line)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_exited(pid: int) -> None:
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not exited(pid):
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.1)
+
+
 def settled(decode_replicas: int) -> bool:
     app = serve.status().applications.get(APP_NAME)
     if app is None or app.status != "RUNNING":
@@ -336,7 +352,8 @@ def test_calls_survive_a_killed_prefill_replica(cluster: str, client: openai.Ope
 
 def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai.OpenAI, reference: LLMEngine) -> None:
     wait_settled(decode_replicas=2)
-    replicas = set(replica_pids("decode"))
+    pids = replica_pids("decode")
+    replicas = set(pids)
     sessions = [session for replica in sorted(replicas) for session in sessions_on(replica, replicas, 2, "moved")]
     # Prompts under the threshold (< 48 tokens) do not go through the prefill pool: each session's pages exist
     # only in its decode replica's segment.
@@ -350,6 +367,9 @@ def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai
     (kept,) = replica_pids("decode")
     moved = [session for session in sessions if preferred_replica(session, replicas) != kept]
     assert len(moved) == 2
+    # Serve counts a replica gone once it stops answering; it hands its sessions' pages over in its last moments
+    # (``decode.server.shut_down_replica``), and its process ends only after that.
+    wait_exited(pids[next(name for name in replicas if name != kept)])
 
     answers = {session: chat(client, session, conversations[session], 4) for session in sessions}
     expected = expected_texts(reference, [(conversations[session], 4) for session in sessions])
