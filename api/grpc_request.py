@@ -55,7 +55,7 @@ from .protocol import JSON, MAX_N, ChatRequest, SamplingSpec, ToolChoice
 from .sampling_fields import checked_bad_words
 from .structured_outputs import CONSTRAINTS, structured_output_form
 from .tenants import cache_salt_value
-from .truncation import SIDES, checked_truncation
+from .truncation import checked_truncation
 
 _MODES = {
     pb.ToolChoice.MODE_AUTO: "auto",
@@ -281,9 +281,7 @@ def _sampling(options: pb.SamplingOptions) -> SamplingSpec:
         raise range_error("sampling.min_tokens", f"an integer {bound}", options.min_tokens)
     guide, guide_param = _structured_output(options) or (None, None)
     budget = _thinking_budget(options)
-    side = options.truncation_side or None
-    if side is not None and side not in SIDES:
-        raise range_error("sampling.truncation_side", "one of left, right (empty: left)", side)
+    side = options.truncation_side or None  # empty: left
     keep = options.truncate_prompt_tokens if options.HasField("truncate_prompt_tokens") else None
     allowed = tuple(options.allowed_token_ids) or None
     if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:

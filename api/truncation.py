@@ -63,18 +63,17 @@ class Truncation:
         return prompt_ids[-limit:] if self.side == "left" else prompt_ids[:limit]
 
 
-def prompt_truncation(fields: Fields, prefix: str = "") -> Truncation | None:
+def prompt_truncation(fields: Fields) -> Truncation | None:
     """vLLM's ``truncate_prompt_tokens`` (null: none; -1 or a positive count) and ``truncation_side`` (null:
-    ``"left"``); ``prefix`` is the path the fields sit under in error messages (gRPC's ``sampling.``)."""
-    keep = fields.integer("truncate_prompt_tokens", minimum=-1)
-    side = fields.string("truncation_side")
-    if side is not None and side not in SIDES:
-        raise range_error(fields.path("truncation_side"), "one of left, right", side)
-    return checked_truncation(keep, side, prefix)
+    ``"left"``) of a body."""
+    return checked_truncation(fields.integer("truncate_prompt_tokens", minimum=-1), fields.string("truncation_side"))
 
 
 def checked_truncation(keep: int | None, side: str | None, prefix: str = "") -> Truncation | None:
-    """A truncation from already typed values; 0 tokens (an empty prompt) is refused naming the field."""
+    """A truncation from already typed values (under ``prefix`` in error messages: gRPC's ``sampling.``); a side
+    other than ``SIDES`` (checked even without a count) and 0 tokens (an empty prompt) are refused naming the field."""
+    if side is not None and side not in SIDES:
+        raise range_error(f"{prefix}truncation_side", "one of left, right", side)
     param = f"{prefix}truncate_prompt_tokens"
     if keep is None:
         return None
