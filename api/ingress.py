@@ -121,8 +121,12 @@ class Ingress:
         return await self.responses.create(request, new_request_id())
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(self, response_id: str, request: Request) -> JSONResponse:
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
         return await self.responses.retrieve(request, response_id, new_request_id())
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.cancel(request, response_id, new_request_id())
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:

@@ -303,6 +303,12 @@ def _operation(summary: str, shape: str, body: JSON | None = None, *, streams: b
 
 
 _RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": string()}]
+# Reading a response: ``stream`` and ``starting_after`` follow a streamed background response's events.
+_RESPONSE_READ = [
+    *_RESPONSE_ID,
+    {"name": "stream", "in": "query", "schema": BOOLEAN},
+    {"name": "starting_after", "in": "query", "schema": integer(minimum=0)},
+]
 _HEALTH: JSON = {
     "summary": "Pool health",
     "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
@@ -361,8 +367,11 @@ def openapi_document(
                 )
             },
             "/v1/responses/{response_id}": {
-                "get": {**_operation("A stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
+                "get": {**_operation("A stored response", "OpenAIError"), "parameters": _RESPONSE_READ},
                 "delete": {**_operation("Delete a stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
+            },
+            "/v1/responses/{response_id}/cancel": {
+                "post": {**_operation("Cancel a background response", "OpenAIError"), "parameters": _RESPONSE_ID},
             },
             "/health": {"get": _HEALTH},
             "/ping": {"get": {**_HEALTH, "summary": "Pool health, as SageMaker probes it (also POST)"}},

@@ -260,7 +260,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "service_tier": string(),
         "user": SESSION_ID,
         "safety_identifier": string(),
-        "background": {"const": False},
+        "background": BOOLEAN,
         "top_logprobs": {"const": 0},
         "cache_salt": CACHE_SALT,
         "priority": PRIORITY,
@@ -270,7 +270,8 @@ def responses_request_schema(served_model: str) -> JSON:
     }
     rules = [
         *SHARED_RULES,
-        "'previous_response_id' names a response stored for the same tenant",
+        "'previous_response_id' names a response stored for the same tenant, completed or incomplete",
+        "'background': true needs 'store': true",
         "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
         STRUCTURED_OUTPUT_RULE,
     ]
@@ -281,5 +282,8 @@ def responses_request_schema(served_model: str) -> JSON:
         properties,
         ("input",),
         dependentSchemas={"tool_choice": {"required": ["tools"]}, "structured_outputs": one_guide},
+        # A background response is read back from the store.
+        **{"if": {"properties": {"background": {"const": True}}, "required": ["background"]}},
+        then={"properties": {"store": {"const": True}}},
         **{"x-rayturn-rules": rules},
     )

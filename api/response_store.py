@@ -40,6 +40,8 @@ class StoredResponse:
     # The conversation so far as chat messages, answer included: what a continuation's history is.
     messages: tuple[JSON, ...]
     num_bytes: int
+    # A streamed background response's events, to stream again (``GET ...?stream=true``); else none.
+    events: tuple[JSON, ...] = ()
 
 
 class ResponseStore:

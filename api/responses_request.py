@@ -10,10 +10,11 @@ Honoured: ``model``, ``input``, ``instructions``, function ``tools`` (the flat
 ``{"type": "function", "name", ...}`` shape), ``tool_choice``,
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``store``,
-``previous_response_id``, ``stream``, vLLM's ``structured_outputs`` (not with
-a ``text.format`` other than text: ``structured_outputs``),
-``prompt_cache_key`` (the session id
-when no session header names one), ``prompt_cache_retention`` (how long
+``previous_response_id``, ``stream``, ``background`` (with ``store``: the
+response is computed after the call is answered, ``background_responses``),
+vLLM's ``structured_outputs`` (not with a ``text.format`` other than text:
+``structured_outputs``), ``prompt_cache_key`` (the session id when no
+session header names one), ``prompt_cache_retention`` (how long
 the whole prompt stays cached, as the chat API keeps it) and rayturn's
 ``priority`` (the call's class: ``rayturn.api.priority``), ``speculative``
 (speculative decoding for the call: ``rayturn.api.protocol``), vLLM's
@@ -28,7 +29,7 @@ session id when neither a header nor ``prompt_cache_key`` names one),
 ``safety_identifier``, ``text.verbosity``, ``stream_options``. The built-in
 tools Codex adds on its own (``IGNORED_TOOL_TYPES``) are dropped, so the
 model sees only the function tools; any other tool type, a hosted
-``tool_choice``, ``background``, ``conversation`` and ``prompt`` are a 400.
+``tool_choice``, ``conversation`` and ``prompt`` are a 400.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class ResponsesRequest:
     response_format: JSON | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False
     previous_response_id: str | None = None
     retention_s: float | None = None
     prompt_cache_key: str | None = None
@@ -163,6 +165,10 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
     parallel = fields.boolean("parallel_tool_calls")
     parallel_tool_calls = True if parallel is None else parallel
     store = fields.boolean("store") is not False  # OpenAI stores unless told not to
+    background = fields.boolean("background") or False
+    if background and not store:
+        message = "Invalid 'background': a background response is read back from the store; send 'store': true."
+        raise invalid_request(message, param="background")
     previous_response_id = fields.string("previous_response_id")
     retention = _choice(fields, "prompt_cache_retention", tuple(PROMPT_CACHE_RETENTION_S))
     prompt_cache_key = fields.string("prompt_cache_key")
@@ -199,7 +205,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         "user": user,
         # Every call is served the one way there is, whatever tier it asked for.
         "service_tier": "default" if fields.string("service_tier") is not None else None,
-        "background": False,
+        "background": background,
     }
     _include(fields)
     return ResponsesRequest(
@@ -213,6 +219,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         response_format=response_format,
         stream=fields.boolean("stream") or False,
         store=store,
+        background=background,
         previous_response_id=previous_response_id,
         retention_s=None if retention is None else PROMPT_CACHE_RETENTION_S[retention],
         prompt_cache_key=prompt_cache_key,
@@ -228,10 +235,6 @@ def _reject_unsupported(fields: Fields) -> None:
     for name, reason in _UNSUPPORTED_FIELDS.items():
         if fields.raw(name) is not None:
             raise unsupported(f"Unsupported '{name}': {reason}.", param=name)
-    if fields.boolean("background"):
-        raise unsupported(
-            "Unsupported 'background': responses are served in the foreground; send false.", param="background"
-        )
     if fields.integer("top_logprobs", minimum=0):
         raise unsupported(
             "Unsupported 'top_logprobs': log probabilities are not returned; send 0.", param="top_logprobs"

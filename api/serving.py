@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rayturn.engine.prefix_pins import Retention
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.messages import CallKind
+from rayturn.messages import Call, CallKind
 
 from .bodies import TokenNames
 from .errors import RETRY_AFTER_S, APIError, authentication_failed, client_error, invalid_request, outcome
@@ -39,6 +39,7 @@ from .streaming import sse
 
 # The response header naming the decode replica that served a call.
 REPLICA_HEADER = "x-rayturn-replica"
+NO_CACHE = {"Cache-Control": "no-cache"}
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -57,7 +58,7 @@ def sse_response(
     events: AsyncIterator[str], result: CallResult, headers: Mapping[str, str] | None = None
 ) -> StreamingResponse:
     # The first step has arrived before the response starts, so the replica is known.
-    headers = {"Cache-Control": "no-cache", **(headers or {}), **replica_headers(result)}
+    headers = {**NO_CACHE, **(headers or {}), **replica_headers(result)}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
@@ -166,9 +167,38 @@ class HTTPServing:
         prompt_param: str = "messages",
         max_tokens_param: str = "max_tokens",
     ) -> tuple[CallResult, Steps, Any]:
-        """A chat-shaped call (``CallPipeline.chat_call``), sent to the decode pool."""
+        """A chat-shaped call (``prepare_chat``), sent to the decode pool."""
+        prepared = await self.prepare_chat(
+            request_id,
+            request,
+            tenant,
+            chat,
+            num_bytes,
+            body_session=body_session,
+            max_tokens=max_tokens,
+            call=call,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+        )
+        return await self.pipeline.start(prepared)
+
+    async def prepare_chat(
+        self,
+        request_id: str,
+        request: Request,
+        tenant: str,
+        chat: ChatRequest,
+        num_bytes: int,
+        *,
+        body_session: tuple[str | None, str],
+        max_tokens: int | None = None,
+        call: CallKind | None = None,
+        prompt_param: str = "messages",
+        max_tokens_param: str = "max_tokens",
+    ) -> Call:
+        """A chat-shaped call (``CallPipeline.chat_call``), checked and tokenized, not yet sent."""
         session_id, said = self.call_context(request, body_session)
-        prepared = await self.pipeline.chat_call(
+        return await self.pipeline.chat_call(
             request_id,
             tenant,
             chat,
@@ -181,7 +211,6 @@ class HTTPServing:
             max_tokens_param=max_tokens_param,
             priority=requested_priority(chat.priority, request.headers),
         )
-        return await self.pipeline.start(prepared)
 
     @property
     def token_names(self) -> TokenNames:

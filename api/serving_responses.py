@@ -9,18 +9,23 @@ body --> ResponsesRequest (responses_request), after the conversation ``previous
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rayturn.messages import Call
+
+from .background_responses import BackgroundRun, BackgroundRuns, replay, starting_after, stream_query
 from .bodies import assistant_output, splits_answer
 from .call_result import CompletionState
-from .errors import APIError, client_error, invalid_request
+from .errors import APIError, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps
 from .protocol import JSON, ChatRequest
 from .response_store import ResponseStore, StoredResponse
@@ -36,11 +41,13 @@ from .responses_bodies import (
 )
 from .responses_request import ResponsesRequest, parse_responses_request
 from .responses_stream import ResponsesStream, sse_event
-from .serving import HTTPServing, replica_headers, sse_response
+from .serving import NO_CACHE, HTTPServing, replica_headers, sse_response
 
 API = "responses"
 # Reading and deleting stored responses, counted apart from the calls that make them.
 STORE_API = "responses_store"
+# The statuses of a response with an answer a later call can continue.
+ANSWERED = ("completed", "incomplete")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +63,12 @@ class _Turn:
 
 
 class ServingResponses(HTTPServing):
-    def __init__(self, pipeline: CallPipeline, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self, pipeline: CallPipeline, store: ResponseStore | None = None, runs: BackgroundRuns | None = None
+    ) -> None:
         super().__init__(pipeline)
         self.store = ResponseStore() if store is None else store
+        self.runs = BackgroundRuns() if runs is None else runs
 
     async def create(self, request: Request, request_id: str) -> Response:
         try:
@@ -67,7 +77,7 @@ class ServingResponses(HTTPServing):
             parsed = parse_responses_request(body, self.served_model)
             previous = self._previous(parsed, tenant)
             chat = parsed.chat(previous.messages if previous is not None else ())
-            result, steps, first = await self.start_chat(
+            prepared = await self.prepare_chat(
                 request_id,
                 request,
                 tenant,
@@ -79,8 +89,11 @@ class ServingResponses(HTTPServing):
             )
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
             turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes)
+            if parsed.background:
+                return self._background(turn, prepared)
+            result, steps, first = await self.pipeline.start(prepared)
             if parsed.stream:
-                return sse_response(self._stream(turn, steps, first, result), result)
+                return sse_response(_sse(self._events(turn, steps, first, result)), result)
             async for _ in chain_steps(first, steps):
                 pass
         except Exception as err:
@@ -89,40 +102,127 @@ class ServingResponses(HTTPServing):
         self.succeeded(API)
         return JSONResponse(answer, headers=replica_headers(result))
 
-    async def retrieve(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+    async def retrieve(self, request: Request, response_id: str, request_id: str) -> Response:
+        """The response as it stands; ``?stream=true`` (a streamed background response): its events after the
+        sequence number ``starting_after``, live while it runs."""
         try:
-            found = self._stored(request, response_id)
+            tenant = self.authorize(request)
+            stream = stream_query(request.query_params.get("stream"))
+            after = starting_after(request.query_params.get("starting_after"))
+            run = self.runs.get(tenant, response_id)
+            if run is None:
+                found = self._stored(tenant, response_id)
+                body, streamed, events = found.body, bool(found.events), replay(found.events, after)
+            else:
+                body, streamed, events = run.body, run.streamed, run.follow(after)
+            if stream and not streamed:
+                message = f"Response '{response_id}' was not made with 'background' and 'stream' both true."
+                raise invalid_request(message + " Read it without 'stream'.", param="stream")
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
         self.succeeded(STORE_API)
-        return JSONResponse(found.body)
+        if stream:
+            return StreamingResponse(_sse(events), media_type="text/event-stream", headers=NO_CACHE)
+        return JSONResponse(body)
+
+    async def cancel(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+        """Stop a background response still running; one already cancelled is answered as it is."""
+        try:
+            tenant = self.authorize(request)
+            run = self.runs.get(tenant, response_id)
+            if run is not None:
+                await self.runs.cancel(run)
+                body = run.body
+            else:
+                body = self._stored(tenant, response_id).body
+                if body["status"] != "cancelled":
+                    message = (
+                        f"Response '{response_id}' is {body['status']}; only a background response still running "
+                        "can be cancelled."
+                    )
+                    raise invalid_request(message, param="response_id", code="response_not_running")
+        except Exception as err:
+            return self.failure(STORE_API, err, request_id)
+        self.succeeded(STORE_API)
+        return JSONResponse(body)
 
     async def delete(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+        """Forget a stored response; a background one still running is cancelled first."""
         try:
-            found = self._stored(request, response_id)
+            tenant = self.authorize(request)
+            run = self.runs.get(tenant, response_id)
+            if run is not None:
+                await self.runs.cancel(run)
+            found = self._stored(tenant, response_id)
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
         self.store.delete(found.tenant, found.response_id)
         self.succeeded(STORE_API)
         return JSONResponse(deleted(response_id))
 
-    def _stored(self, request: Request, response_id: str) -> StoredResponse:
-        found = self.store.get(self.authorize(request), response_id)
+    def _stored(self, tenant: str, response_id: str) -> StoredResponse:
+        found = self.store.get(tenant, response_id)
         if found is None:
             message = f"No response with id '{response_id}' is stored here."
             raise APIError(404, message, param="response_id", code="response_not_found")
         return found
 
+    def _background(self, turn: _Turn, call: Call) -> Response:
+        """Start a background response: answered now (``queued``, or its events as they come), computed by a task."""
+        run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream)
+        self.runs.add(run)
+        # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
+        # the request's context, which a task would otherwise inherit.
+        run.task = asyncio.create_task(self._run(run, turn, call), context=contextvars.Context())
+        if run.streamed:
+            return StreamingResponse(_sse(run.follow(-1)), media_type="text/event-stream", headers=NO_CACHE)
+        return JSONResponse(run.body)
+
+    async def _run(self, run: BackgroundRun, turn: _Turn, call: Call) -> None:
+        """Compute a background response; whatever its end, it is stored (with its events) and leaves the runs."""
+        try:
+            result, steps, first = await self.pipeline.start(call)
+            run.update(turn.frame.body("in_progress", []))
+            if run.streamed:
+                async for event in self._events(turn, steps, first, result):
+                    run.push(event)
+                run.update(run.events[-1]["response"])
+            else:
+                async for _ in chain_steps(first, steps):
+                    pass
+                run.update(self._answer(turn, result))
+                self.succeeded(API)
+        except asyncio.CancelledError:
+            self.telemetry.requests.labels(API, "cancelled").inc()
+        except Exception as err:
+            failure = client_error(err, call.request_id)
+            self.telemetry.requests.labels(API, outcome(failure.status_code)).inc()
+            run.update(turn.frame.body("failed", [], error=response_error(failure)))
+            if run.streamed:
+                run.push({"type": "response.failed", "sequence_number": len(run.events), "response": run.body})
+        finally:
+            if run.running:  # cancelled between its last event and its end
+                run.cancelled()
+            self._remember(turn, run.body, run.events)
+            self.runs.discard(run)
+
     def _previous(self, parsed: ResponsesRequest, tenant: str) -> StoredResponse | None:
         if parsed.previous_response_id is None:
             return None
+        param = "previous_response_id"
+        if self.runs.get(tenant, parsed.previous_response_id) is not None:
+            message = f"Previous response '{parsed.previous_response_id}' is still in progress; wait for it to end."
+            raise invalid_request(message, param=param, code="previous_response_in_progress")
         found = self.store.get(tenant, parsed.previous_response_id)
         if found is None:
             message = (
                 f"Previous response with id '{parsed.previous_response_id}' not found. Responses are kept only when "
                 f"'store' is true, for {self.store.ttl_s:g} s after their last use; send the whole 'input' instead."
             )
-            raise invalid_request(message, param="previous_response_id", code="previous_response_not_found")
+            raise invalid_request(message, param=param, code="previous_response_not_found")
+        if found.body["status"] not in ANSWERED:
+            message = f"Previous response '{parsed.previous_response_id}' is {found.body['status']}: it has no answer."
+            raise invalid_request(message, param=param, code="previous_response_unanswered")
         return found
 
     def _answer(self, turn: _Turn, result: CallResult) -> JSON:
@@ -139,7 +239,8 @@ class ServingResponses(HTTPServing):
         self._remember(turn, answer)
         return answer
 
-    def _remember(self, turn: _Turn, answer: JSON) -> None:
+    def _remember(self, turn: _Turn, answer: JSON, events: Sequence[JSON] = ()) -> None:
+        """Store ``answer`` under ``store`` (with ``events``: a streamed background response's, to stream again)."""
         if not turn.request.store:
             return
         history = turn.previous.messages if turn.previous is not None else ()
@@ -147,7 +248,8 @@ class ServingResponses(HTTPServing):
         # The request body bounds the input and the echoed settings; the output is held twice (body, messages).
         output_bytes = len(json.dumps(answer["output"], ensure_ascii=False))
         num_bytes = (turn.previous.num_bytes if turn.previous is not None else 0) + turn.num_bytes + 2 * output_bytes
-        stored = StoredResponse(turn.frame.response_id, turn.tenant, answer, messages, num_bytes)
+        num_bytes += len(json.dumps(events, ensure_ascii=False)) if events else 0
+        stored = StoredResponse(turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events))
         self.store.put(stored)
 
     def _usage(self, result: CallResult) -> JSON:
@@ -160,7 +262,7 @@ class ServingResponses(HTTPServing):
         )
         return {**tokens, "energy": result.energy()}
 
-    async def _stream(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[str]:
+    async def _events(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[JSON]:
         chat = turn.chat
         stream = ResponsesStream(
             turn.frame,
@@ -170,7 +272,7 @@ class ServingResponses(HTTPServing):
             reasoning=result.reasoning,
         )
         for event in stream.start():
-            yield sse_event(event)
+            yield event
         finish_reason, held = None, None
         try:
             async for deltas in chain_steps(first, steps):
@@ -179,15 +281,20 @@ class ServingResponses(HTTPServing):
                     pushed, last = (delta.tool_parse + (None, None))[:2]
                     if delta.text or delta.finish_reason is None:
                         for event in stream.push(delta.text, pushed):
-                            yield sse_event(event)
+                            yield event
                     if delta.finish_reason is not None:
                         finish_reason, held = delta.finish_reason, last
         except Exception as err:  # after the headers went out, errors travel in the stream
             self.telemetry.requests.labels(API, "failed").inc()
-            yield sse_event(stream.fail(response_error(client_error(err, result.request_id))))
+            yield stream.fail(response_error(client_error(err, result.request_id)))
             return
         events = stream.finish(finish_reason, self._usage(result), held)
         self._remember(turn, stream.response)  # before the last event: the client may continue at once
         for event in events:
-            yield sse_event(event)
+            yield event
         self.succeeded(API)
+
+
+async def _sse(events: AsyncIterator[JSON]) -> AsyncIterator[str]:
+    async for event in events:
+        yield sse_event(event)

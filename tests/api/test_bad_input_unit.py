@@ -280,7 +280,7 @@ BAD = {
         {},
         {"input": []},
         {"input": [{"type": "reasoning", "summary": []}]},  # reasoning alone makes no message
-        {"input": "x", "background": True},
+        {"input": "x", "background": True, "store": False},
         {"input": "x", "top_logprobs": 3},
     ],
     "/tokenize": [

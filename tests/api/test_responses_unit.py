@@ -244,7 +244,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"metadata": {"k": 1}}, "metadata.k"),
     ({"include": [1]}, "include[0]"),
     ({"store": "yes"}, "store"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"top_logprobs": 3}, "top_logprobs"),
 ]

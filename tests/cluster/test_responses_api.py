@@ -7,6 +7,9 @@ repeat; function tools and tool choices come back in valid shapes; a call
 that continues a stored response by ``previous_response_id`` reads its
 conversation from the cache, while an unknown, unstored, deleted or other
 tenant's id is a 400; a Codex-shaped streamed call is served as Codex sends it.
+A background response answers as the foreground one once polled, a streamed
+one is followed again from any event, and a cancelled one stops on the decode
+replica.
 A call's class (``priority`` in the body, the ``x-rayturn-priority`` header,
 bob's key's default) reaches the decode replica, and a bad one is a 400.
 """
@@ -14,6 +17,7 @@ bob's key's default) reaches the decode replica, and a bad one is a 400.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -291,10 +295,16 @@ def test_structured_outputs_hold_the_answer_and_exclude_a_text_format(client: op
     assert caught.value.param == "structured_outputs.choice" and "'text.format'" in caught.value.message  # type: ignore[attr-defined]
 
 
+def decode_details(cluster: str) -> dict[str, Any]:
+    """The (one) decode replica's own report, in the health details."""
+    health = requests.get(f"{cluster}/health", headers={"Authorization": f"Bearer {ALICE_KEY}"}, timeout=30)
+    details: dict[str, Any] = health.json()["details"]
+    return details
+
+
 def decode_calls_by_priority(cluster: str) -> dict[str, int]:
     """The calls the (one) decode replica admitted, by class, from its own report."""
-    health = requests.get(f"{cluster}/health", headers={"Authorization": f"Bearer {ALICE_KEY}"}, timeout=30)
-    counts = health.json()["details"]["decode.calls_by_priority"]
+    counts = decode_details(cluster)["decode.calls_by_priority"]
     assert isinstance(counts, dict)
     return counts
 
@@ -350,3 +360,70 @@ def test_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.O
     assert [energy["session_joules"] for energy in energies] == pytest.approx(
         [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
     )
+
+
+def finished(client: openai.OpenAI, response_id: str, timeout_s: float = 120.0) -> Response:
+    """A background response polled until it is no longer queued or in progress."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        assert time.monotonic() < deadline, response
+        time.sleep(0.1)
+
+
+def test_background_responses_are_polled_streamed_again_and_cancelled(cluster: str, client: openai.OpenAI) -> None:
+    settings: dict[str, Any] = {
+        "model": "tiny",
+        "instructions": INSTRUCTIONS,
+        "input": "List the steps of a merge sort.",
+        "max_output_tokens": 24,
+        "temperature": 0,
+    }
+    foreground = client.responses.create(**settings)
+    queued = client.responses.create(**settings, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background and not queued.output
+    done = finished(client, queued.id)
+    assert (done.status, done.output_text) == (foreground.status, foreground.output_text)
+    assert done.usage is not None and foreground.usage is not None
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+
+    # A streamed one whose connection drops after a few events is followed from the last event seen.
+    seen = []
+    with client.responses.create(**settings, background=True, stream=True) as stream:
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 6:
+                break
+    assert seen[0].type == "response.created"
+    response_id = seen[0].response.id
+    after = seen[-1].sequence_number
+    events = seen + list(client.responses.retrieve(response_id, stream=True, starting_after=after))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == foreground.output_text and events[-1].type == f"response.{foreground.status}"
+    # Once ended, the whole stream is there to read again.
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [event.model_dump() for event in again] == [event.model_dump() for event in events]
+
+    # A long one (a guide holds off the end of text for 2,500 tokens, several seconds) is cancelled: it is stored
+    # cancelled and the decode replica stops computing it.
+    long_guide = {"structured_outputs": {"regex": "[a-z ]{2500,}"}}
+    long = client.responses.create(**{**settings, "max_output_tokens": 3000}, background=True, extra_body=long_guide)
+    deadline = time.monotonic() + 30
+    while decode_details(cluster)["decode.running_seqs"] == 0:  # its report is up to 0.5 s old
+        assert time.monotonic() < deadline, "the long response never ran"
+        time.sleep(0.1)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    deadline = time.monotonic() + 3
+    while sum(decode_details(cluster)[f"decode.{seqs}_seqs"] for seqs in ("running", "waiting")) > 0:
+        assert time.monotonic() < deadline, "the cancelled response still runs on the decode replica"
+        time.sleep(0.2)
+    with pytest.raises(openai.BadRequestError) as not_running:
+        client.responses.cancel(done.id)
+    assert not_running.value.body["param"] == "response_id"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as unstored:
+        client.responses.create(**settings, background=True, store=False)
+    assert unstored.value.body["param"] == "background"  # type: ignore[index]
