@@ -153,35 +153,6 @@ class HTTPServing:
             raise invalid_request(str(err), param=source) from err
         return session_id, said
 
-    async def start_chat(
-        self,
-        request_id: str,
-        request: Request,
-        tenant: str,
-        chat: ChatRequest,
-        num_bytes: int,
-        *,
-        body_session: tuple[str | None, str],
-        max_tokens: int | None = None,
-        call: CallKind | None = None,
-        prompt_param: str = "messages",
-        max_tokens_param: str = "max_tokens",
-    ) -> tuple[CallResult, Steps, Any]:
-        """A chat-shaped call (``prepare_chat``), sent to the decode pool."""
-        prepared = await self.prepare_chat(
-            request_id,
-            request,
-            tenant,
-            chat,
-            num_bytes,
-            body_session=body_session,
-            max_tokens=max_tokens,
-            call=call,
-            prompt_param=prompt_param,
-            max_tokens_param=max_tokens_param,
-        )
-        return await self.pipeline.start(prepared)
-
     async def prepare_chat(
         self,
         request_id: str,

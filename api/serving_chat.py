@@ -40,9 +40,8 @@ class ServingChat(HTTPServing):
             chat = parse_chat_request(body, self.served_model)
             # ``prompt_cache_key`` names the session when a client sends it (before the older ``user``).
             session = (chat.prompt_cache_key, "prompt_cache_key") if chat.prompt_cache_key else (chat.user, "user")
-            result, steps, first = await self.start_chat(
-                request_id, request, tenant, chat, num_bytes, body_session=session
-            )
+            prepared = await self.prepare_chat(request_id, request, tenant, chat, num_bytes, body_session=session)
+            result, steps, first = await self.pipeline.start(prepared)
             if chat.stream:
                 return sse_response(self._stream(chat, steps, first, result), result)
             async for _ in chain_steps(first, steps):

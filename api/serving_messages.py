@@ -54,7 +54,7 @@ class ServingMessages(HTTPServing):
             parsed = parse_messages_request(body, self.served_model)
             chat = parsed.chat
             assert isinstance(body, dict)
-            result, steps, first = await self.start_chat(
+            prepared = await self.prepare_chat(
                 request_id,
                 request,
                 tenant,
@@ -64,6 +64,7 @@ class ServingMessages(HTTPServing):
                 max_tokens=parsed.max_tokens,  # capped, not refused, when the context has less room
                 call=classify_call(body["messages"]),  # tool_result blocks: a tool continuation
             )
+            result, steps, first = await self.pipeline.start(prepared)
             if chat.stream:
                 events = self._stream(parsed, steps, first, result)
                 return sse_response(events, result, {REQUEST_ID_HEADER: request_id})
