@@ -174,12 +174,13 @@ class ServingResponses(HTTPServing):
         # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
         # the request's context, which a task would otherwise inherit.
         run.task = asyncio.create_task(self._run(run, turn, call), context=contextvars.Context())
+        run.task.add_done_callback(lambda _: self._ended(run, turn))  # even for a task cancelled before it ran
         if run.streamed:
             return StreamingResponse(_sse(run.follow(-1)), media_type="text/event-stream", headers=NO_CACHE)
         return JSONResponse(run.body)
 
     async def _run(self, run: BackgroundRun, turn: _Turn, call: Call) -> None:
-        """Compute a background response; whatever its end, it is stored (with its events) and leaves the runs."""
+        """Compute a background response (``_ended`` stores it)."""
         try:
             result, steps, first = await self.pipeline.start(call)
             run.update(turn.frame.body("in_progress", []))
@@ -192,19 +193,21 @@ class ServingResponses(HTTPServing):
                     pass
                 run.update(self._answer(turn, result))
                 self.succeeded(API)
-        except asyncio.CancelledError:
-            self.telemetry.requests.labels(API, "cancelled").inc()
         except Exception as err:
             failure = client_error(err, call.request_id)
             self.telemetry.requests.labels(API, outcome(failure.status_code)).inc()
             run.update(turn.frame.body("failed", [], error=response_error(failure)))
             if run.streamed:
                 run.push({"type": "response.failed", "sequence_number": len(run.events), "response": run.body})
-        finally:
-            if run.running:  # cancelled between its last event and its end
-                run.cancelled()
-            self._remember(turn, run.body, run.events)
-            self.runs.discard(run)
+
+    def _ended(self, run: BackgroundRun, turn: _Turn) -> None:
+        """Whatever a background response's end, it is stored (with its events) and leaves the runs."""
+        if run.running:  # its task was cancelled (before it ran, or after its last event) without ``cancel``
+            run.cancelled()
+        if run.body["status"] == "cancelled":
+            self.telemetry.requests.labels(API, "cancelled").inc()
+        self._remember(turn, run.body, run.events)
+        self.runs.discard(run)
 
     def _previous(self, parsed: ResponsesRequest, tenant: str) -> StoredResponse | None:
         if parsed.previous_response_id is None:

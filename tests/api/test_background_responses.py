@@ -195,6 +195,19 @@ def test_cancelling_stops_the_decode_stream_and_stores_the_response_cancelled() 
     run(scenario)
 
 
+def test_one_cancelled_before_its_task_ran_is_stored_cancelled_and_leaves_the_runs() -> None:
+    async def scenario() -> None:
+        api, decode = serving(max_running=1)
+        rid = body_of(await api.create(request("POST", BODY), "r1"))["id"]
+        assert body_of(await api.cancel(request("POST"), rid, "r2"))["status"] == "cancelled"
+        assert decode.streams == [] and len(api.runs) == 0
+        assert body_of(await api.retrieve(request("GET"), rid, "r3"))["status"] == "cancelled"
+        # Its place is free again.
+        assert (await api.create(request("POST", BODY), "r4")).status_code == 200
+
+    run(scenario)
+
+
 def test_a_finished_foreground_response_is_not_cancelled_and_delete_cancels_a_running_one() -> None:
     async def scenario() -> None:
         api, decode = serving()
