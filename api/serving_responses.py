@@ -1,4 +1,5 @@
-"""``POST /v1/responses``, and ``GET`` / ``DELETE /v1/responses/{id}``: one straight pass from the body to the answer.
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: one
+straight pass from the body to the answer (under ``background``, made by a task: ``background_responses``).
 
 body --> ResponsesRequest (responses_request), after the conversation ``previous_response_id`` names (response_store)
      --> ChatRequest --> chat template + tokens (pipeline) --> SamplingParams (protocol)
