@@ -6,6 +6,8 @@ bounds; part of the document ``rayturn.api.openapi`` serves.
 
 from __future__ import annotations
 
+from rayturn.engine.sampling_params import MAX_LOGPROBS
+
 from .anthropic_request import CACHE_TTLS_S
 from .anthropic_request import MAX_STOP_SEQUENCES as MAX_ANTHROPIC_STOP_SEQUENCES
 from .chat_request import MAX_TOOLS, REASONING_EFFORTS
@@ -155,9 +157,17 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
 
 # -- the OpenAI Responses API ---------------------------------------------------------------------
 
+_ARRAY: JSON = {"type": "array"}
+# What an output item of a response carries besides its content, so that a response's output is sent back as is.
+_ITEM_ID: JSON = {"id": string(), "status": enum_of("in_progress", "completed", "incomplete")}
 _INPUT_PART: JSON = {
     "anyOf": [
-        object_of({"type": enum_of("input_text", "output_text"), "text": string()}, ("type", "text")),
+        object_of({"type": {"const": "input_text"}, "text": string()}, ("type", "text")),
+        # An answer's text as a response gave it (its annotations and log probabilities are not read).
+        object_of(
+            {"type": {"const": "output_text"}, "text": string(), "annotations": _ARRAY, "logprobs": _ARRAY},
+            ("type", "text"),
+        ),
         object_of({"type": {"const": "refusal"}, "refusal": string()}, ("type", "refusal")),
     ]
 }
@@ -170,15 +180,22 @@ _MESSAGE_ITEM: JSON = {
                 "type": {"const": "message"},
                 "role": enum_of("user", "assistant", "system", "developer"),
                 "content": _INPUT_CONTENT,
+                **_ITEM_ID,
             },
             ("role", "content"),
         ),
         object_of(
-            {"type": {"const": "function_call"}, "call_id": string(), "name": string(), "arguments": string()},
+            {
+                "type": {"const": "function_call"},
+                "call_id": string(),
+                "name": string(),
+                "arguments": string(),
+                **_ITEM_ID,
+            },
             ("type", "call_id", "name", "arguments"),
         ),
         object_of(
-            {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT},
+            {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT, **_ITEM_ID},
             ("type", "call_id", "output"),
         ),
     ]
@@ -190,6 +207,7 @@ _REASONING_ITEM: JSON = object_of(
         "content": _REASONING_PARTS,
         "summary": _REASONING_PARTS,
         "encrypted_content": string(),
+        **_ITEM_ID,
     },
     ("type",),
 )
@@ -261,7 +279,8 @@ def responses_request_schema(served_model: str) -> JSON:
         "user": SESSION_ID,
         "safety_identifier": string(),
         "background": BOOLEAN,
-        "top_logprobs": {"const": 0},
+        # Alternatives per answer token, returned when ``include`` names ``message.output_text.logprobs``.
+        "top_logprobs": integer(0, MAX_LOGPROBS),
         "cache_salt": CACHE_SALT,
         "priority": PRIORITY,
         "speculative": SPECULATIVE,

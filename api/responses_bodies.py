@@ -65,13 +65,26 @@ class ResponseFrame:
         }
 
 
-def output_text_part(text: str) -> JSON:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text_part(text: str, logprobs: Sequence[JSON] = ()) -> JSON:
+    """A message's text; ``logprobs``: its tokens' (``bodies.chat_logprobs``'s shape, OpenAI's here too)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> JSON:
+def delta_logprobs(logprobs: Sequence[JSON]) -> list[JSON]:
+    """Log probabilities as a text event carries them: without the tokens' ``bytes``."""
+    return [
+        {
+            "token": entry["token"],
+            "logprob": entry["logprob"],
+            "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]],
+        }
+        for entry in logprobs
+    ]
+
+
+def message_item(item_id: str, text: str | None, status: str, logprobs: Sequence[JSON] = ()) -> JSON:
     """An assistant message item; ``text`` None: one just opened, before its text part."""
-    content = [] if text is None else [output_text_part(text)]
+    content = [] if text is None else [output_text_part(text, logprobs)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -98,9 +111,10 @@ def function_call_item(item_id: str, call: ToolCall, status: str, *, arguments: 
     }
 
 
-def output_items(parsed: ParsedToolCalls, status: str) -> list[JSON]:
+def output_items(parsed: ParsedToolCalls, status: str, logprobs: Sequence[JSON] = ()) -> list[JSON]:
     """A whole answer's items: its reasoning (when the model's format marks it apart), its prose as one message (an
-    empty one when there are no calls), then its calls.
+    empty one when there are no calls), then its calls. ``logprobs``: every answer token's, on the message (as the
+    chat API lists them all, reasoning and call tokens included); an answer of calls alone has no message for them.
 
     A call is an item only once its block closed, so calls are always complete; under ``incomplete`` the prose
     holds what was cut short (an unclosed call stays text), as the streamed answer reports it.
@@ -108,7 +122,7 @@ def output_items(parsed: ParsedToolCalls, status: str) -> list[JSON]:
     calls = parsed.tool_calls
     items = [reasoning_item(reasoning_item_id(), parsed.reasoning, status)] if parsed.reasoning else []
     if parsed.content or not calls:
-        items.append(message_item(message_item_id(), parsed.content or "", status))
+        items.append(message_item(message_item_id(), parsed.content or "", status, logprobs))
     for call in calls:
         items.append(function_call_item(function_call_item_id(), call, "completed"))
     return items

@@ -9,7 +9,10 @@ call's input.
 Honoured: ``model``, ``input``, ``instructions``, function ``tools`` (the flat
 ``{"type": "function", "name", ...}`` shape), ``tool_choice``,
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
-``text.format`` (``text``, ``json_object``, ``json_schema``), ``store``,
+``text.format`` (``text``, ``json_object``, ``json_schema``), ``include``'s
+``message.output_text.logprobs`` (each answer token's log probability on
+the message's ``output_text``, with ``top_logprobs`` alternatives: as
+OpenAI, ``top_logprobs`` alone returns none), ``store``,
 ``previous_response_id``, ``stream``, ``background`` (with ``store``: the
 response is computed after the call is answered, ``background_responses``),
 vLLM's ``structured_outputs`` (not with a ``text.format`` other than text:
@@ -23,7 +26,7 @@ oldest messages of a conversation too long for the context are dropped until
 it fits, ``rayturn.api.truncation``; ``"disabled"``, the default: a 400).
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
-``include`` (reasoning items come from the model's format, not from these),
+``include``'s other values (reasoning items come from the model's format, not from these),
 ``metadata``, ``service_tier``, ``user`` (the
 session id when neither a header nor ``prompt_cache_key`` names one),
 ``safety_identifier``, ``text.verbosity``, ``stream_options``. The built-in
@@ -37,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .chat_request import (
     MAX_TOOLS,
@@ -78,6 +83,8 @@ IGNORED_TOOL_TYPES = (
     "namespace",
 )
 TRUNCATION_MODES = ("auto", "disabled")
+# The ``include`` value that asks for the answer's log probabilities.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 VERBOSITIES = ("low", "medium", "high")
 _UNSUPPORTED_FIELDS = {
     "conversation": "conversations are not supported; send 'previous_response_id' or the whole input",
@@ -174,10 +181,14 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
     prompt_cache_key = fields.string("prompt_cache_key")
     user = fields.string("user")
     truncation = _choice(fields, "truncation", TRUNCATION_MODES) or "disabled"
+    top_logprobs = fields.integer("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    logprobs = OUTPUT_LOGPROBS in _include(fields)
     sampling = SamplingSpec(
         max_tokens=max_output_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
+        logprobs=logprobs,
+        top_logprobs=(top_logprobs or 0) if logprobs else None,
         speculative=fields.boolean("speculative"),
         guide=guide,
         guide_param=guide_param,
@@ -206,8 +217,8 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         # Every call is served the one way there is, whatever tier it asked for.
         "service_tier": "default" if fields.string("service_tier") is not None else None,
         "background": background,
+        "top_logprobs": top_logprobs,
     }
-    _include(fields)
     return ResponsesRequest(
         model=model,
         input_messages=tuple(messages),
@@ -235,10 +246,6 @@ def _reject_unsupported(fields: Fields) -> None:
     for name, reason in _UNSUPPORTED_FIELDS.items():
         if fields.raw(name) is not None:
             raise unsupported(f"Unsupported '{name}': {reason}.", param=name)
-    if fields.integer("top_logprobs", minimum=0):
-        raise unsupported(
-            "Unsupported 'top_logprobs': log probabilities are not returned; send 0.", param="top_logprobs"
-        )
 
 
 def _tools(fields: Fields) -> tuple[list[JSON] | None, list[JSON]]:
@@ -351,10 +358,12 @@ def _metadata(fields: Fields) -> dict[str, str]:
     return dict(value)
 
 
-def _include(fields: Fields) -> None:
-    for i, entry in enumerate(fields.array("include") or []):
+def _include(fields: Fields) -> list[str]:
+    include = fields.array("include") or []
+    for i, entry in enumerate(include):
         if not isinstance(entry, str):
             raise type_error(f"include[{i}]", "a string", entry)
+    return include
 
 
 def _choice(fields: Fields, key: str, allowed: Sequence[str]) -> str | None:

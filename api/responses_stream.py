@@ -12,7 +12,10 @@
     fail()   --> response.failed, carrying the items finished so far and the error
 
 An answer with neither prose nor calls (reasoning aside) still ends with one (empty) message,
-as its non-streamed body has. The text is split into prose and tool calls
+as its non-streamed body has. Asked for (``score``), the tokens' log probabilities go out with the
+next text delta, and those of tokens left when a message closes with its ``output_text.done``: a
+message holds those of every token up to its end, reasoning and call tokens included, as the
+non-streamed message holds all of them. The text is split into prose and tool calls
 as ``streaming.ChatStreamState`` splits it: by the decode replica when it
 did (``Delta.tool_parse``), here otherwise.
 """
@@ -20,7 +23,7 @@ did (``Delta.tool_parse``), here otherwise.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rayturn.engine.tool_calls import (
     DEFAULT_TOOL_CALL_PARSER,
@@ -33,6 +36,7 @@ from rayturn.engine.tool_calls import (
 from .protocol import JSON
 from .responses_bodies import (
     ResponseFrame,
+    delta_logprobs,
     function_call_item,
     function_call_item_id,
     message_item,
@@ -71,6 +75,8 @@ class ResponsesStream:
         self._num_calls = 0
         self._message_id: str | None = None  # the message item open now, if any
         self._text = ""
+        self._logprobs: list[JSON] = []  # the open message's tokens' log probabilities
+        self._unsent: list[JSON] = []  # those of tokens since the last text delta
         self._reasoning_id: str | None = None  # the reasoning item open now, if any
         self._reasoning = ""
         self.output: list[JSON] = []
@@ -81,6 +87,10 @@ class ResponsesStream:
             self._event("response.created", response=self.response),
             self._event("response.in_progress", response=self.response),
         ]
+
+    def score(self, logprobs: Sequence[JSON]) -> None:
+        """The log probabilities of the tokens whose text is pushed next (``bodies.chat_logprobs``'s shape)."""
+        self._unsent += logprobs
 
     def push(self, text: str, parsed: ToolCallDelta | None = None) -> list[JSON]:
         """The events for a text delta; ``parsed``: the replica's split of ``text``."""
@@ -151,11 +161,16 @@ class ResponsesStream:
         events = self._close_reasoning("completed") if self._reasoning_id is not None else []
         events += self._open_message() if self._message_id is None else []
         self._text += text
-        events.append(self._event("response.output_text.delta", **self._text_position(), delta=text, logprobs=[]))
+        logprobs, self._unsent = self._unsent, []
+        self._logprobs += logprobs
+        position = self._text_position()
+        events.append(
+            self._event("response.output_text.delta", **position, delta=text, logprobs=delta_logprobs(logprobs))
+        )
         return events
 
     def _open_message(self) -> list[JSON]:
-        self._message_id, self._text = message_item_id(), ""
+        self._message_id, self._text, self._logprobs = message_item_id(), "", []
         item = message_item(self._message_id, None, "in_progress")
         return [
             self._event("response.output_item.added", output_index=len(self.output), item=item),
@@ -165,11 +180,12 @@ class ResponsesStream:
     def _close_message(self, status: str) -> list[JSON]:
         assert self._message_id is not None
         position = self._text_position()
-        item = message_item(self._message_id, self._text, status)
+        logprobs, self._unsent = self._logprobs + self._unsent, []
+        item = message_item(self._message_id, self._text, status, logprobs)
         self._message_id = None
         events = [
-            self._event("response.output_text.done", **position, text=self._text, logprobs=[]),
-            self._event("response.content_part.done", **position, part=output_text_part(self._text)),
+            self._event("response.output_text.done", **position, text=self._text, logprobs=delta_logprobs(logprobs)),
+            self._event("response.content_part.done", **position, part=output_text_part(self._text, logprobs)),
             self._event("response.output_item.done", output_index=len(self.output), item=item),
         ]
         self.output.append(item)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rayturn.messages import Call
 
 from .background_responses import BackgroundRun, BackgroundRuns, replay, starting_after, stream_query
-from .bodies import assistant_output, splits_answer
+from .bodies import assistant_output, chat_logprobs, splits_answer
 from .call_result import CompletionState
 from .errors import APIError, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps
@@ -239,7 +239,8 @@ class ServingResponses(HTTPServing):
             reasoning=result.reasoning,
         )
         status = response_status(state.finish_reason)
-        answer = turn.frame.body(status, output_items(parsed, status), self._usage(result))
+        logprobs = chat_logprobs(state.logprobs, self.token_names) if turn.chat.sampling.logprobs else ()
+        answer = turn.frame.body(status, output_items(parsed, status, logprobs), self._usage(result))
         self._remember(turn, answer)
         return answer
 
@@ -281,6 +282,8 @@ class ServingResponses(HTTPServing):
         try:
             async for deltas in chain_steps(first, steps):
                 for delta in deltas:
+                    if chat.sampling.logprobs and delta.logprobs:
+                        stream.score(chat_logprobs(delta.logprobs, self.token_names))
                     # The replica's split of the text into prose and tool calls (a call that offered tools).
                     pushed, last = (delta.tool_parse + (None, None))[:2]
                     if delta.text or delta.finish_reason is None:

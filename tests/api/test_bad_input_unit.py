@@ -281,7 +281,7 @@ BAD = {
         {"input": []},
         {"input": [{"type": "reasoning", "summary": []}]},  # reasoning alone makes no message
         {"input": "x", "background": True, "store": False},
-        {"input": "x", "top_logprobs": 3},
+        {"input": "x", "top_logprobs": 21},
     ],
     "/tokenize": [
         {},

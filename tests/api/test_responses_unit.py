@@ -246,7 +246,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"store": "yes"}, "store"),
     ({"background": True, "store": False}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ]
 
 

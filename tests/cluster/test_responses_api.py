@@ -10,6 +10,8 @@ tenant's id is a 400; a Codex-shaped streamed call is served as Codex sends it.
 A background response answers as the foreground one once polled, a streamed
 one is followed again from any event, and a cancelled one stops on the decode
 replica.
+Asked for, each answer token's log probability and alternatives equal
+``transformers``' on the same weights, and the chat API's, streamed or not.
 A call's class (``priority`` in the body, the ``x-rayturn-priority`` header,
 bob's key's default) reaches the decode replica, and a bad one is a 400.
 """
@@ -26,11 +28,14 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 
 from openai.types.responses import Response  # noqa: E402
 from small_cluster import serving, small_cluster  # noqa: E402
 
 from rayturn.cluster.config import load_config  # noqa: E402
+from rayturn.engine.presets import preset_dir  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 28481, 29481
 ALICE_KEY, BOB_KEY = "responses-alice-key", "responses-bob-key"
@@ -360,6 +365,65 @@ def test_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.O
     assert [energy["session_joules"] for energy in energies] == pytest.approx(
         [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
     )
+
+
+def test_logprobs_equal_transformers_and_the_chat_apis_streamed_or_not(client: openai.OpenAI) -> None:
+    question = "Write one line of Python: " + "x = 1; " * 6
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX_OUTPUT_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    choice = chat.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    expected = [entry.model_dump() for entry in choice.logprobs.content]
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "instructions": INSTRUCTIONS,
+        "input": question,
+        "max_output_tokens": MAX_OUTPUT_TOKENS,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 3,
+    }
+    response = client.responses.create(**asked)
+    assert response.output_text == choice.message.content and response.top_logprobs == 3
+    content = response.output[0].content[0]  # type: ignore[union-attr]
+    scored = [entry.model_dump() for entry in content.logprobs]  # type: ignore[union-attr]
+    assert [entry["token"] for entry in scored] == [entry["token"] for entry in expected]
+    assert len(scored) == response.usage.output_tokens  # type: ignore[union-attr]
+
+    # The reference: transformers' log-softmax over the prompt and the answer the chat API gave the ids of.
+    prompt_ids, answer_ids = chat.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]  # type: ignore[index]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(preset_dir("tiny"), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf_model.eval()(torch.tensor([prompt_ids + answer_ids])).logits[0, len(prompt_ids) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for position, (entry, token_id) in enumerate(zip(scored, answer_ids, strict=True)):
+        assert entry["logprob"] == pytest.approx(reference[position, token_id].item(), abs=1e-3)
+        best = torch.topk(reference[position], 3)
+        assert [top["logprob"] for top in entry["top_logprobs"]] == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the answer's token is the best
+        assert bytes(entry["bytes"]) == bytes(expected[position]["bytes"])
+
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    streamed = [entry.model_dump() for event in deltas for entry in event.logprobs]
+    assert [entry["token"] for entry in streamed] == [entry["token"] for entry in scored]
+    assert [entry["logprob"] for entry in streamed] == pytest.approx([entry["logprob"] for entry in scored], abs=1e-3)
+    final = events[-1].response.output[0].content[0]  # type: ignore[union-attr]
+    assert [entry.token for entry in final.logprobs] == [entry["token"] for entry in scored]  # type: ignore[union-attr]
+
+    plain = client.responses.create(**{**asked, "include": []})
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.responses.create(**{**asked, "top_logprobs": 21})
+    assert too_many.value.body["param"] == "top_logprobs"  # type: ignore[index]
 
 
 def finished(client: openai.OpenAI, response_id: str, timeout_s: float = 120.0) -> Response:
