@@ -64,25 +64,34 @@ _CHAT_TOOL_CALL = object_of(
     },
     ("id", "function"),
 )
+_CALLS = array_of(_CHAT_TOOL_CALL, min_items=1)
+_NULLABLE_STRING: JSON = {"type": ["string", "null"]}
+# An assistant message's fields besides its content: a chat completion's message sent back as it came (its
+# ``refusal``, ``annotations``, ``audio`` and ``function_call`` are not read).
+_ASSISTANT: JSON = {
+    "name": string(),
+    "tool_calls": {**array_of(_CHAT_TOOL_CALL), "type": ["array", "null"]},
+    "reasoning": _NULLABLE_STRING,
+    "reasoning_content": _NULLABLE_STRING,
+    "refusal": _NULLABLE_STRING,
+    "annotations": {"type": "array"},
+    "audio": {"type": "null"},
+    "function_call": {"type": "null"},
+}
 _CHAT_MESSAGE: JSON = {
     "anyOf": [
         object_of(
             {"role": enum_of("system", "developer", "user"), "content": _CHAT_CONTENT, "name": string()},
             ("role", "content"),
         ),
+        object_of({"role": {"const": "assistant"}, "content": _CHAT_CONTENT, **_ASSISTANT}, ("role", "content")),
+        # An answer of calls alone: no content (or a null one, as a chat completion's message has it).
         object_of(
-            {
-                "role": {"const": "assistant"},
-                "content": _CHAT_CONTENT,
-                "name": string(),
-                "tool_calls": array_of(_CHAT_TOOL_CALL),
-                "reasoning": string(),
-                "reasoning_content": string(),
-            },
-            ("role", "content"),
+            {"role": {"const": "assistant"}, "content": {"type": "null"}, **_ASSISTANT, "tool_calls": _CALLS},
+            ("role", "tool_calls"),
         ),
         object_of(
-            {"role": {"const": "tool"}, "content": _CHAT_CONTENT, "tool_call_id": string()},
+            {"role": {"const": "tool"}, "content": _CHAT_CONTENT, "tool_call_id": string(), "name": string()},
             ("role", "content", "tool_call_id"),
         ),
     ]

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
+from openai.types.chat import ChatCompletionMessage
 
 from rayturn.api.anthropic_bodies import error_body
 from rayturn.api.anthropic_request import parse_messages_request
@@ -254,6 +255,8 @@ GOOD = {
 BAD = {
     "/v1/chat/completions": [
         {"messages": []},
+        {"messages": [USER, {"role": "assistant", "content": None}]},  # neither content nor calls
+        {"messages": [USER, {"role": "assistant", "tool_calls": []}]},
         {"messages": [USER], "logit_bias": {"x": 1}},
         {"messages": [USER], "logit_bias": {"5": 101}},
         {"messages": [USER], "logit_bias": [5]},
@@ -325,6 +328,28 @@ def test_a_good_body_is_valid_under_its_schema_and_parses(path: str) -> None:
     jsonschema.Draft202012Validator(_body_schema(path)).validate(GOOD[path])
     if path in PARSERS:
         PARSERS[path](GOOD[path], MODEL)
+
+
+def test_a_chat_completions_message_sent_back_as_it_came_is_valid_and_parses() -> None:
+    """The usual way to keep a chat's history: the answer's message appended as the SDK sends it on (the fields
+    the response had, null ones too), here as OpenAI and vLLM answer a call of calls alone and one of text."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    answers = [
+        {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None},
+        {"role": "assistant", "content": "Done.", "refusal": None, "reasoning": None, "function_call": None},
+    ]
+    for answer, calls in zip(answers, ([call], None), strict=True):
+        message = ChatCompletionMessage.model_validate({**answer, "tool_calls": calls})
+        sent = message.model_dump(exclude_unset=True, mode="json")
+        assert ("content" in sent) and ("refusal" in sent)
+        results = [{"role": "tool", "tool_call_id": "call_1", "name": "f", "content": "ok"}] if calls else []
+        body = {"messages": [USER, sent, *results, USER], "tools": [{"type": "function", "function": {"name": "f"}}]}
+        jsonschema.Draft202012Validator(_body_schema("/v1/chat/completions")).validate(body)
+        history = parse_chat_request(body, MODEL).messages[1]
+        if calls is None:
+            assert history == {"role": "assistant", "content": "Done."}
+        else:
+            assert [call["function"]["name"] for call in history["tool_calls"]] == ["f"] and "content" not in history
 
 
 @pytest.mark.parametrize(("path", "body"), [(path, body) for path, bodies in BAD.items() for body in bodies])

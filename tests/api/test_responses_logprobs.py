@@ -85,15 +85,12 @@ def servings() -> tuple[ServingResponses, ServingChat, ScriptedDecode]:
 
 
 def without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Entries as a text event carries them."""
-    return [
-        {
-            "token": entry["token"],
-            "logprob": entry["logprob"],
-            "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]],
-        }
-        for entry in entries
-    ]
+    """Entries as a text event carries them: each token and alternative less its ``bytes``."""
+
+    def drop(token: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in token.items() if key != "bytes"}
+
+    return [drop(entry) | {"top_logprobs": [drop(top) for top in entry["top_logprobs"]]} for entry in entries]
 
 
 def test_include_asks_for_them_and_top_logprobs_counts_the_alternatives() -> None:

@@ -74,14 +74,20 @@ def client(cluster: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120)
 
 
-def chat_answer(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
+def chat_completion(client: openai.OpenAI, question: str, **options: Any) -> Any:
+    """The greedy chat completion of the conversation a Responses call with ``INSTRUCTIONS`` and ``question`` makes."""
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
-    response = client.chat.completions.create(
+    return client.chat.completions.create(
         model="tiny",
         messages=messages,  # type: ignore[arg-type]
         max_tokens=MAX_OUTPUT_TOKENS,
         temperature=0,
+        **options,
     )
+
+
+def chat_answer(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
+    response = chat_completion(client, question)
     assert response.usage is not None
     return response.choices[0].message.content or "", response.usage.prompt_tokens, response.usage.completion_tokens
 
@@ -369,16 +375,7 @@ def test_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.O
 
 def test_logprobs_equal_transformers_and_the_chat_apis_streamed_or_not(client: openai.OpenAI) -> None:
     question = "Write one line of Python: " + "x = 1; " * 6
-    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
-    chat = client.chat.completions.create(
-        model="tiny",
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=MAX_OUTPUT_TOKENS,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={"return_token_ids": True},
-    )
+    chat = chat_completion(client, question, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
     choice = chat.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     expected = [entry.model_dump() for entry in choice.logprobs.content]
