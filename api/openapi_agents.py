@@ -38,8 +38,11 @@ from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
 # -- the Anthropic Messages API -------------------------------------------------------------------
 
 _CACHE_CONTROL = object_of({"type": {"const": "ephemeral"}, "ttl": enum_of(*CACHE_TTLS_S)}, ("type",))
+# What an answer's blocks carry besides their text or call, sent back as they came: not read.
+_NULLABLE_ARRAY: JSON = {"type": ["array", "null"]}
 _TEXT_BLOCK = object_of(
-    {"type": {"const": "text"}, "text": string(), "cache_control": _CACHE_CONTROL}, ("type", "text")
+    {"type": {"const": "text"}, "text": string(), "cache_control": _CACHE_CONTROL, "citations": _NULLABLE_ARRAY},
+    ("type", "text"),
 )
 _TEXT_OR_BLOCKS: JSON = {"anyOf": [string(), array_of(_TEXT_BLOCK)]}
 _THINKING_BLOCKS = [
@@ -53,6 +56,7 @@ _TOOL_USE_BLOCK = object_of(
         "name": string(),
         "input": {"type": "object"},
         "cache_control": _CACHE_CONTROL,
+        "caller": {"type": ["object", "null"]},
     },
     ("type", "id", "name", "input"),
 )

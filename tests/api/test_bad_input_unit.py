@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
+from anthropic.types import Message
 from openai.types.chat import ChatCompletionMessage
 
 from rayturn.api.anthropic_bodies import error_body
@@ -350,6 +351,39 @@ def test_a_chat_completions_message_sent_back_as_it_came_is_valid_and_parses() -
             assert history == {"role": "assistant", "content": "Done."}
         else:
             assert [call["function"]["name"] for call in history["tool_calls"]] == ["f"] and "content" not in history
+
+
+def test_an_anthropic_answers_content_sent_back_as_it_came_is_valid_and_parses() -> None:
+    """The Anthropic way to keep history: the answer's ``content`` blocks appended as the SDK sends them on, with
+    the fields the answer had (a text block's null ``citations``, a call's ``caller``)."""
+    answer = Message.model_validate(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": MODEL,
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 9, "output_tokens": 4},
+            "content": [
+                {"type": "thinking", "thinking": "Look first.", "signature": ""},
+                {"type": "text", "text": "Let me look.", "citations": None},
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}, "caller": {"type": "direct"}},
+            ],
+        }
+    )
+    blocks = [block.model_dump(exclude_unset=True, mode="json") for block in answer.content]
+    assert blocks[1]["citations"] is None and blocks[2]["caller"] == {"type": "direct"}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py"}
+    body = {
+        "max_tokens": 2,
+        "messages": [USER, {"role": "assistant", "content": blocks}, {"role": "user", "content": [result]}],
+        "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+    }
+    jsonschema.Draft202012Validator(_body_schema("/v1/messages")).validate(body)
+    history = parse_messages_request(body, MODEL).chat.messages[1]
+    assert history["content"] == "Let me look." and history["reasoning_content"] == "Look first."
+    assert [call["function"]["name"] for call in history["tool_calls"]] == ["ls"]
 
 
 @pytest.mark.parametrize(("path", "body"), [(path, body) for path, bodies in BAD.items() for body in bodies])
