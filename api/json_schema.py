@@ -32,6 +32,11 @@ def object_of(properties: JSON, required: tuple[str, ...] = (), **extra: Any) ->
     return schema
 
 
+def nullable(*types: str) -> JSON:
+    """A field of any of ``types`` or null, its content not checked: one sent back as an answer gave it, unread."""
+    return {"type": [*types, "null"]}
+
+
 def string(**extra: Any) -> JSON:
     return {"type": "string", **extra}
 
@@ -88,6 +93,7 @@ def enum_of(*values: str) -> JSON:
 
 
 BOOLEAN: JSON = {"type": "boolean"}
+ARRAY: JSON = {"type": "array"}
 ANY_OBJECT: JSON = {"type": "object", "description": "A JSON Schema object, as the tool or format declares it."}
 TOOL_NAME_64 = string(pattern="^[a-zA-Z0-9_-]{1,64}$")
 NON_EMPTY = string(minLength=1)

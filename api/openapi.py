@@ -29,6 +29,7 @@ from .completion_request import MAX_PROMPTS
 from .json_fields import INT64_MAX
 from .json_schema import (
     ANY_OBJECT,
+    ARRAY,
     BOOLEAN,
     CACHE_SALT,
     JSON,
@@ -44,6 +45,7 @@ from .json_schema import (
     array_of,
     enum_of,
     integer,
+    nullable,
     object_of,
     string,
 )
@@ -65,18 +67,17 @@ _CHAT_TOOL_CALL = object_of(
     ("id", "function"),
 )
 _CALLS = array_of(_CHAT_TOOL_CALL, min_items=1)
-_NULLABLE_STRING: JSON = {"type": ["string", "null"]}
 # An assistant message's fields besides its content: a chat completion's message sent back as it came (its
 # ``refusal``, ``annotations``, ``audio`` and ``function_call`` are not read).
 _ASSISTANT: JSON = {
     "name": string(),
-    "tool_calls": {**array_of(_CHAT_TOOL_CALL), "type": ["array", "null"]},
-    "reasoning": _NULLABLE_STRING,
-    "reasoning_content": _NULLABLE_STRING,
-    "refusal": _NULLABLE_STRING,
-    "annotations": {"type": "array"},
-    "audio": {"type": "null"},
-    "function_call": {"type": "null"},
+    "tool_calls": {**array_of(_CHAT_TOOL_CALL), **nullable("array")},
+    "reasoning": nullable("string"),
+    "reasoning_content": nullable("string"),
+    "refusal": nullable("string"),
+    "annotations": ARRAY,
+    "audio": nullable(),
+    "function_call": nullable(),
 }
 _CHAT_MESSAGE: JSON = {
     "anyOf": [

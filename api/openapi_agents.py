@@ -13,6 +13,7 @@ from .anthropic_request import MAX_STOP_SEQUENCES as MAX_ANTHROPIC_STOP_SEQUENCE
 from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .json_schema import (
     ANY_OBJECT,
+    ARRAY,
     BOOLEAN,
     CACHE_SALT,
     JSON,
@@ -28,6 +29,7 @@ from .json_schema import (
     array_of,
     enum_of,
     integer,
+    nullable,
     number,
     object_of,
     string,
@@ -38,10 +40,9 @@ from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
 # -- the Anthropic Messages API -------------------------------------------------------------------
 
 _CACHE_CONTROL = object_of({"type": {"const": "ephemeral"}, "ttl": enum_of(*CACHE_TTLS_S)}, ("type",))
-# What an answer's blocks carry besides their text or call, sent back as they came: not read.
-_NULLABLE_ARRAY: JSON = {"type": ["array", "null"]}
+# ``citations`` and ``caller``: what an answer's blocks carry besides their text or call, sent back as they came.
 _TEXT_BLOCK = object_of(
-    {"type": {"const": "text"}, "text": string(), "cache_control": _CACHE_CONTROL, "citations": _NULLABLE_ARRAY},
+    {"type": {"const": "text"}, "text": string(), "cache_control": _CACHE_CONTROL, "citations": nullable("array")},
     ("type", "text"),
 )
 _TEXT_OR_BLOCKS: JSON = {"anyOf": [string(), array_of(_TEXT_BLOCK)]}
@@ -56,7 +57,7 @@ _TOOL_USE_BLOCK = object_of(
         "name": string(),
         "input": {"type": "object"},
         "cache_control": _CACHE_CONTROL,
-        "caller": {"type": ["object", "null"]},
+        "caller": nullable("object"),
     },
     ("type", "id", "name", "input"),
 )
@@ -161,7 +162,6 @@ def messages_request_schema(served_model: str, *, count_tokens: bool = False) ->
 
 # -- the OpenAI Responses API ---------------------------------------------------------------------
 
-_ARRAY: JSON = {"type": "array"}
 # What an output item of a response carries besides its content, so that a response's output is sent back as is.
 _ITEM_ID: JSON = {"id": string(), "status": enum_of("in_progress", "completed", "incomplete")}
 _INPUT_PART: JSON = {
@@ -169,7 +169,7 @@ _INPUT_PART: JSON = {
         object_of({"type": {"const": "input_text"}, "text": string()}, ("type", "text")),
         # An answer's text as a response gave it (its annotations and log probabilities are not read).
         object_of(
-            {"type": {"const": "output_text"}, "text": string(), "annotations": _ARRAY, "logprobs": _ARRAY},
+            {"type": {"const": "output_text"}, "text": string(), "annotations": ARRAY, "logprobs": ARRAY},
             ("type", "text"),
         ),
         object_of({"type": {"const": "refusal"}, "refusal": string()}, ("type", "refusal")),

@@ -122,9 +122,7 @@ class ServingResponses(HTTPServing):
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
         self.succeeded(STORE_API)
-        if stream:
-            return StreamingResponse(_sse(events), media_type="text/event-stream", headers=NO_CACHE)
-        return JSONResponse(body)
+        return _event_stream(events) if stream else JSONResponse(body)
 
     async def cancel(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
         """Stop a background response still running; one already cancelled is answered as it is."""
@@ -176,9 +174,7 @@ class ServingResponses(HTTPServing):
         # the request's context, which a task would otherwise inherit.
         run.task = asyncio.create_task(self._run(run, turn, call), context=contextvars.Context())
         run.task.add_done_callback(lambda _: self._ended(run, turn))  # even for a task cancelled before it ran
-        if run.streamed:
-            return StreamingResponse(_sse(run.follow(-1)), media_type="text/event-stream", headers=NO_CACHE)
-        return JSONResponse(run.body)
+        return _event_stream(run.follow(-1)) if run.streamed else JSONResponse(run.body)
 
     async def _run(self, run: BackgroundRun, turn: _Turn, call: Call) -> None:
         """Compute a background response (``_ended`` stores it)."""
@@ -268,7 +264,7 @@ class ServingResponses(HTTPServing):
         return {**tokens, "energy": result.energy()}
 
     async def _events(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[JSON]:
-        chat = turn.chat
+        chat, names = turn.chat, self.token_names
         stream = ResponsesStream(
             turn.frame,
             parse_tools=splits_answer(chat, self.pipeline.guides.parser, result.reasoning),
@@ -283,7 +279,7 @@ class ServingResponses(HTTPServing):
             async for deltas in chain_steps(first, steps):
                 for delta in deltas:
                     if chat.sampling.logprobs and delta.logprobs:
-                        stream.score(chat_logprobs(delta.logprobs, self.token_names))
+                        stream.score(chat_logprobs(delta.logprobs, names))
                     # The replica's split of the text into prose and tool calls (a call that offered tools).
                     pushed, last = (delta.tool_parse + (None, None))[:2]
                     if delta.text or delta.finish_reason is None:
@@ -300,6 +296,11 @@ class ServingResponses(HTTPServing):
         for event in events:
             yield event
         self.succeeded(API)
+
+
+def _event_stream(events: AsyncIterator[JSON]) -> StreamingResponse:
+    """A background response's events as a stream (no replica header: the call is its task's)."""
+    return StreamingResponse(_sse(events), media_type="text/event-stream", headers=NO_CACHE)
 
 
 async def _sse(events: AsyncIterator[JSON]) -> AsyncIterator[str]:
