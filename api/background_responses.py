@@ -56,10 +56,13 @@ async def replay(events: Sequence[JSON], after: int) -> AsyncIterator[JSON]:
 class BackgroundRun:
     """One background response while it runs: its latest body, its events so far (streamed), the task."""
 
-    def __init__(self, tenant: str, frame: ResponseFrame, *, streamed: bool) -> None:
+    def __init__(
+        self, tenant: str, frame: ResponseFrame, *, streamed: bool, input_items: tuple[JSON, ...] = ()
+    ) -> None:
         self.tenant = tenant
         self.frame = frame
         self.streamed = streamed
+        self.input_items = input_items  # what ``GET /v1/responses/{id}/input_items`` lists while it runs
         self.body = frame.body("queued", [])
         self.events: list[JSON] = []
         self.task: asyncio.Task[None] | None = None

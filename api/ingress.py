@@ -128,6 +128,10 @@ class Ingress:
     async def cancel_response(self, response_id: str, request: Request) -> JSONResponse:
         return await self.responses.cancel(request, response_id, new_request_id())
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.input_items(request, response_id, new_request_id())
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
         return await self.responses.delete(request, response_id, new_request_id())

@@ -49,7 +49,7 @@ from .json_schema import (
     object_of,
     string,
 )
-from .openapi_agents import messages_request_schema, responses_request_schema
+from .openapi_agents import ITEMS_PAGE_QUERY, messages_request_schema, responses_request_schema
 from .openapi_sampling import sampling_properties
 from .protocol import PROMPT_CACHE_RETENTION_S
 from .tokenize_request import CHAT_ONLY_FIELDS
@@ -319,6 +319,10 @@ _RESPONSE_READ = [
     {"name": "stream", "in": "query", "schema": BOOLEAN},
     {"name": "starting_after", "in": "query", "schema": integer(minimum=0)},
 ]
+_ITEMS_PAGE = [
+    *_RESPONSE_ID,
+    *({"name": name, "in": "query", "schema": schema} for name, schema in ITEMS_PAGE_QUERY.items()),
+]
 _HEALTH: JSON = {
     "summary": "Pool health",
     "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
@@ -379,6 +383,9 @@ def openapi_document(
             "/v1/responses/{response_id}": {
                 "get": {**_operation("A stored response", "OpenAIError"), "parameters": _RESPONSE_READ},
                 "delete": {**_operation("Delete a stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "get": {**_operation("A response's input items", "OpenAIError"), "parameters": _ITEMS_PAGE},
             },
             "/v1/responses/{response_id}/cancel": {
                 "post": {**_operation("Cancel a background response", "OpenAIError"), "parameters": _RESPONSE_ID},

@@ -35,6 +35,7 @@ from .json_schema import (
     string,
 )
 from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
+from .responses_items import MAX_LIMIT
 from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
 
 # -- the Anthropic Messages API -------------------------------------------------------------------
@@ -202,6 +203,10 @@ _MESSAGE_ITEM: JSON = {
             {"type": {"const": "function_call_output"}, "call_id": string(), "output": _INPUT_CONTENT, **_ITEM_ID},
             ("type", "call_id", "output"),
         ),
+        {
+            **object_of({"type": {"const": "item_reference"}, "id": string()}, ("type", "id")),
+            "description": "An item of a stored response (its input or output), named by its id.",
+        },
     ]
 }
 _REASONING_PARTS: JSON = array_of(object_of({"type": string(), "text": string()}, ("type", "text")))
@@ -251,6 +256,10 @@ _TEXT_FORMAT: JSON = {
         ),
     ]
 }
+
+
+# ``GET /v1/responses/{id}/input_items``'s query (``responses_items``).
+ITEMS_PAGE_QUERY: JSON = {"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}
 
 
 def responses_request_schema(served_model: str) -> JSON:

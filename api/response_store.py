@@ -1,9 +1,10 @@
 """Finished responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``, per ingress replica.
 
-Each entry holds a response's body and its conversation as chat messages
+Each entry holds a response's body, its conversation as chat messages
 (the history it continued, its input, its answer; never the instructions,
-which OpenAI does not carry over either), under its tenant: a lookup under
-another tenant finds nothing. Entries live in memory only, so a replica's
+which OpenAI does not carry over either) and the items it was made from
+(``responses_items``), under its tenant: a lookup under another tenant finds
+nothing, a response's or an item's. Entries live in memory only, so a replica's
 restart forgets them, and with several ingress replicas a continuation must
 reach the replica that served its predecessor.
 
@@ -24,6 +25,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .protocol import JSON
 
@@ -42,6 +44,12 @@ class StoredResponse:
     num_bytes: int
     # A streamed background response's events, to stream again (``GET ...?stream=true``); else none.
     events: tuple[JSON, ...] = ()
+    # The items it was made from: the responses' it continues (input and output), then its input.
+    items: tuple[JSON, ...] = ()
+
+    def held_items(self) -> tuple[JSON, ...]:
+        """The items an item reference can name: those it was made from and its output."""
+        return (*self.items, *self.body["output"])
 
 
 class ResponseStore:
@@ -64,6 +72,8 @@ class ResponseStore:
         self.num_bytes = 0
         # tenant -> [entries, bytes] it holds
         self._held: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        # (tenant, item id) -> [the item, how many entries hold it]; entries continuing others share items.
+        self._items: dict[tuple[str, str], list[Any]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,6 +89,10 @@ class ResponseStore:
         self.num_bytes += entry.num_bytes
         self._held[entry.tenant][0] += 1
         self._held[entry.tenant][1] += entry.num_bytes
+        for item in entry.held_items():
+            held = self._items.setdefault((entry.tenant, item["id"]), [item, 0])
+            held[0] = item  # an id sent again with another item names the latest
+            held[1] += 1
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
             by_bytes = self.num_bytes > self.max_bytes
             heaviest = max(self._held, key=lambda tenant: self._held[tenant][1 if by_bytes else 0])
@@ -95,6 +109,12 @@ class ResponseStore:
         self._entries.move_to_end(key)
         return found[0]
 
+    def find_item(self, tenant: str, item_id: str) -> JSON | None:
+        """The tenant's stored item of that id (an input or output item of a stored response), or None."""
+        self._expire()
+        held = self._items.get((tenant, item_id))
+        return None if held is None else held[0]
+
     def delete(self, tenant: str, response_id: str) -> bool:
         self._expire()
         return self._drop((tenant, response_id))
@@ -109,6 +129,11 @@ class ResponseStore:
         held[1] -= found[0].num_bytes
         if held[0] == 0:
             del self._held[key[0]]
+        for item in found[0].held_items():
+            item_key = (key[0], item["id"])
+            self._items[item_key][1] -= 1
+            if self._items[item_key][1] == 0:
+                del self._items[item_key]
         return True
 
     def _expire(self) -> None:

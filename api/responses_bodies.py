@@ -29,6 +29,10 @@ def function_call_item_id() -> str:
     return "fc_" + secrets.token_hex(_ID_RANDOM_BYTES)
 
 
+def function_call_output_item_id() -> str:
+    return "fco_" + secrets.token_hex(_ID_RANDOM_BYTES)
+
+
 def reasoning_item_id() -> str:
     return "rs_" + secrets.token_hex(_ID_RANDOM_BYTES)
 

@@ -14,8 +14,9 @@ re-rendered history matches the tokens already cached (the chat template
 decides where the reasoning goes, or leaves it out). A reasoning item's text is
 its ``reasoning_text`` content, else its summary; one with neither (only
 ``encrypted_content``, which this server cannot read) adds nothing, and one
-that no assistant message follows is dropped. Images, files and item references
-are a 400 that names the item.
+that no assistant message follows is dropped. Images and files are a 400 that
+names the item; item references were replaced by the items they name before
+(``responses_items``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .protocol import JSON
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = ("input_text", "output_text")
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 # The content parts that carry something other than text; named so their 400 says why.
 MEDIA_PART_TYPES = ("input_image", "input_file", "input_audio")
 
@@ -96,7 +98,15 @@ def _attach_reasoning(messages: list[JSON], reasoning: list[str]) -> None:
 
 
 def _item_type(item: Fields) -> str:
-    """An item's type; a bare ``{"role", "content"}`` (the easy input message) is a message."""
+    """An item's type; a bare ``{"role", "content"}`` (the easy input message) is a message. Its ``id`` and
+    ``status``, kept as its stored response lists it, are checked here."""
+    item.string("id")
+    status = item.string("status")
+    if status is not None and status not in ITEM_STATUSES:
+        param = item.path("status")
+        raise invalid_request(
+            f"Invalid '{param}': expected one of {', '.join(ITEM_STATUSES)}, got {status!r}.", param=param
+        )
     item_type = item.string("type")
     if item_type is None:
         if item.raw("role") is None:

@@ -1,11 +1,13 @@
-"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: one
-straight pass from the body to the answer (under ``background``, made by a task: ``background_responses``).
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
+``GET /v1/responses/{id}/input_items``: one straight pass from the body to the answer (under ``background``,
+made by a task: ``background_responses``).
 
-body --> ResponsesRequest (responses_request), after the conversation ``previous_response_id`` names (response_store)
+body, its item references resolved (responses_items)
+     --> ResponsesRequest (responses_request), after the conversation ``previous_response_id`` names (response_store)
      --> ChatRequest --> chat template + tokens (pipeline) --> SamplingParams (protocol)
      --> call, classified as user / tool continuation from its messages --> decode pool
      --> steps --> one response body, or Responses events (responses_stream)
-     --> under ``store``: the response and its conversation kept for the call that continues it
+     --> under ``store``: the response, its conversation and its items kept for the call that continues it
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .responses_bodies import (
     response_status,
     response_usage,
 )
+from .responses_items import items_page, listed_items, page_query, resolve_references
 from .responses_request import ResponsesRequest, parse_responses_request
 from .responses_stream import ResponsesStream, sse_event
 from .serving import NO_CACHE, HTTPServing, replica_headers, sse_response
@@ -61,6 +64,7 @@ class _Turn:
     tenant: str
     frame: ResponseFrame
     num_bytes: int  # the request body's size, the part of the stored entry this call adds before its answer
+    items: tuple[JSON, ...]  # under ``store``: the items the response is made from (``responses_items``)
 
 
 class ServingResponses(HTTPServing):
@@ -75,8 +79,10 @@ class ServingResponses(HTTPServing):
         try:
             tenant = self.authorize(request)
             body, num_bytes = await self.json_body(request)
+            body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
             parsed = parse_responses_request(body, self.served_model)
             previous = self._previous(parsed, tenant)
+            items = _items(previous, body) if parsed.store else ()
             chat = parsed.chat(previous.messages if previous is not None else ())
             prepared = await self.prepare_chat(
                 request_id,
@@ -89,7 +95,7 @@ class ServingResponses(HTTPServing):
                 max_tokens_param="max_output_tokens",
             )
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
-            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes)
+            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes, items)
             if parsed.background:
                 return self._background(turn, prepared)
             result, steps, first = await self.pipeline.start(prepared)
@@ -159,6 +165,19 @@ class ServingResponses(HTTPServing):
         self.succeeded(STORE_API)
         return JSONResponse(deleted(response_id))
 
+    async def input_items(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
+        """A page of the items a stored (or running background) response was made from."""
+        try:
+            tenant = self.authorize(request)
+            limit, descending, after = page_query(request.query_params)
+            run = self.runs.get(tenant, response_id)
+            items = run.input_items if run is not None else self._stored(tenant, response_id).items
+            page = items_page(items, limit=limit, descending=descending, after=after)
+        except Exception as err:
+            return self.failure(STORE_API, err, request_id)
+        self.succeeded(STORE_API)
+        return JSONResponse(page)
+
     def _stored(self, tenant: str, response_id: str) -> StoredResponse:
         found = self.store.get(tenant, response_id)
         if found is None:
@@ -168,7 +187,7 @@ class ServingResponses(HTTPServing):
 
     def _background(self, turn: _Turn, call: Call) -> Response:
         """Start a background response: answered now (``queued``, or its events as they come), computed by a task."""
-        run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream)
+        run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream, input_items=turn.items)
         self.runs.add(run)
         # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
         # the request's context, which a task would otherwise inherit.
@@ -244,13 +263,17 @@ class ServingResponses(HTTPServing):
         """Store ``answer`` under ``store`` (with ``events``: a streamed background response's, to stream again)."""
         if not turn.request.store:
             return
-        history = turn.previous.messages if turn.previous is not None else ()
+        previous = turn.previous
+        history = previous.messages if previous is not None else ()
         messages = (*history, *turn.request.input_messages, assistant_message(answer["output"]))
-        # The request body bounds the input and the echoed settings; the output is held twice (body, messages).
-        output_bytes = len(json.dumps(answer["output"], ensure_ascii=False))
-        num_bytes = (turn.previous.num_bytes if turn.previous is not None else 0) + turn.num_bytes + 2 * output_bytes
-        num_bytes += len(json.dumps(events, ensure_ascii=False)) if events else 0
-        stored = StoredResponse(turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events))
+        # The request body bounds the echoed settings, the input items (references resolved) the input, held
+        # twice (messages, items); the output is held twice too (body, messages).
+        input_bytes = _size(turn.items[len(previous.held_items()) if previous is not None else 0 :])
+        num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * input_bytes
+        num_bytes += 2 * _size(answer["output"]) + (_size(events) if events else 0)
+        stored = StoredResponse(
+            turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items
+        )
         self.store.put(stored)
 
     def _usage(self, result: CallResult) -> JSON:
@@ -296,6 +319,16 @@ class ServingResponses(HTTPServing):
         for event in events:
             yield event
         self.succeeded(API)
+
+
+def _items(previous: StoredResponse | None, body: Any) -> tuple[JSON, ...]:
+    """The items a response is made from: the conversation ``previous`` ended, then the input of ``body`` (a
+    body ``parse_responses_request`` read)."""
+    return (*(previous.held_items() if previous is not None else ()), *listed_items(body["input"]))
+
+
+def _size(value: object) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
 
 
 def _event_stream(events: AsyncIterator[JSON]) -> StreamingResponse:

@@ -487,7 +487,8 @@ def test_each_event_is_named_in_its_sse_frame() -> None:
 
 
 def stored(response_id: str, tenant: str = "t", num_bytes: int = 10) -> StoredResponse:
-    return StoredResponse(response_id, tenant, {"id": response_id}, ({"role": "user", "content": "x"},), num_bytes)
+    body = {"id": response_id, "output": []}
+    return StoredResponse(response_id, tenant, body, ({"role": "user", "content": "x"},), num_bytes)
 
 
 class Clock:

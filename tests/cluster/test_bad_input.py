@@ -185,7 +185,8 @@ def drawable(document: dict[str, Any]) -> dict[str, Any]:
 
 def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     """The ``x-rayturn-rules`` JSON Schema cannot state: unique tool names, a named tool choice that is
-    declared, a ``previous_response_id`` that exists (state, not shape: none is drawn), a chat's
+    declared, a ``previous_response_id`` or an ``item_reference`` that names a stored response or item (state,
+    not shape: none is drawn), a chat's
     ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace, a
     structured output's regex or grammar that compiles, token filters (``allowed_token_ids``, ``bad_words``) only
     without a guide, and the ``UNDRAWN_RULES``: a chat's ``top_logprobs`` with ``logprobs: true``."""
@@ -212,8 +213,14 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     return (
         len(names) == len(set(names))
         and "previous_response_id" not in body
+        and not _references(body)
         and compiles(body.get("structured_outputs"))
     )
+
+
+def _references(body: dict[str, Any]) -> bool:
+    items = body.get("input")
+    return isinstance(items, list) and any(isinstance(i, dict) and i.get("type") == "item_reference" for i in items)
 
 
 def _forced_call(body: dict[str, Any]) -> bool:

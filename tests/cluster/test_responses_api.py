@@ -168,12 +168,31 @@ def test_a_stored_response_is_continued_from_the_cache(cluster: str, client: ope
     assert second.usage.input_tokens_details.cached_tokens > 0
     assert client.responses.retrieve(first.id).output_text == first.output_text
 
+    # Its input items, newest first, two to a page as the SDK follows them: its own input, then the first call's
+    # output and input.
+    items = list(client.responses.input_items.list(second.id, limit=2))
+    assert [item.type for item in items] == ["message"] * 3 and items[1].id == first.output[0].id
+    assert [items[0].content[0].text, items[2].content[0].text] == ["And a faster one?", "Name a sorting algorithm."]
+    # The same conversation sent again by reference is the same prompt: the same greedy answer, from the cache.
+    again = client.responses.create(
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        input=[{"type": "item_reference", "id": item.id} for item in reversed(items)],  # type: ignore[misc]
+        max_output_tokens=6,
+        temperature=0,
+        store=False,
+    )
+    assert again.output_text == second.output_text and again.usage is not None
+    assert again.usage.input_tokens == second.usage.input_tokens and again.usage.input_tokens_details.cached_tokens
+
     bob = openai.OpenAI(base_url=f"{cluster}/v1", api_key=BOB_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as other_tenant:
         bob.responses.create(model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2)
     assert other_tenant.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(second.id)
 
     client.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError):
@@ -189,7 +208,8 @@ def test_unknown_and_unstored_ids_and_bad_items_are_400s(client: openai.OpenAI) 
         client.responses.create(model="tiny", previous_response_id=unstored.id, input="hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as bad_item:
         client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_1"}])  # type: ignore[list-item]
-    assert bad_item.value.body["param"] == "input[0].type"  # type: ignore[index]
+    assert bad_item.value.body["param"] == "input[0].id"  # type: ignore[index]
+    assert bad_item.value.body["code"] == "item_not_found"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as image:
         client.responses.create(
             model="tiny",

@@ -1,0 +1,113 @@
+"""The items a response was made from, as ``GET /v1/responses/{id}/input_items`` lists them, and input items
+that stand for a stored item (``{"type": "item_reference", "id": ...}``).
+
+A stored response keeps its conversation's items: those of the responses it continues (each one's input,
+then its output), then its own input. Every item has an id: the one it was sent with, else one given here
+(``msg_``, ``fc_``, ``fco_``, ``rs_``), and a status (``completed`` unless sent with one). A text input is one
+user message, and a message's text content becomes a list of parts (``input_text``, ``output_text`` for the
+assistant's), as OpenAI lists them.
+
+An item reference in a request's ``input`` is replaced by the item of that id among the tenant's stored
+responses (their inputs and outputs) before the request is read; one that names no stored item is a 400
+naming it. The list is paged as OpenAI pages it: ``limit`` (1 to 100, 20 if not given), ``order`` (``desc``,
+the default, or ``asc``) and ``after``, the id of the item after which the page starts, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from .errors import invalid_request
+from .json_fields import Fields
+from .protocol import JSON
+from .responses_bodies import function_call_item_id, function_call_output_item_id, message_item_id, reasoning_item_id
+
+ITEM_REFERENCE = "item_reference"
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 100
+_NEW_ID: dict[str, Callable[[], str]] = {
+    "function_call": function_call_item_id,
+    "function_call_output": function_call_output_item_id,
+    "reasoning": reasoning_item_id,
+}
+
+
+def resolve_references(body: object, find: Callable[[str], JSON | None]) -> object:
+    """``body`` with each item reference in its ``input`` replaced by the stored item ``find`` returns for its id."""
+    if not isinstance(body, dict) or not isinstance(body.get("input"), list):
+        return body  # nothing to resolve; the request's reader says what is wrong, if anything
+    items = body["input"]
+    if not any(isinstance(item, dict) and item.get("type") == ITEM_REFERENCE for item in items):
+        return body
+    resolved = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == ITEM_REFERENCE:
+            fields = Fields(item, f"input[{i}]")
+            item_id = fields.required_string("id")
+            found = find(item_id)
+            if found is None:
+                param = fields.path("id")
+                message = (
+                    f"Invalid '{param}': no stored item has id {item_id!r}. Items are those of responses made "
+                    "with 'store' true, kept as long as their response; send the item itself instead."
+                )
+                raise invalid_request(message, param=param, code="item_not_found")
+            item = found
+        resolved.append(item)
+    return {**body, "input": resolved}
+
+
+def listed_items(value: str | Sequence[JSON]) -> list[JSON]:
+    """A request's ``input``, already read (so well formed, references resolved), as its response lists it."""
+    if isinstance(value, str):
+        return [_message_item({"role": "user", "content": value})]
+    return [_message_item(item) if (item.get("type") or "message") == "message" else _item(item) for item in value]
+
+
+def _item(item: JSON) -> JSON:
+    return {**item, "id": item.get("id") or _NEW_ID[item["type"]](), "status": item.get("status") or "completed"}
+
+
+def _message_item(item: JSON) -> JSON:
+    content = item["content"]
+    if isinstance(content, str):
+        if item["role"] == "assistant":
+            content = [{"type": "output_text", "text": content, "annotations": []}]
+        else:
+            content = [{"type": "input_text", "text": content}]
+    listed = {**item, "type": "message", "content": content}
+    return {**listed, "id": item.get("id") or message_item_id(), "status": item.get("status") or "completed"}
+
+
+def page_query(params: Mapping[str, str]) -> tuple[int, bool, str | None]:
+    """``limit``, whether ``order`` is descending, and ``after`` from a list request's query."""
+    limit = params.get("limit")
+    if limit is not None and not (
+        limit.isascii() and limit.isdigit() and len(limit) < 8 and 1 <= int(limit) <= MAX_LIMIT
+    ):
+        message = f"Invalid 'limit': expected an integer from 1 to {MAX_LIMIT}, got {limit!r}."
+        raise invalid_request(message, param="limit")
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.", param="order")
+    return DEFAULT_LIMIT if limit is None else int(limit), order == "desc", params.get("after")
+
+
+def items_page(items: Sequence[JSON], *, limit: int, descending: bool, after: str | None) -> JSON:
+    """One page of ``items`` (in conversation order), as OpenAI's list object."""
+    ordered = list(reversed(items)) if descending else list(items)
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            message = f"Invalid 'after': no input item of this response has id {after!r}."
+            raise invalid_request(message, param="after")
+        start = ids.index(after) + 1
+    page = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(ordered),
+    }
