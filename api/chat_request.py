@@ -129,14 +129,14 @@ def unfiltered_guide(
     tools: list[JSON] | None,
     choice: ToolChoice,
     prefix: str = "",
+    format_param: str = "response_format",
 ) -> None:
     """A guided answer (structured outputs, a ``response_format``, a forced tool call) takes neither vLLM's
     ``allowed_token_ids`` nor ``bad_words`` (under ``prefix``: gRPC's ``sampling.``): where the format's next token
-    is one they forbid, no token is left that both allow, and the answer could neither go on nor keep its form."""
+    is one they forbid, no token is left that both allow, and the answer could neither go on nor keep its form.
+    ``format_param``: the field that holds the format (the Responses API's ``text.format``)."""
     forced = bool(tools) and (choice == "required" or isinstance(choice, dict))
-    guide = (
-        sampling.guide_param or ("response_format" if response_format else None) or ("tool_choice" if forced else None)
-    )
+    guide = sampling.guide_param or (format_param if response_format else None) or ("tool_choice" if forced else None)
     filters = {"allowed_token_ids": sampling.allowed_token_ids is not None, "bad_words": bool(sampling.bad_words)}
     for name in (name for name, used in filters.items() if used and guide is not None):
         message = f"Cannot set '{prefix}{name}' with '{guide}': the answer's format decides which tokens follow."

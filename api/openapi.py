@@ -377,7 +377,7 @@ def openapi_document(
             },
             "/v1/responses": {
                 "post": _operation(
-                    "OpenAI Responses", "OpenAIError", responses_request_schema(served_model), streams=True
+                    "OpenAI Responses", "OpenAIError", responses_request_schema(served_model, vocab_size), streams=True
                 )
             },
             "/v1/responses/{response_id}": {

@@ -34,6 +34,7 @@ from .json_schema import (
     object_of,
     string,
 )
+from .openapi_sampling import sampling_properties
 from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
 from .responses_items import MAX_LIMIT
 from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
@@ -262,8 +263,29 @@ _TEXT_FORMAT: JSON = {
 ITEMS_PAGE_QUERY: JSON = {"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}
 
 
-def responses_request_schema(served_model: str) -> JSON:
+# The sampling fields the Responses API reads as the chat API does (``protocol.vllm_sampling``).
+RESPONSES_SAMPLING = (
+    "stop",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
+def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
+    shared = sampling_properties(vocab_size)
     properties = {
+        **{name: shared[name] for name in RESPONSES_SAMPLING},
+        "n": {"const": 1, "description": "A response has one answer."},
         "model": enum_of(served_model, ""),
         "input": {"anyOf": [string(), _INPUT_ITEMS]},
         "instructions": string(),
@@ -306,6 +328,7 @@ def responses_request_schema(served_model: str) -> JSON:
         "'background': true needs 'store': true",
         "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
         STRUCTURED_OUTPUT_RULE,
+        "'allowed_token_ids' and 'bad_words' go with no structured output, 'text.format' or forced tool call",
     ]
     # One guide per call: structured outputs go with neither a text.format other than text nor a forced call.
     plain_text = {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}

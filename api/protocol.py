@@ -327,46 +327,19 @@ def sampling_spec(
 ) -> SamplingSpec:
     """The sampling fields every OpenAI-shaped API shares, vLLM's extensions included; a field this server
     knows but cannot honour is a 400 naming it (``reject_unsupported``), never silently ignored."""
-    frequency_penalty = fields.number("frequency_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
-    presence_penalty = fields.number("presence_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
-    reject_unsupported(fields)
-    guide, guide_param = structured_output(fields) or (None, None)
-    repetition_penalty = fields.number(
-        "repetition_penalty", minimum=0.0, maximum=MAX_REPETITION_PENALTY, exclusive_minimum=True
-    )
-    min_p = fields.number("min_p", minimum=0.0, maximum=1.0)
-    min_tokens = fields.integer("min_tokens", minimum=0) or 0
-    if max_tokens is not None and min_tokens > max_tokens:
-        message = f"Invalid 'min_tokens': must be at most max_tokens ({max_tokens}), got {min_tokens}."
-        raise invalid_request(message, param="min_tokens")
-    skip_special_tokens = fields.boolean("skip_special_tokens")
     temperature = fields.number("temperature", minimum=0.0, maximum=MAX_TEMPERATURE)
     top_p = fields.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    top_k = fields.integer("top_k", minimum=-1)
+    extensions = vllm_sampling(fields, max_tokens)
+    guide, guide_param = structured_output(fields) or (None, None)
     budget = fields.integer("thinking_token_budget", minimum=-1)  # -1: no bound, as vLLM reads it
     budget = None if budget == -1 else budget
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None else top_k,
-        seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
-        stop=stop_sequences(fields),
-        stop_token_ids=stop_token_ids(fields),
         n=fields.integer("n", minimum=1, maximum=MAX_N) or 1,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        ignore_eos=fields.boolean("ignore_eos") or False,
-        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-        frequency_penalty=frequency_penalty or 0.0,
-        presence_penalty=presence_penalty or 0.0,
-        logit_bias=logit_bias(fields),
-        allowed_token_ids=allowed_token_ids(fields),
-        bad_words=bad_words(fields),
-        min_p=min_p or 0.0,
-        min_tokens=min_tokens,
-        include_stop_str_in_output=fields.boolean("include_stop_str_in_output") or False,
-        skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
         prompt_logprobs=prompt_logprobs,
         speculative=fields.boolean("speculative"),
         guide=guide,
@@ -374,7 +347,42 @@ def sampling_spec(
         thinking_token_budget=budget,
         thinking_budget_param=None if budget is None else "thinking_token_budget",
         truncation=prompt_truncation(fields),
+        **extensions,
     )
+
+
+def vllm_sampling(fields: Fields, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> dict[str, Any]:
+    """The ``SamplingSpec`` fields of vLLM's sampling extensions and OpenAI's penalties, read alike by every
+    OpenAI-shaped API (the Responses API too, as vLLM's takes them); ``reject_unsupported``'s fields are a 400."""
+    reject_unsupported(fields)
+    frequency_penalty = fields.number("frequency_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+    presence_penalty = fields.number("presence_penalty", minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+    repetition_penalty = fields.number(
+        "repetition_penalty", minimum=0.0, maximum=MAX_REPETITION_PENALTY, exclusive_minimum=True
+    )
+    min_tokens = fields.integer("min_tokens", minimum=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        message = f"Invalid 'min_tokens': must be at most {max_tokens_param} ({max_tokens}), got {min_tokens}."
+        raise invalid_request(message, param="min_tokens")
+    skip_special_tokens = fields.boolean("skip_special_tokens")
+    top_k = fields.integer("top_k", minimum=-1)
+    return {
+        "top_k": 0 if top_k is None else top_k,
+        "seed": fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
+        "stop": stop_sequences(fields),
+        "stop_token_ids": stop_token_ids(fields),
+        "ignore_eos": fields.boolean("ignore_eos") or False,
+        "repetition_penalty": 1.0 if repetition_penalty is None else repetition_penalty,
+        "frequency_penalty": frequency_penalty or 0.0,
+        "presence_penalty": presence_penalty or 0.0,
+        "logit_bias": logit_bias(fields),
+        "allowed_token_ids": allowed_token_ids(fields),
+        "bad_words": bad_words(fields),
+        "min_p": fields.number("min_p", minimum=0.0, maximum=1.0) or 0.0,
+        "min_tokens": min_tokens,
+        "include_stop_str_in_output": fields.boolean("include_stop_str_in_output") or False,
+        "skip_special_tokens": True if skip_special_tokens is None else skip_special_tokens,
+    }
 
 
 def include_usage(fields: Fields, stream: bool) -> bool:

@@ -24,6 +24,13 @@ the whole prompt stays cached, as the chat API keeps it) and rayturn's
 ``cache_salt`` (``rayturn.api.tenants``) and ``truncation`` (``"auto"``: the
 oldest messages of a conversation too long for the context are dropped until
 it fits, ``rayturn.api.truncation``; ``"disabled"``, the default: a 400).
+vLLM's sampling extensions as its Responses API takes them (``top_k``,
+``seed``, ``stop``, ``repetition_penalty``, ``logit_bias``, ``ignore_eos``,
+``skip_special_tokens``, ``include_stop_str_in_output``) and the rest the
+chat API reads (``protocol.vllm_sampling``: the penalties, ``min_p``,
+``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``),
+each as the chat API honours it; ``n`` other than 1, ``vllm_xargs`` and
+``kv_transfer_params`` are a 400.
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
 ``include``'s other values (reasoning items come from the model's format, not from these),
@@ -50,6 +57,7 @@ from .chat_request import (
     chat_template_kwargs,
     one_guide,
     reasoning_effort,
+    unfiltered_guide,
     with_reasoning_effort,
 )
 from .errors import invalid_request, unsupported
@@ -64,6 +72,7 @@ from .protocol import (
     SamplingSpec,
     ToolChoice,
     model_field,
+    vllm_sampling,
 )
 from .responses_input import input_messages
 from .structured_outputs import LEGACY_FIELDS, STRUCTURED_OUTPUTS, structured_output_form
@@ -183,10 +192,15 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
     truncation = _choice(fields, "truncation", TRUNCATION_MODES) or "disabled"
     top_logprobs = fields.integer("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     logprobs = OUTPUT_LOGPROBS in _include(fields)
+    n = fields.integer("n", minimum=1)
+    if n is not None and n != 1:
+        message = f"Invalid 'n': a response has one answer, got {n}; send n > 1 to /v1/chat/completions."
+        raise invalid_request(message, param="n")
     sampling = SamplingSpec(
         max_tokens=max_output_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
+        **vllm_sampling(fields, max_output_tokens, "max_output_tokens"),
         logprobs=logprobs,
         top_logprobs=(top_logprobs or 0) if logprobs else None,
         speculative=fields.boolean("speculative"),
@@ -195,6 +209,7 @@ def parse_responses_request(body: object, served_model: str) -> ResponsesRequest
         # OpenAI's "auto": the oldest input items go until the conversation fits (``truncation.fit_messages``).
         truncation=Truncation(side=MESSAGES, param="truncation") if truncation == "auto" else None,
     )
+    unfiltered_guide(sampling, response_format, tools, tool_choice, format_param="text.format")
     reasoning = _reasoning(fields)
     echo: JSON = {
         "instructions": instructions,

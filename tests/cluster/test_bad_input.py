@@ -198,7 +198,8 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
         return False
     if path == CHAT and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         return False  # UNDRAWN_RULES
-    form = body.get("response_format")
+    text_options = body.get("text")  # a Responses body's text.format
+    form = body.get("response_format") or (text_options.get("format") if isinstance(text_options, dict) else None)
     guided = "structured_outputs" in body or (isinstance(form, dict) and form.get("type") != "text")
     filtered = body.get("allowed_token_ids") is not None or bool(body.get("bad_words"))
     if filtered and (guided or _forced_call(body)):

@@ -10,6 +10,8 @@ tenant's id is a 400; a Codex-shaped streamed call is served as Codex sends it.
 A background response answers as the foreground one once polled, a streamed
 one is followed again from any event, and a cancelled one stops on the decode
 replica.
+vLLM's sampling fields (a seed, ``top_k``, a repetition penalty, a stop string)
+give the chat API's answer for the same fields.
 Asked for, each answer token's log probability and alternatives equal
 ``transformers``' on the same weights, and the chat API's, streamed or not.
 A call's class (``priority`` in the body, the ``x-rayturn-priority`` header,
@@ -80,9 +82,7 @@ def chat_completion(client: openai.OpenAI, question: str, **options: Any) -> Any
     return client.chat.completions.create(
         model="tiny",
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=MAX_OUTPUT_TOKENS,
-        temperature=0,
-        **options,
+        **{"max_tokens": MAX_OUTPUT_TOKENS, "temperature": 0, **options},
     )
 
 
@@ -127,6 +127,50 @@ def test_answers_equal_chat_completions_streamed_or_not(client: openai.OpenAI, w
     assert final.type in ("response.completed", "response.incomplete")
     assert text == expected and final.response.output_text == expected
     assert_usage(final.response, prompt_tokens, completion_tokens)
+
+
+def test_vllm_s_sampling_fields_answer_as_the_chat_api(client: openai.OpenAI) -> None:
+    question = "Write a haiku about caches."
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
+    # Seeded sampling with top_k and a repetition penalty: the chat API's answer for the same seed, twice.
+    sampled = {"seed": 1234, "top_k": 20, "repetition_penalty": 1.2}
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=MAX_OUTPUT_TOKENS,
+        temperature=1.0,
+        extra_body=sampled,  # type: ignore[arg-type]
+    )
+    answers = [
+        client.responses.create(
+            model="tiny",
+            instructions=INSTRUCTIONS,
+            input=question,
+            max_output_tokens=MAX_OUTPUT_TOKENS,
+            temperature=1.0,
+            extra_body=sampled,
+        ).output_text
+        for _ in range(2)
+    ]
+    assert answers == [chat.choices[0].message.content] * 2
+    # A stop string (the answer's first printable ASCII character after its first) cuts the greedy answer where
+    # the chat API's cuts it.
+    greedy = chat_completion(client, question, max_tokens=24).choices[0].message.content
+    stop = next(char for char in greedy[1:] if char.isascii() and char.isprintable())
+    stopped = client.responses.create(
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        input=question,
+        max_output_tokens=24,
+        temperature=0,
+        extra_body={"stop": [stop]},
+    )
+    assert stopped.output_text == greedy[: greedy.index(stop)] and stopped.status == "completed"
+    chat_stopped = chat_completion(client, question, max_tokens=24, stop=[stop])
+    assert stopped.output_text == chat_stopped.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input=question, extra_body={"top_k": -5})
+    assert refused.value.body["param"] == "top_k"  # type: ignore[index]
 
 
 def test_function_tools_and_tool_choices_answer_in_valid_shapes(cluster: str, client: openai.OpenAI) -> None:
