@@ -130,6 +130,10 @@ STRUCTURED_OUTPUTS: JSON = object_of(
     oneOf=[{"required": [constraint]} for constraint in CONSTRAINTS],
 )
 STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.grammar' compile"
+# ``protocol.vllm_sampling``'s bound on ``min_tokens``.
+MIN_TOKENS_RULE = (
+    "'min_tokens' is at most the answer's bound ('max_tokens', 'max_completion_tokens', 'max_output_tokens')"
+)
 # Where vLLM's token filters are taken (``chat_request.unfiltered_guide``).
 TOKEN_FILTER_RULE = (
     "'allowed_token_ids' and 'bad_words' go with no structured output, 'response_format' or forced tool call"

@@ -33,6 +33,7 @@ from .json_schema import (
     BOOLEAN,
     CACHE_SALT,
     JSON,
+    MIN_TOKENS_RULE,
     NON_EMPTY,
     PRIORITY,
     SESSION_ID,
@@ -200,6 +201,7 @@ def chat_request_schema(
                 *_CHAT_RULES,
                 STRUCTURED_OUTPUT_RULE,
                 TOKEN_FILTER_RULE,
+                MIN_TOKENS_RULE,
             ]
         },
     )
@@ -226,6 +228,7 @@ def completion_request_schema(served_model: str, vocab_size: int, max_model_len:
         "with 'echo', 'max_tokens' may be 0: the prompt is scored, nothing generated",
         STRUCTURED_OUTPUT_RULE,
         TOKEN_FILTER_RULE,
+        MIN_TOKENS_RULE,
     ]
     return object_of(
         properties, ("prompt",), dependentSchemas=_STREAM_OPTIONS_NEED_STREAM, **{"x-rayturn-rules": rules}
@@ -319,10 +322,6 @@ _RESPONSE_READ = [
     {"name": "stream", "in": "query", "schema": BOOLEAN},
     {"name": "starting_after", "in": "query", "schema": integer(minimum=0)},
 ]
-_ITEMS_PAGE = [
-    *_RESPONSE_ID,
-    *({"name": name, "in": "query", "schema": schema} for name, schema in ITEMS_PAGE_QUERY.items()),
-]
 _HEALTH: JSON = {
     "summary": "Pool health",
     "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
@@ -385,7 +384,10 @@ def openapi_document(
                 "delete": {**_operation("Delete a stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
             },
             "/v1/responses/{response_id}/input_items": {
-                "get": {**_operation("A response's input items", "OpenAIError"), "parameters": _ITEMS_PAGE},
+                "get": {
+                    **_operation("A response's input items", "OpenAIError"),
+                    "parameters": [*_RESPONSE_ID, *ITEMS_PAGE_QUERY],
+                },
             },
             "/v1/responses/{response_id}/cancel": {
                 "post": {**_operation("Cancel a background response", "OpenAIError"), "parameters": _RESPONSE_ID},

@@ -17,6 +17,7 @@ from .json_schema import (
     BOOLEAN,
     CACHE_SALT,
     JSON,
+    MIN_TOKENS_RULE,
     NON_EMPTY,
     PRIORITY,
     SESSION_ID,
@@ -260,7 +261,10 @@ _TEXT_FORMAT: JSON = {
 
 
 # ``GET /v1/responses/{id}/input_items``'s query (``responses_items``).
-ITEMS_PAGE_QUERY: JSON = {"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}
+ITEMS_PAGE_QUERY: list[JSON] = [
+    {"name": name, "in": "query", "schema": schema}
+    for name, schema in {"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}.items()
+]
 
 
 # The sampling fields the Responses API reads as the chat API does (``protocol.vllm_sampling``).
@@ -278,6 +282,8 @@ RESPONSES_SAMPLING = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "min_tokens",
+    "stop_token_ids",
 )
 
 
@@ -329,6 +335,7 @@ def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
         "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
         STRUCTURED_OUTPUT_RULE,
         "'allowed_token_ids' and 'bad_words' go with no structured output, 'text.format' or forced tool call",
+        MIN_TOKENS_RULE,
     ]
     # One guide per call: structured outputs go with neither a text.format other than text nor a forced call.
     plain_text = {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}

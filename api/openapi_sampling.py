@@ -9,6 +9,7 @@ from rayturn.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
 )
 
 from .json_fields import INT64_MAX
@@ -40,6 +41,10 @@ def sampling_properties(vocab_size: int, max_model_len: int = INT64_MAX) -> JSON
         "top_p": number(0.0, 1.0, exclusive_minimum=True),
         "n": integer(1, MAX_N),
         "stop": {"anyOf": [NON_EMPTY, array_of(NON_EMPTY, max_items=MAX_STOP_SEQUENCES)]},
+        "stop_token_ids": {
+            **array_of(integer(0, vocab_size - 1), max_items=MAX_STOP_TOKEN_IDS),
+            "description": "Token ids that end the answer as a stop sequence does (the id is kept).",
+        },
         "seed": integer(),
         "stream": BOOLEAN,
         "stream_options": object_of({"include_usage": BOOLEAN}),
@@ -72,6 +77,10 @@ def sampling_properties(vocab_size: int, max_model_len: int = INT64_MAX) -> JSON
         },
         "top_k": integer(minimum=-1),
         "min_p": number(0.0, 1.0),
+        "min_tokens": {
+            **integer(minimum=0),
+            "description": "No end of sequence or stop before this many tokens (at most the answer's bound).",
+        },
         "repetition_penalty": number(0.0, MAX_REPETITION_PENALTY, exclusive_minimum=True),
         "ignore_eos": BOOLEAN,
         "include_stop_str_in_output": BOOLEAN,

@@ -235,12 +235,25 @@ GOOD = {
         "frequency_penalty": 0.5,
         "presence_penalty": -2,
     },
-    "/v1/completions": {"prompt": [[1, 2], "hi"], "max_tokens": 2, "stream": True, "stream_options": {}},
+    "/v1/completions": {
+        "prompt": [[1, 2], "hi"],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {},
+        "min_tokens": 2,
+        "stop_token_ids": [0, VOCAB_SIZE - 1],
+    },
     "/v1/messages": {"messages": [USER], "max_tokens": 2, "stop_sequences": ["x"]},
     "/v1/messages/count_tokens": {"messages": [USER]},
     "/v1/responses": {
         "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}, USER],
         "tools": [{"type": "web_search"}],
+        "seed": 7,
+        "top_k": 5,
+        "stop": "END",
+        "min_tokens": 1,
+        "stop_token_ids": [3],
+        "n": 1,
     },
     "/tokenize": {
         "messages": [USER, {"role": "assistant", "content": "Sure"}],
@@ -272,7 +285,14 @@ BAD = {
         {"messages": [{"role": "tool", "content": "x"}]},
         {"messages": [USER], "user": "u" * 257},
     ],
-    "/v1/completions": [{"prompt": ""}, {"prompt": [-1]}, {"prompt": "a", "suffix": "b"}],
+    "/v1/completions": [
+        {"prompt": ""},
+        {"prompt": [-1]},
+        {"prompt": "a", "suffix": "b"},
+        {"prompt": "a", "min_tokens": -1},
+        {"prompt": "a", "stop_token_ids": [-1]},
+        {"prompt": "a", "stop_token_ids": list(range(257))},
+    ],
     "/v1/messages": [
         {"messages": [USER]},
         {"messages": [USER], "max_tokens": 0},
@@ -286,6 +306,10 @@ BAD = {
         {"input": [{"type": "reasoning", "summary": []}]},  # reasoning alone makes no message
         {"input": "x", "background": True, "store": False},
         {"input": "x", "top_logprobs": 21},
+        {"input": "x", "n": 2},
+        {"input": "x", "top_k": -2},
+        {"input": "x", "seed": "7"},
+        {"input": "x", "vllm_xargs": {"a": 1}},
     ],
     "/tokenize": [
         {},

@@ -44,9 +44,7 @@ def test_the_fields_make_the_chat_api_s_engine_parameters(fields: dict[str, Any]
     if fields != {"n": 1}:  # the default; any other field changes what the engine is asked
         unset = send_http(pipeline, "responses", {})[2]
         assert unset is not None and unset.params != responses_call.params
-    schema = request_schema(DOCUMENT, "responses")
-    if not {"min_tokens", "stop_token_ids"} & set(fields):  # read by every parser, published by no schema
-        assert schema.is_valid({"input": "hi", "max_output_tokens": 2, **fields})
+    assert request_schema(DOCUMENT, "responses").is_valid({"input": "hi", "max_output_tokens": 2, **fields})
 
 
 @pytest.mark.parametrize(
@@ -58,7 +56,6 @@ def test_the_fields_make_the_chat_api_s_engine_parameters(fields: dict[str, Any]
         ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
         ({"ignore_eos": "yes"}, "ignore_eos", "a boolean"),
-        ({"min_tokens": 3}, "min_tokens", "max_output_tokens (2)"),
         ({"n": 2}, "n", "one answer"),
         ({"vllm_xargs": {"a": 1}}, "vllm_xargs", "vllm_xargs"),
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params", "kv_transfer_params"),
@@ -66,6 +63,13 @@ def test_the_fields_make_the_chat_api_s_engine_parameters(fields: dict[str, Any]
 )
 def test_bad_values_are_400s_naming_the_field(extra: dict[str, Any], param: str, said: str) -> None:
     assert_refused(RecordingPipeline(), "responses", extra, param, said, DOCUMENT)
+
+
+def test_min_tokens_past_max_output_tokens_is_refused_by_a_documented_rule() -> None:
+    status, body, call = send_http(RecordingPipeline(), "responses", {"min_tokens": 3})
+    assert (status, call) == (400, None) and body["error"]["param"] == "min_tokens", body
+    assert "at most max_output_tokens (2), got 3" in body["error"]["message"]
+    assert any("'min_tokens'" in rule for rule in DOCUMENT["paths"]["/v1/responses"]["post"]["x-rayturn-rules"])
 
 
 TOOL = {"type": "function", "name": "ls", "parameters": {"type": "object"}}

@@ -186,10 +186,10 @@ def drawable(document: dict[str, Any]) -> dict[str, Any]:
 def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     """The ``x-rayturn-rules`` JSON Schema cannot state: unique tool names, a named tool choice that is
     declared, a ``previous_response_id`` or an ``item_reference`` that names a stored response or item (state,
-    not shape: none is drawn), a chat's
-    ``continue_final_message`` after an assistant's text, an Anthropic prefill without trailing whitespace, a
-    structured output's regex or grammar that compiles, token filters (``allowed_token_ids``, ``bad_words``) only
-    without a guide, and the ``UNDRAWN_RULES``: a chat's ``top_logprobs`` with ``logprobs: true``."""
+    not shape: none is drawn), a chat's ``continue_final_message`` after an assistant's text, an Anthropic
+    prefill without trailing whitespace, a structured output's regex or grammar that compiles, token filters
+    (``allowed_token_ids``, ``bad_words``) only without a guide, ``min_tokens`` within the answer's bound, and
+    the ``UNDRAWN_RULES``: a chat's ``top_logprobs`` with ``logprobs: true``."""
     text = final_text(body)
     continues = body.get("continue_final_message") is True
     if path in ("/v1/chat/completions", "/tokenize") and continues and not (text and text.strip()):
@@ -201,6 +201,9 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     text_options = body.get("text")  # a Responses body's text.format
     form = body.get("response_format") or (text_options.get("format") if isinstance(text_options, dict) else None)
     guided = "structured_outputs" in body or (isinstance(form, dict) and form.get("type") != "text")
+    least, most = body.get("min_tokens"), answer_bound(body)
+    if isinstance(least, int) and most is not None and least > most:
+        return False
     filtered = body.get("allowed_token_ids") is not None or bool(body.get("bad_words"))
     if filtered and (guided or _forced_call(body)):
         return False
@@ -217,6 +220,14 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
         and not _references(body)
         and compiles(body.get("structured_outputs"))
     )
+
+
+def answer_bound(body: dict[str, Any]) -> int | None:
+    """The most tokens a body asks for, as its parser reads it (a chat's max_completion_tokens over max_tokens)."""
+    for field in ("max_completion_tokens", "max_output_tokens", "max_tokens"):
+        if isinstance(body.get(field), int):
+            return int(body[field])
+    return None
 
 
 def _references(body: dict[str, Any]) -> bool:
@@ -246,11 +257,15 @@ def compiles(form: Any) -> bool:
 
 
 def bounded(body: Any) -> Any:
-    """A drawn body that asks for few tokens and choices, so that generation stays quick."""
+    """A drawn body that asks for few tokens and choices, so that generation stays quick (a ``min_tokens`` kept
+    within the bound, as the rule says)."""
     if isinstance(body, dict):
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(field), int | float) and body[field] >= 1:
                 body[field] = min(int(body[field]), MAX_FUZZ_TOKENS)
+        if isinstance(body.get("min_tokens"), int | float) and body["min_tokens"] >= 0:
+            bound = answer_bound(body)
+            body["min_tokens"] = min(int(body["min_tokens"]), MAX_FUZZ_TOKENS if bound is None else bound)
         if isinstance(body.get("n"), int | float) and body["n"] >= 1:
             body["n"] = min(int(body["n"]), MAX_FUZZ_N)
     return body
