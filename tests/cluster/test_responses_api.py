@@ -86,6 +86,16 @@ def chat_completion(client: openai.OpenAI, question: str, **options: Any) -> Any
     )
 
 
+def respond(client: openai.OpenAI, question: str, **options: Any) -> Any:
+    """The greedy response to ``question`` under ``INSTRUCTIONS``, the conversation ``chat_completion`` sends."""
+    return client.responses.create(
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        input=question,
+        **{"max_output_tokens": MAX_OUTPUT_TOKENS, "temperature": 0, **options},
+    )
+
+
 def chat_answer(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
     response = chat_completion(client, question)
     assert response.usage is not None
@@ -131,40 +141,16 @@ def test_answers_equal_chat_completions_streamed_or_not(client: openai.OpenAI, w
 
 def test_vllm_s_sampling_fields_answer_as_the_chat_api(client: openai.OpenAI) -> None:
     question = "Write a haiku about caches."
-    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
     # Seeded sampling with top_k and a repetition penalty: the chat API's answer for the same seed, twice.
-    sampled = {"seed": 1234, "top_k": 20, "repetition_penalty": 1.2}
-    chat = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        max_tokens=MAX_OUTPUT_TOKENS,
-        temperature=1.0,
-        extra_body=sampled,  # type: ignore[arg-type]
-    )
-    answers = [
-        client.responses.create(
-            model="tiny",
-            instructions=INSTRUCTIONS,
-            input=question,
-            max_output_tokens=MAX_OUTPUT_TOKENS,
-            temperature=1.0,
-            extra_body=sampled,
-        ).output_text
-        for _ in range(2)
-    ]
+    sampled = {"temperature": 1.0, "extra_body": {"seed": 1234, "top_k": 20, "repetition_penalty": 1.2}}
+    chat = chat_completion(client, question, **sampled)
+    answers = [respond(client, question, **sampled).output_text for _ in range(2)]
     assert answers == [chat.choices[0].message.content] * 2
     # A stop string (the answer's first printable ASCII character after its first) cuts the greedy answer where
     # the chat API's cuts it.
     greedy = chat_completion(client, question, max_tokens=24).choices[0].message.content
     stop = next(char for char in greedy[1:] if char.isascii() and char.isprintable())
-    stopped = client.responses.create(
-        model="tiny",
-        instructions=INSTRUCTIONS,
-        input=question,
-        max_output_tokens=24,
-        temperature=0,
-        extra_body={"stop": [stop]},
-    )
+    stopped = respond(client, question, max_output_tokens=24, extra_body={"stop": [stop]})
     assert stopped.output_text == greedy[: greedy.index(stop)] and stopped.status == "completed"
     chat_stopped = chat_completion(client, question, max_tokens=24, stop=[stop])
     assert stopped.output_text == chat_stopped.choices[0].message.content
