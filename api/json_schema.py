@@ -134,10 +134,14 @@ STRUCTURED_OUTPUT_RULE = "'structured_outputs.regex' and 'structured_outputs.gra
 MIN_TOKENS_RULE = (
     "'min_tokens' is at most the answer's bound ('max_tokens', 'max_completion_tokens', 'max_output_tokens')"
 )
+
+
 # Where vLLM's token filters are taken (``chat_request.unfiltered_guide``).
-TOKEN_FILTER_RULE = (
-    "'allowed_token_ids' and 'bad_words' go with no structured output, 'response_format' or forced tool call"
-)
+def token_filter_rule(format_param: str = "response_format") -> str:
+    return f"'allowed_token_ids' and 'bad_words' go with no structured output, '{format_param}' or forced tool call"
+
+
+TOKEN_FILTER_RULE = token_filter_rule()
 # vLLM's ``chat_template_kwargs``: variables for the chat template, none the server sets itself.
 TEMPLATE_KWARGS: JSON = {
     "type": "object",

@@ -34,6 +34,7 @@ from .json_schema import (
     number,
     object_of,
     string,
+    token_filter_rule,
 )
 from .openapi_sampling import sampling_properties
 from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
@@ -334,7 +335,7 @@ def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
         "'background': true needs 'store': true",
         "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
         STRUCTURED_OUTPUT_RULE,
-        "'allowed_token_ids' and 'bad_words' go with no structured output, 'text.format' or forced tool call",
+        token_filter_rule("text.format"),
         MIN_TOKENS_RULE,
     ]
     # One guide per call: structured outputs go with neither a text.format other than text nor a forced call.

@@ -64,8 +64,11 @@ def listed_items(value: str | Sequence[JSON]) -> list[JSON]:
     return [_message_item(item) if (item.get("type") or "message") == "message" else _item(item) for item in value]
 
 
-def _item(item: JSON) -> JSON:
-    return {**item, "id": item.get("id") or _NEW_ID[item["type"]](), "status": item.get("status") or "completed"}
+def _item(item: JSON, **fields: object) -> JSON:
+    """``item`` (with ``fields`` over its own) with its id, else a new one for its type, and its status."""
+    listed = {**item, **fields}
+    new_id = _NEW_ID.get(listed["type"], message_item_id)
+    return {**listed, "id": item.get("id") or new_id(), "status": item.get("status") or "completed"}
 
 
 def _message_item(item: JSON) -> JSON:
@@ -75,8 +78,7 @@ def _message_item(item: JSON) -> JSON:
             content = [{"type": "output_text", "text": content, "annotations": []}]
         else:
             content = [{"type": "input_text", "text": content}]
-    listed = {**item, "type": "message", "content": content}
-    return {**listed, "id": item.get("id") or message_item_id(), "status": item.get("status") or "completed"}
+    return _item(item, type="message", content=content)
 
 
 def page_query(params: Mapping[str, str]) -> tuple[int, bool, str | None]:

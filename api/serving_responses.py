@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -64,7 +64,11 @@ class _Turn:
     tenant: str
     frame: ResponseFrame
     num_bytes: int  # the request body's size, the part of the stored entry this call adds before its answer
-    items: tuple[JSON, ...]  # under ``store``: the items the response is made from (``responses_items``)
+    inputs: tuple[JSON, ...]  # under ``store``: its input as the response lists it (``responses_items``)
+
+    def items(self) -> tuple[JSON, ...]:
+        """The items the response is made from: the conversation it continues, then its input."""
+        return (*(self.previous.held_items() if self.previous is not None else ()), *self.inputs)
 
 
 class ServingResponses(HTTPServing):
@@ -82,7 +86,7 @@ class ServingResponses(HTTPServing):
             body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
             parsed = parse_responses_request(body, self.served_model)
             previous = self._previous(parsed, tenant)
-            items = _items(previous, body) if parsed.store else ()
+            inputs = tuple(listed_items(cast(JSON, body)["input"])) if parsed.store else ()  # the body parsed
             chat = parsed.chat(previous.messages if previous is not None else ())
             prepared = await self.prepare_chat(
                 request_id,
@@ -95,7 +99,7 @@ class ServingResponses(HTTPServing):
                 max_tokens_param="max_output_tokens",
             )
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
-            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes, items)
+            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes, inputs)
             if parsed.background:
                 return self._background(turn, prepared)
             result, steps, first = await self.pipeline.start(prepared)
@@ -187,7 +191,7 @@ class ServingResponses(HTTPServing):
 
     def _background(self, turn: _Turn, call: Call) -> Response:
         """Start a background response: answered now (``queued``, or its events as they come), computed by a task."""
-        run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream, input_items=turn.items)
+        run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream, input_items=turn.items())
         self.runs.add(run)
         # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
         # the request's context, which a task would otherwise inherit.
@@ -268,11 +272,10 @@ class ServingResponses(HTTPServing):
         messages = (*history, *turn.request.input_messages, assistant_message(answer["output"]))
         # The request body bounds the echoed settings, the input items (references resolved) the input, held
         # twice (messages, items); the output is held twice too (body, messages).
-        input_bytes = _size(turn.items[len(previous.held_items()) if previous is not None else 0 :])
-        num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * input_bytes
+        num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * _size(turn.inputs)
         num_bytes += 2 * _size(answer["output"]) + (_size(events) if events else 0)
         stored = StoredResponse(
-            turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items
+            turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items()
         )
         self.store.put(stored)
 
@@ -319,12 +322,6 @@ class ServingResponses(HTTPServing):
         for event in events:
             yield event
         self.succeeded(API)
-
-
-def _items(previous: StoredResponse | None, body: Any) -> tuple[JSON, ...]:
-    """The items a response is made from: the conversation ``previous`` ended, then the input of ``body`` (a
-    body ``parse_responses_request`` read)."""
-    return (*(previous.held_items() if previous is not None else ()), *listed_items(body["input"]))
 
 
 def _size(value: object) -> int:
