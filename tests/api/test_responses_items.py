@@ -245,3 +245,16 @@ def test_the_published_document_has_the_route_and_the_reference_item() -> None:
     jsonschema.validate({"model": "tiny", "input": [{"type": "item_reference", "id": "fc_1"}, OUTPUT]}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"model": "tiny", "input": [{"type": "item_reference"}]}, schema)
+
+
+def test_the_list_asks_for_a_key_where_keys_are_set() -> None:
+    api, decode = serving()
+    created = body_of(answered(api, decode, {"model": "tiny", "input": "Hi."}))
+    no_key = request("GET")
+    no_key.scope["headers"] = []
+    for refused in (
+        asyncio.run(api.input_items(no_key, created["id"], "r")),
+        listed(api, created["id"], key="wrong-key"),
+    ):
+        assert refused.status_code == 401 and body_of(refused)["error"]["code"] == "invalid_api_key"
+    assert listed(api, created["id"]).status_code == 200
