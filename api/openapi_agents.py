@@ -38,6 +38,7 @@ from .json_schema import (
 )
 from .openapi_sampling import sampling_properties
 from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
+from .responses_bodies import INCLUDABLE
 from .responses_items import MAX_LIMIT
 from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
 
@@ -314,7 +315,7 @@ def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
         "prompt_cache_key": SESSION_ID,
         "prompt_cache_retention": enum_of(*PROMPT_CACHE_RETENTION_S),
         "reasoning": object_of({"effort": enum_of(*REASONING_EFFORTS), "summary": string()}),
-        "include": array_of(string()),
+        "include": array_of(enum_of(*INCLUDABLE)),
         "metadata": {"type": "object", "additionalProperties": string()},
         "truncation": enum_of(*TRUNCATION_MODES),
         "service_tier": string(),

@@ -14,6 +14,20 @@ from .errors import APIError
 from .protocol import JSON
 
 RESPONSE_ID_PREFIX = "resp_"
+# The ``include`` value that asks for the answer's log probabilities (``output_text.logprobs``).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# Every value OpenAI's ``include`` takes (any other is a 400). The others name hosted tools' outputs, input
+# images and encrypted reasoning, none of which this server makes: they change nothing in the answer.
+INCLUDABLE = (
+    OUTPUT_LOGPROBS,
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)
 _ID_RANDOM_BYTES = 24
 
 

@@ -33,7 +33,8 @@ each as the chat API honours it; ``n`` other than 1, ``vllm_xargs`` and
 ``kv_transfer_params`` are a 400.
 
 Accepted, type-checked and echoed without effect: ``reasoning`` and
-``include``'s other values (reasoning items come from the model's format, not from these),
+``include``'s other values (reasoning items come from the model's format, not from these; a value
+OpenAI's ``include`` does not take is a 400),
 ``metadata``, ``service_tier``, ``user`` (the
 session id when neither a header nor ``prompt_cache_key`` names one),
 ``safety_identifier``, ``text.verbosity``, ``stream_options``. The built-in
@@ -74,6 +75,7 @@ from .protocol import (
     model_field,
     vllm_sampling,
 )
+from .responses_bodies import INCLUDABLE, OUTPUT_LOGPROBS
 from .responses_input import input_messages
 from .structured_outputs import LEGACY_FIELDS, STRUCTURED_OUTPUTS, structured_output_form
 from .tenants import body_cache_salt
@@ -92,8 +94,6 @@ IGNORED_TOOL_TYPES = (
     "namespace",
 )
 TRUNCATION_MODES = ("auto", "disabled")
-# The ``include`` value that asks for the answer's log probabilities.
-OUTPUT_LOGPROBS = "message.output_text.logprobs"
 VERBOSITIES = ("low", "medium", "high")
 _UNSUPPORTED_FIELDS = {
     "conversation": "conversations are not supported; send 'previous_response_id' or the whole input",
@@ -378,6 +378,8 @@ def _include(fields: Fields) -> list[str]:
     for i, entry in enumerate(include):
         if not isinstance(entry, str):
             raise type_error(f"include[{i}]", "a string", entry)
+        if entry not in INCLUDABLE:
+            raise range_error(f"include[{i}]", f"one of {', '.join(INCLUDABLE)}", entry)
     return include
 
 

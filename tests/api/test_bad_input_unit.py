@@ -254,6 +254,7 @@ GOOD = {
         "min_tokens": 1,
         "stop_token_ids": [3],
         "n": 1,
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs", "web_search_call.action.sources"],
     },
     "/tokenize": {
         "messages": [USER, {"role": "assistant", "content": "Sure"}],
@@ -310,6 +311,7 @@ BAD = {
         {"input": "x", "top_k": -2},
         {"input": "x", "seed": "7"},
         {"input": "x", "vllm_xargs": {"a": 1}},
+        {"input": "x", "include": ["message.output_text.logprob"]},
     ],
     "/tokenize": [
         {},

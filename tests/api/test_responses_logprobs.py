@@ -18,8 +18,8 @@ from pydantic import TypeAdapter
 
 from rayturn.api.openapi import openapi_document
 from rayturn.api.pipeline import CallPipeline
-from rayturn.api.responses_bodies import ResponseFrame, response_usage
-from rayturn.api.responses_request import OUTPUT_LOGPROBS, parse_responses_request
+from rayturn.api.responses_bodies import OUTPUT_LOGPROBS, ResponseFrame, response_usage
+from rayturn.api.responses_request import parse_responses_request
 from rayturn.api.responses_stream import ResponsesStream
 from rayturn.api.serving_chat import ServingChat
 from rayturn.api.serving_responses import ServingResponses

@@ -243,6 +243,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
     ({"metadata": {"k": 1}}, "metadata.k"),
     ({"include": [1]}, "include[0]"),
+    ({"include": ["reasoning.encrypted_content", "output_text.logprobs"]}, "include[1]"),
     ({"store": "yes"}, "store"),
     ({"background": True, "store": False}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
