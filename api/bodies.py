@@ -6,8 +6,9 @@ import codecs
 import dataclasses
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.token_bytes import token_display
@@ -20,11 +21,15 @@ from rayturn.engine.tool_calls import (
     splits_every_answer,
 )
 
+from .pages import cursor_page, query_cursor, query_limit
 from .protocol import JSON, ChatRequest
 
 # OpenAI reports log probabilities that are -inf (or otherwise not finite) as this floor.
 MIN_LOGPROB = -9999.0
 OWNED_BY = "rayturn"
+# ``GET /v1/models``' page sizes, as Anthropic's models list takes them.
+DEFAULT_MODELS_LIMIT = 20
+MAX_MODELS_LIMIT = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,8 +295,9 @@ def _chunk(object_type: str, response_id: str, model: str, created: int, choices
 
 
 def model_card(served_model: str, created: int, *, root: str, max_model_len: int) -> JSON:
-    """One model as ``GET /v1/models/{id}`` shows it: OpenAI's fields, and vLLM's ``root`` (the checkpoint it
-    was loaded from) and ``max_model_len`` (the context calls may fill)."""
+    """One model as ``GET /v1/models/{id}`` shows it: OpenAI's fields, vLLM's ``root`` (the checkpoint it
+    was loaded from) and ``max_model_len`` (the context calls may fill), and Anthropic's (``type``,
+    ``display_name``, ``created_at``, ``lifecycle``, ``max_input_tokens``), so both SDKs read it whole."""
     return {
         "id": served_model,
         "object": "model",
@@ -300,9 +306,17 @@ def model_card(served_model: str, created: int, *, root: str, max_model_len: int
         "root": root,
         "parent": None,
         "max_model_len": max_model_len,
+        "type": "model",
+        "display_name": served_model,
+        "created_at": datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z"),
+        "lifecycle": "active",
+        "max_input_tokens": max_model_len,
     }
 
 
-def models_list(cards: Sequence[JSON]) -> JSON:
-    """The body of ``GET /v1/models``."""
-    return {"object": "list", "data": list(cards)}
+def models_list(cards: Sequence[JSON], query: Mapping[str, str]) -> JSON:
+    """The body of ``GET /v1/models``: OpenAI's list, with the cursor fields of Anthropic's, paged by its query
+    (``limit``, 1 to 1,000, 20 if not given; ``after_id`` or ``before_id``)."""
+    limit = query_limit(query, maximum=MAX_MODELS_LIMIT, default=DEFAULT_MODELS_LIMIT)
+    after, before = query_cursor(query, "after_id"), query_cursor(query, "before_id")
+    return cursor_page(cards, limit=limit, after=after, before=before, what="listed model")

@@ -54,6 +54,8 @@ __all__ = ["REPLICA_HEADER", "Ingress", "app"]
 
 app = FastAPI(title="rayturn", docs_url=None, redoc_url=None, openapi_url=None)
 ANTHROPIC_ROUTE = "/v1/messages"
+# The header every Anthropic client sends (the API version it speaks).
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -149,9 +151,9 @@ class Ingress:
     async def models(self, request: Request) -> JSONResponse:
         try:
             self.http.authorize(request)
+            return JSONResponse(models_list([self._model_card()], request.query_params))
         except APIError as err:
-            return self.http.failure("models", err, new_request_id())
-        return JSONResponse(models_list([self._model_card()]))
+            return self._models_failure(request, err)
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (``org/name``)
     async def model(self, model_id: str, request: Request) -> JSONResponse:
@@ -160,8 +162,13 @@ class Ingress:
             if model_id != self.pipeline.served_model:
                 raise model_not_found(model_id, self.pipeline.served_model)
         except APIError as err:
-            return self.http.failure("models", err, new_request_id())
+            return self._models_failure(request, err)
         return JSONResponse(self._model_card())
+
+    def _models_failure(self, request: Request, err: APIError) -> JSONResponse:
+        """An error of the models routes, in Anthropic's shape for Anthropic's clients (they send its version)."""
+        serving = self.messages if ANTHROPIC_VERSION_HEADER in request.headers else self.http
+        return serving.failure("models", err, new_request_id())
 
     def _model_card(self) -> dict[str, Any]:
         pipeline = self.pipeline

@@ -50,7 +50,7 @@ from .json_schema import (
     object_of,
     string,
 )
-from .openapi_agents import ITEMS_PAGE_QUERY, messages_request_schema, responses_request_schema
+from .openapi_agents import PARAMETERS, messages_request_schema, responses_request_schema
 from .openapi_sampling import sampling_properties
 from .protocol import PROMPT_CACHE_RETENTION_S
 from .tokenize_request import CHAT_ONLY_FIELDS
@@ -303,25 +303,22 @@ def _errors(shape: str) -> JSON:
     }
 
 
-def _operation(summary: str, shape: str, body: JSON | None = None, *, streams: bool = False) -> JSON:
+def _operation(
+    summary: str, shape: str, body: JSON | None = None, *, streams: bool = False, parameters: list[JSON] | None = None
+) -> JSON:
     ok_content: JSON = {"application/json": {"schema": {"type": "object"}}}
     if streams:
         ok_content["text/event-stream"] = {"schema": {"type": "string"}}
     operation: JSON = {"summary": summary, "responses": {"200": {"description": "OK", "content": ok_content}}}
     operation["responses"] |= _errors(shape)
+    if parameters is not None:
+        operation["parameters"] = parameters
     if body is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
         operation["x-rayturn-rules"] = body.pop("x-rayturn-rules", [])
     return operation
 
 
-_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": string()}]
-# Reading a response: ``stream`` and ``starting_after`` follow a streamed background response's events.
-_RESPONSE_READ = [
-    *_RESPONSE_ID,
-    {"name": "stream", "in": "query", "schema": BOOLEAN},
-    {"name": "starting_after", "in": "query", "schema": integer(minimum=0)},
-]
 _HEALTH: JSON = {
     "summary": "Pool health",
     "responses": {"200": {"description": "OK"}, "503": {"description": "Degraded"}},
@@ -353,7 +350,10 @@ def openapi_document(
                     streams=True,
                 )
             },
-            "/v1/models": {"get": _operation("The served model", "OpenAIError")},
+            "/v1/models": {"get": _operation("The served model", "OpenAIError", parameters=PARAMETERS["models_page"])},
+            "/v1/models/{model_id}": {
+                "get": _operation("The served model's card", "OpenAIError", parameters=PARAMETERS["model_id"])
+            },
             "/tokenize": {
                 "post": _operation(
                     "Token ids of a text or a chat (vLLM's)", "OpenAIError", tokenize_request_schema(served_model)
@@ -380,17 +380,14 @@ def openapi_document(
                 )
             },
             "/v1/responses/{response_id}": {
-                "get": {**_operation("A stored response", "OpenAIError"), "parameters": _RESPONSE_READ},
-                "delete": {**_operation("Delete a stored response", "OpenAIError"), "parameters": _RESPONSE_ID},
+                "get": _operation("A stored response", "OpenAIError", parameters=PARAMETERS["response_read"]),
+                "delete": _operation("Delete a stored response", "OpenAIError", parameters=PARAMETERS["response_id"]),
             },
             "/v1/responses/{response_id}/input_items": {
-                "get": {
-                    **_operation("A response's input items", "OpenAIError"),
-                    "parameters": [*_RESPONSE_ID, *ITEMS_PAGE_QUERY],
-                },
+                "get": _operation("A response's input items", "OpenAIError", parameters=PARAMETERS["input_items"]),
             },
             "/v1/responses/{response_id}/cancel": {
-                "post": {**_operation("Cancel a background response", "OpenAIError"), "parameters": _RESPONSE_ID},
+                "post": _operation("Cancel a background response", "OpenAIError", parameters=PARAMETERS["response_id"]),
             },
             "/health": {"get": _HEALTH},
             "/ping": {"get": {**_HEALTH, "summary": "Pool health, as SageMaker probes it (also POST)"}},

@@ -10,6 +10,7 @@ from rayturn.engine.sampling_params import MAX_LOGPROBS
 
 from .anthropic_request import CACHE_TTLS_S
 from .anthropic_request import MAX_STOP_SEQUENCES as MAX_ANTHROPIC_STOP_SEQUENCES
+from .bodies import MAX_MODELS_LIMIT
 from .chat_request import MAX_TOOLS, REASONING_EFFORTS
 from .json_schema import (
     ANY_OBJECT,
@@ -262,11 +263,25 @@ _TEXT_FORMAT: JSON = {
 }
 
 
-# ``GET /v1/responses/{id}/input_items``'s query (``responses_items``).
-ITEMS_PAGE_QUERY: list[JSON] = [
-    {"name": name, "in": "query", "schema": schema}
-    for name, schema in {"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}.items()
-]
+def _query(schemas: JSON) -> list[JSON]:
+    return [{"name": name, "in": "query", "schema": schema} for name, schema in schemas.items()]
+
+
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": string()}]
+# The path and query parameters of the routes that take some, by name.
+PARAMETERS = {
+    "response_id": _RESPONSE_ID,
+    # Reading a response: ``stream`` and ``starting_after`` follow a streamed background response's events.
+    "response_read": [*_RESPONSE_ID, *_query({"stream": BOOLEAN, "starting_after": integer(minimum=0)})],
+    # ``GET /v1/responses/{id}/input_items`` (``responses_items``).
+    "input_items": [
+        *_RESPONSE_ID,
+        *_query({"limit": integer(1, MAX_LIMIT), "order": enum_of("asc", "desc"), "after": string()}),
+    ],
+    "model_id": [{"name": "model_id", "in": "path", "required": True, "schema": string()}],
+    # ``GET /v1/models``: Anthropic's models list's query (``bodies.models_list``).
+    "models_page": _query({"limit": integer(1, MAX_MODELS_LIMIT), "after_id": string(), "before_id": string()}),
+}
 
 
 # The sampling fields the Responses API reads as the chat API does (``protocol.vllm_sampling``).

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .errors import invalid_request
 from .json_fields import Fields
+from .pages import Cursor, cursor_page, query_cursor, query_limit
 from .protocol import JSON
 from .responses_bodies import function_call_item_id, function_call_output_item_id, message_item_id, reasoning_item_id
 
@@ -81,35 +82,16 @@ def _message_item(item: JSON) -> JSON:
     return _item(item, type="message", content=content)
 
 
-def page_query(params: Mapping[str, str]) -> tuple[int, bool, str | None]:
-    """``limit``, whether ``order`` is descending, and ``after`` from a list request's query."""
-    limit = params.get("limit")
-    if limit is not None and not (
-        limit.isascii() and limit.isdigit() and len(limit) < 8 and 1 <= int(limit) <= MAX_LIMIT
-    ):
-        message = f"Invalid 'limit': expected an integer from 1 to {MAX_LIMIT}, got {limit!r}."
-        raise invalid_request(message, param="limit")
+def page_query(params: Mapping[str, str]) -> tuple[int, bool, Cursor | None]:
+    """``limit``, whether ``order`` is descending, and the ``after`` cursor from a list request's query."""
+    limit = query_limit(params, maximum=MAX_LIMIT, default=DEFAULT_LIMIT)
     order = params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid_request(f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.", param="order")
-    return DEFAULT_LIMIT if limit is None else int(limit), order == "desc", params.get("after")
+    return limit, order == "desc", query_cursor(params, "after")
 
 
-def items_page(items: Sequence[JSON], *, limit: int, descending: bool, after: str | None) -> JSON:
+def items_page(items: Sequence[JSON], *, limit: int, descending: bool, after: Cursor | None) -> JSON:
     """One page of ``items`` (in conversation order), as OpenAI's list object."""
-    ordered = list(reversed(items)) if descending else list(items)
-    start = 0
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            message = f"Invalid 'after': no input item of this response has id {after!r}."
-            raise invalid_request(message, param="after")
-        start = ids.index(after) + 1
-    page = ordered[start : start + limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": start + limit < len(ordered),
-    }
+    ordered = list(reversed(items)) if descending else items
+    return cursor_page(ordered, limit=limit, after=after, what="input item of this response")

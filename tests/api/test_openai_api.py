@@ -6,10 +6,13 @@ import itertools
 import json
 import random
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import jsonschema
 import pytest
+from anthropic.pagination import SyncPage
+from anthropic.types import ModelInfo
 from openai.types import Completion, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -818,11 +821,52 @@ def test_sse_framing() -> None:
 
 def test_models_list() -> None:
     card = model_card(MODEL, 1700000000, root="/models/qwen", max_model_len=4096)
-    body = models_list([card])
+    body = models_list([card], {})
     assert body["object"] == "list"
     model = Model.model_validate(body["data"][0])
     assert (model.id, model.created, model.object) == (MODEL, 1700000000, "model")
     assert (card["max_model_len"], card["root"]) == (4096, "/models/qwen")
+
+
+def test_the_model_list_is_anthropic_s_too() -> None:
+    """The same bodies read whole as the ``anthropic`` SDK's models page and ``ModelInfo``."""
+    card = model_card(MODEL, 1700000000, root="/models/qwen", max_model_len=4096)
+    info = ModelInfo.model_validate(card)
+    assert (info.id, info.type, info.display_name, info.lifecycle) == (MODEL, "model", MODEL, "active")
+    assert info.created_at == datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC) and info.max_input_tokens == 4096
+    assert card["created_at"] == "2023-11-14T22:13:20Z"
+    page = SyncPage[ModelInfo].model_validate(models_list([card], {}))
+    assert ([m.id for m in page.data], page.first_id, page.last_id, page.has_more) == ([MODEL], MODEL, MODEL, False)
+
+
+def test_the_model_list_pages_as_anthropic_s_does() -> None:
+    cards = [{"id": f"m{n}"} for n in range(5)]
+
+    def listed(**query: str) -> tuple[list[str], Any, Any, bool]:
+        body = models_list(cards, query)
+        return [card["id"] for card in body["data"]], body["first_id"], body["last_id"], body["has_more"]
+
+    assert listed() == (["m0", "m1", "m2", "m3", "m4"], "m0", "m4", False)
+    assert listed(limit="2") == (["m0", "m1"], "m0", "m1", True)
+    assert listed(limit="2", after_id="m1") == (["m2", "m3"], "m2", "m3", True)
+    assert listed(limit="2", after_id="m2") == (["m3", "m4"], "m3", "m4", False)
+    assert listed(after_id="m4") == ([], None, None, False)
+    assert listed(limit="2", before_id="m4") == (["m2", "m3"], "m2", "m3", True)
+    assert listed(limit="2", before_id="m2") == (["m0", "m1"], "m0", "m1", False)
+    assert listed(before_id="m0") == ([], None, None, False)
+    assert listed(limit="1000") == listed()
+    for query, param in (
+        ({"limit": "0"}, "limit"),
+        ({"limit": "1001"}, "limit"),
+        ({"limit": "ten"}, "limit"),
+        ({"after_id": "m9"}, "after_id"),
+        ({"before_id": ""}, "before_id"),
+        ({"after_id": "m1", "before_id": "m3"}, "before_id"),
+    ):
+        with pytest.raises(APIError) as refused:
+            models_list(cards, query)
+        assert (refused.value.status_code, refused.value.param) == (400, param), query
+        assert f"'{param}'" in refused.value.message
 
 
 def test_logprob_tokens_are_their_raw_bytes_and_never_collide() -> None:

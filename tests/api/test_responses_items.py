@@ -104,7 +104,7 @@ def test_an_item_s_id_and_status_are_checked_as_the_schema_says(extra: dict[str,
 def test_pages_follow_openai_s_limit_order_and_after() -> None:
     items = [{"id": f"i{n}"} for n in range(5)]
     assert page_query({}) == (20, True, None)
-    assert page_query({"limit": "2", "order": "asc", "after": "i1"}) == (2, False, "i1")
+    assert page_query({"limit": "2", "order": "asc", "after": "i1"}) == (2, False, ("after", "i1"))
     first = items_page(items, limit=2, descending=True, after=None)
     assert (ids(first["data"]), first["first_id"], first["last_id"], first["has_more"]) == (
         ["i4", "i3"],
@@ -112,14 +112,14 @@ def test_pages_follow_openai_s_limit_order_and_after() -> None:
         "i3",
         True,
     )
-    rest = items_page(items, limit=2, descending=True, after="i1")
+    rest = items_page(items, limit=2, descending=True, after=("after", "i1"))
     assert (ids(rest["data"]), rest["has_more"]) == (["i0"], False)
-    ascending = items_page(items, limit=20, descending=False, after="i2")
+    ascending = items_page(items, limit=20, descending=False, after=("after", "i2"))
     assert (ids(ascending["data"]), ascending["has_more"]) == (["i3", "i4"], False)
-    empty = items_page(items, limit=3, descending=False, after="i4")
+    empty = items_page(items, limit=3, descending=False, after=("after", "i4"))
     assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     with pytest.raises(APIError) as unknown:
-        items_page(items, limit=2, descending=True, after="i9")
+        items_page(items, limit=2, descending=True, after=("after", "i9"))
     assert unknown.value.param == "after" and "'i9'" in unknown.value.message
     for query, param in (
         ({"limit": "0"}, "limit"),

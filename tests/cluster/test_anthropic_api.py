@@ -205,6 +205,36 @@ def test_errors_in_anthropics_shape(cluster: str, client: anthropic.Anthropic) -
     )
 
 
+def test_the_models_routes_answer_anthropic_s_sdk(cluster: str, client: anthropic.Anthropic) -> None:
+    """``client.models`` lists and retrieves the served model whole as ``ModelInfo``; its errors (an unknown
+    model, a bad ``limit``, a wrong key) come in Anthropic's shape, while OpenAI's clients still get OpenAI's."""
+    listed = client.models.list()
+    assert [info.id for info in listed] == ["tiny"] and (listed.first_id, listed.has_more) == ("tiny", False)
+    info = client.models.retrieve("tiny")
+    assert (info.type, info.display_name, info.lifecycle, info.created_at.tzinfo is not None) == (
+        "model",
+        "tiny",
+        "active",
+        True,
+    )
+    assert info.max_input_tokens == MAX_MODEL_LEN and info == listed.data[0]
+    assert [page.data for page in client.models.list(after_id="tiny").iter_pages()] == [[]]
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client.models.retrieve("claude-opus-4")
+    assert unknown.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert "claude-opus-4" in unknown.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.models.list(limit=0)
+    assert bad.value.body["type"] == "error" and "'limit'" in bad.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.AuthenticationError) as stranger:
+        anthropic.Anthropic(base_url=cluster, api_key="wrong", max_retries=0).models.list()
+    assert stranger.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    plain = requests.get(
+        f"{cluster}/v1/models/claude-opus-4", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30
+    )
+    assert plain.status_code == 404 and plain.json()["error"]["param"] == "model"
+
+
 def test_an_assistant_prefill_is_continued(client: anthropic.Anthropic, chat_client: openai.OpenAI) -> None:
     """The answer goes on from the final assistant text, as the completions API goes on from the same prompt."""
     messages = [{"role": "user", "content": "Reply in JSON: the weather."}, {"role": "assistant", "content": '{"sky":'}]
