@@ -122,7 +122,7 @@ class GrpcService:
                 )
             else:
                 call = await self._raw_call(request_id, parsed, tenant, session_id, hints, priority)
-            stream = self._stream(call, parsed)
+            stream = self._stream(call, parsed, prompt_ids=request.return_prompt_token_ids)
             result, steps, first = await pipeline.start(call)
         except Exception as err:  # anything else too: never Serve's INTERNAL with a traceback in it
             raise self._fail(grpc_context, "grpc", client_error(err, request_id)) from None
@@ -156,7 +156,7 @@ class GrpcService:
             request_id, prompt_ids, params, tenant, session_id, hints, priority=priority, cache_salt=raw.cache_salt
         )
 
-    def _stream(self, call: Call, parsed: ChatRequest | RawPrompt) -> GrpcStream:
+    def _stream(self, call: Call, parsed: ChatRequest | RawPrompt, *, prompt_ids: bool) -> GrpcStream:
         params = call.params
         token_bytes = self.pipeline.token_bytes if params.logprobs else None
         return GrpcStream(
@@ -165,6 +165,7 @@ class GrpcService:
             parallel_tool_calls=parsed.parallel_tool_calls if isinstance(parsed, ChatRequest) else True,
             token_text=self._token_text,
             token_bytes=token_bytes,
+            prompt_token_ids=call.prompt_token_ids if prompt_ids else None,
         )
 
     def _token_text(self, token_id: int) -> str:

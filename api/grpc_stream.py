@@ -7,6 +7,7 @@ Delta --> text         the delta's text; for a call that offered tools only its 
                        request said ``parallel_tool_calls: false``)
       --> logprobs     each token's logprob; with ``top_logprobs`` its alternatives, with their text
                        and exact bytes
+      --> prompt ids   on the stream's first message, the prompt's token ids, when the request asked
       --> finish       ``tool_calls`` once the completion called a tool, else the engine's reason; the
                        message that ends the last completion carries the request's usage,
                        its energy too (settled by the pipeline on the call's last step)
@@ -29,7 +30,16 @@ TOOL_CALLS_FINISH = "tool_calls"
 class GrpcStream:
     """Turns one call's deltas into the messages of its ``Generate`` stream, in order."""
 
-    __slots__ = ("_num_calls", "_num_finished", "_parallel_tool_calls", "_token_bytes", "_token_text", "_tools", "n")
+    __slots__ = (
+        "_num_calls",
+        "_num_finished",
+        "_parallel_tool_calls",
+        "_prompt_token_ids",
+        "_token_bytes",
+        "_token_text",
+        "_tools",
+        "n",
+    )
 
     def __init__(
         self,
@@ -39,6 +49,7 @@ class GrpcStream:
         parallel_tool_calls: bool = True,
         token_text: Callable[[int], str],
         token_bytes: Callable[[int], bytes] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.n = n
         self._tools = tools  # the call offered tools: its deltas carry the replica's split
@@ -47,9 +58,13 @@ class GrpcStream:
         self._token_bytes = token_bytes  # set when the request asked for top_logprobs
         self._num_calls: dict[int, int] = {}
         self._num_finished = 0
+        self._prompt_token_ids = prompt_token_ids  # sent with the first message, when asked for
 
     def response(self, delta: Delta, result: CallResult) -> pb.GenerateResponse:
         response = pb.GenerateResponse(index=delta.index, token_ids=delta.token_ids)
+        if self._prompt_token_ids is not None:
+            response.prompt_token_ids.extend(self._prompt_token_ids)
+            self._prompt_token_ids = None
         if self._tools:
             response.text = "".join(piece.content for piece in delta.tool_parse)
             response.reasoning = "".join(piece.reasoning for piece in delta.tool_parse)

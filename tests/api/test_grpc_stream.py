@@ -114,6 +114,15 @@ def test_usage_waits_for_the_last_completion() -> None:
     ]
 
 
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_prompt_s_token_ids_go_out_once_on_the_first_message_when_asked(asked: bool) -> None:
+    stream = GrpcStream(n=2, tools=False, token_text=str, prompt_token_ids=(7, 8, 9) if asked else None)
+    first, second = replica_deltas(["a", "b"], "stop", index=1, tools=False), replica_deltas(["c"], "stop", tools=False)
+    out = responses(stream, [first[0], second[0], first[1]])
+    assert [list(r.prompt_token_ids) for r in out] == [[7, 8, 9] if asked else [], [], []]
+    assert [r.token_ids[0] for r in out] == [0, 0, 1] and out[-1].HasField("usage")
+
+
 def test_alternatives_carry_text_and_exact_bytes(tokenizer: Tokenizer) -> None:
     token_bytes = TokenBytes(tokenizer.backend)
     stream = GrpcStream(n=1, tools=False, token_text=lambda i: token_display(token_bytes(i)), token_bytes=token_bytes)

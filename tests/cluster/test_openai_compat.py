@@ -551,6 +551,25 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(
     assert _extra(streamed[0], "prompt_token_ids") == expected_prompt
     streamed_ids = [t for chunk in streamed for choice in chunk.choices for t in _extra(choice, "token_ids") or []]
     assert streamed_ids == answer_ids
+    # gRPC's return_prompt_token_ids: the first message carries the prompt's ids as the model reads them, a
+    # chat's as the template renders it, a text's as truncation kept it; not asked, none.
+    question = [{"role": "user", "content": "What is in README.md?"}]
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = pb_grpc.RayTurnStub(channel)
+        greedy = pb.SamplingOptions(max_tokens=3, temperature=0)
+        chat_request = pb.GenerateRequest(
+            messages=pb.Messages(messages=[pb.ChatMessage(**question[0])]),
+            sampling=greedy,
+            return_prompt_token_ids=True,
+        )
+        replies = list(stub.Generate(chat_request, timeout=120))
+        assert list(replies[0].prompt_token_ids) == _hf_chat_ids(hf_tokenizer, question, add_generation_prompt=True)
+        assert len(replies) > 1 and not any(reply.prompt_token_ids for reply in replies[1:])
+        cut = pb.SamplingOptions(max_tokens=2, temperature=0, truncate_prompt_tokens=20)
+        replies = list(stub.Generate(pb.GenerateRequest(text=LONG_PROMPT, sampling=cut, return_prompt_token_ids=True)))
+        assert list(replies[0].prompt_token_ids) == token_ids[-20:] and replies[-1].usage.prompt_tokens == 20
+        plain = stub.Generate(pb.GenerateRequest(text=LONG_PROMPT, sampling=greedy), timeout=120)
+        assert not any(reply.prompt_token_ids for reply in plain)
 
 
 def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
