@@ -566,7 +566,8 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(
         assert list(replies[0].prompt_token_ids) == _hf_chat_ids(hf_tokenizer, question, add_generation_prompt=True)
         assert len(replies) > 1 and not any(reply.prompt_token_ids for reply in replies[1:])
         cut = pb.SamplingOptions(max_tokens=2, temperature=0, truncate_prompt_tokens=20)
-        replies = list(stub.Generate(pb.GenerateRequest(text=LONG_PROMPT, sampling=cut, return_prompt_token_ids=True)))
+        asked = pb.GenerateRequest(text=LONG_PROMPT, sampling=cut, return_prompt_token_ids=True)
+        replies = list(stub.Generate(asked, timeout=120))
         assert list(replies[0].prompt_token_ids) == token_ids[-20:] and replies[-1].usage.prompt_tokens == 20
         plain = stub.Generate(pb.GenerateRequest(text=LONG_PROMPT, sampling=greedy), timeout=120)
         assert not any(reply.prompt_token_ids for reply in plain)
