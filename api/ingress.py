@@ -122,6 +122,10 @@ class Ingress:
     async def create_response(self, request: Request) -> Response:
         return await self.responses.create(request, new_request_id())
 
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(self, request: Request) -> Response:
+        return await self.responses.input_tokens(request, new_request_id())
+
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> Response:
         return await self.responses.retrieve(request, response_id, new_request_id())

@@ -51,6 +51,7 @@ from .json_schema import (
     string,
 )
 from .openapi_agents import PARAMETERS, messages_request_schema, responses_request_schema
+from .openapi_operations import ERROR_SCHEMAS, operation
 from .openapi_sampling import sampling_properties
 from .protocol import PROMPT_CACHE_RETENTION_S
 from .tokenize_request import CHAT_ONLY_FIELDS
@@ -271,53 +272,7 @@ def detokenize_request_schema(served_model: str, vocab_size: int) -> JSON:
     return object_of({"model": enum_of(served_model, ""), "tokens": token_ids}, ("tokens",))
 
 
-# -- errors and the document ----------------------------------------------------------------------
-
-ERROR_SCHEMAS: JSON = {
-    "OpenAIError": object_of(
-        {
-            "error": object_of(
-                {
-                    "message": string(),
-                    "type": string(),
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "null"]},
-                },
-                ("message", "type", "param", "code"),
-            )
-        },
-        ("error",),
-    ),
-    "AnthropicError": object_of(
-        {"type": {"const": "error"}, "error": object_of({"type": string(), "message": string()}, ("type", "message"))},
-        ("type", "error"),
-    ),
-}
-
-
-def _errors(shape: str) -> JSON:
-    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}
-    return {
-        "4XX": {"description": "The request was refused.", "content": content},
-        "5XX": {"description": "The server failed; retry.", "content": content},
-    }
-
-
-def _operation(
-    summary: str, shape: str, body: JSON | None = None, *, streams: bool = False, parameters: list[JSON] | None = None
-) -> JSON:
-    ok_content: JSON = {"application/json": {"schema": {"type": "object"}}}
-    if streams:
-        ok_content["text/event-stream"] = {"schema": {"type": "string"}}
-    operation: JSON = {"summary": summary, "responses": {"200": {"description": "OK", "content": ok_content}}}
-    operation["responses"] |= _errors(shape)
-    if parameters is not None:
-        operation["parameters"] = parameters
-    if body is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-        operation["x-rayturn-rules"] = body.pop("x-rayturn-rules", [])
-    return operation
-
+# -- the document ----------------------------------------------------------------------------------
 
 _HEALTH: JSON = {
     "summary": "Pool health",
@@ -335,7 +290,7 @@ def openapi_document(
         "info": {"title": "rayturn", "version": __version__},
         "paths": {
             "/v1/chat/completions": {
-                "post": _operation(
+                "post": operation(
                     "OpenAI chat completions",
                     "OpenAIError",
                     chat_request_schema(served_model, vocab_size, reasoning=reasoning, max_model_len=max_model_len),
@@ -343,55 +298,62 @@ def openapi_document(
                 )
             },
             "/v1/completions": {
-                "post": _operation(
+                "post": operation(
                     "OpenAI completions",
                     "OpenAIError",
                     completion_request_schema(served_model, vocab_size, max_model_len),
                     streams=True,
                 )
             },
-            "/v1/models": {"get": _operation("The served model", "OpenAIError", parameters=PARAMETERS["models_page"])},
+            "/v1/models": {"get": operation("The served model", "OpenAIError", parameters=PARAMETERS["models_page"])},
             "/v1/models/{model_id}": {
-                "get": _operation("The served model's card", "OpenAIError", parameters=PARAMETERS["model_id"])
+                "get": operation("The served model's card", "OpenAIError", parameters=PARAMETERS["model_id"])
             },
             "/tokenize": {
-                "post": _operation(
+                "post": operation(
                     "Token ids of a text or a chat (vLLM's)", "OpenAIError", tokenize_request_schema(served_model)
                 )
             },
             "/detokenize": {
-                "post": _operation(
+                "post": operation(
                     "The text of token ids (vLLM's)", "OpenAIError", detokenize_request_schema(served_model, vocab_size)
                 )
             },
             "/v1/messages": {
-                "post": _operation(
+                "post": operation(
                     "Anthropic Messages", "AnthropicError", messages_request_schema(served_model), streams=True
                 )
             },
             "/v1/messages/count_tokens": {
-                "post": _operation(
+                "post": operation(
                     "Anthropic token count", "AnthropicError", messages_request_schema(served_model, count_tokens=True)
                 )
             },
             "/v1/responses": {
-                "post": _operation(
+                "post": operation(
                     "OpenAI Responses", "OpenAIError", responses_request_schema(served_model, vocab_size), streams=True
                 )
             },
+            "/v1/responses/input_tokens": {
+                "post": operation(
+                    "Count a response's input tokens",
+                    "OpenAIError",
+                    responses_request_schema(served_model, vocab_size, input_tokens=True),
+                )
+            },
             "/v1/responses/{response_id}": {
-                "get": _operation("A stored response", "OpenAIError", parameters=PARAMETERS["response_read"]),
-                "delete": _operation("Delete a stored response", "OpenAIError", parameters=PARAMETERS["response_id"]),
+                "get": operation("A stored response", "OpenAIError", parameters=PARAMETERS["response_read"]),
+                "delete": operation("Delete a stored response", "OpenAIError", parameters=PARAMETERS["response_id"]),
             },
             "/v1/responses/{response_id}/input_items": {
-                "get": _operation("A response's input items", "OpenAIError", parameters=PARAMETERS["input_items"]),
+                "get": operation("A response's input items", "OpenAIError", parameters=PARAMETERS["input_items"]),
             },
             "/v1/responses/{response_id}/cancel": {
-                "post": _operation("Cancel a background response", "OpenAIError", parameters=PARAMETERS["response_id"]),
+                "post": operation("Cancel a background response", "OpenAIError", parameters=PARAMETERS["response_id"]),
             },
             "/health": {"get": _HEALTH},
             "/ping": {"get": {**_HEALTH, "summary": "Pool health, as SageMaker probes it (also POST)"}},
-            "/version": {"get": _operation("The server's version", "OpenAIError")},
+            "/version": {"get": operation("The server's version", "OpenAIError")},
         },
         "components": {"schemas": ERROR_SCHEMAS},
     }

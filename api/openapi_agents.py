@@ -41,7 +41,7 @@ from .openapi_sampling import sampling_properties
 from .protocol import MAX_TEMPERATURE, PROMPT_CACHE_RETENTION_S
 from .responses_bodies import INCLUDABLE
 from .responses_items import MAX_LIMIT
-from .responses_request import IGNORED_TOOL_TYPES, TRUNCATION_MODES, VERBOSITIES
+from .responses_request import IGNORED_TOOL_TYPES, INPUT_TOKEN_FIELDS, TRUNCATION_MODES, VERBOSITIES
 
 # -- the Anthropic Messages API -------------------------------------------------------------------
 
@@ -304,7 +304,7 @@ RESPONSES_SAMPLING = (
 )
 
 
-def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
+def responses_request_schema(served_model: str, vocab_size: int, *, input_tokens: bool = False) -> JSON:
     shared = sampling_properties(vocab_size)
     properties = {
         **{name: shared[name] for name in RESPONSES_SAMPLING},
@@ -345,11 +345,19 @@ def responses_request_schema(served_model: str, vocab_size: int) -> JSON:
         "chat_template_kwargs": TEMPLATE_KWARGS,
         "structured_outputs": STRUCTURED_OUTPUTS,
     }
+    continues = "'previous_response_id' names a response stored for the same tenant, completed or incomplete"
+    chooses = "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared"
+    if input_tokens:  # ``POST /v1/responses/input_tokens``: the fields that make the prompt
+        counted = {name: properties[name] for name in INPUT_TOKEN_FIELDS if name in properties}
+        choice_needs_tools = {"tool_choice": {"required": ["tools"]}}
+        return object_of(
+            counted, ("input",), dependentSchemas=choice_needs_tools, **{"x-rayturn-rules": [continues, chooses]}
+        )
     rules = [
         *SHARED_RULES,
-        "'previous_response_id' names a response stored for the same tenant, completed or incomplete",
+        continues,
         "'background': true needs 'store': true",
-        "a 'tool_choice' of 'required' or a named function needs function tools; a named one is declared",
+        chooses,
         STRUCTURED_OUTPUT_RULE,
         token_filter_rule("text.format"),
         MIN_TOKENS_RULE,

@@ -95,6 +95,9 @@ IGNORED_TOOL_TYPES = (
 )
 TRUNCATION_MODES = ("auto", "disabled")
 VERBOSITIES = ("low", "medium", "high")
+# The fields of ``POST /v1/responses/input_tokens`` (OpenAI's, and the template's variables): a prompt's makings.
+INPUT_TOKEN_FIELDS: tuple[str, ...] = ("model", "input", "instructions", "previous_response_id", "tools", "tool_choice")
+INPUT_TOKEN_FIELDS += ("parallel_tool_calls", "reasoning", "text", "truncation", "conversation", "chat_template_kwargs")
 _UNSUPPORTED_FIELDS = {
     "conversation": "conversations are not supported; send 'previous_response_id' or the whole input",
     "prompt": "prompt templates are not supported; send 'input' and 'instructions'",
@@ -160,6 +163,13 @@ class ResponsesRequest:
             template_kwargs=self.template_kwargs,
             cache_salt=self.cache_salt,
         )
+
+
+def parse_input_tokens_request(body: object, served_model: str) -> ResponsesRequest:
+    """A ``POST /v1/responses/input_tokens`` body: the fields that make a response's prompt, read as a response's
+    (the others are left out: nothing is generated or stored)."""
+    kept = {key: value for key, value in body.items() if key in INPUT_TOKEN_FIELDS} if isinstance(body, dict) else body
+    return parse_responses_request(kept, served_model)
 
 
 def parse_responses_request(body: object, served_model: str) -> ResponsesRequest:

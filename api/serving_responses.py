@@ -1,6 +1,6 @@
-"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
-``GET /v1/responses/{id}/input_items``: one straight pass from the body to the answer (under ``background``,
-made by a task: ``background_responses``).
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``,
+``GET /v1/responses/{id}/input_items`` and ``POST /v1/responses/input_tokens`` (a prompt's count): one straight
+pass from the body to the answer (under ``background``, made by a task: ``background_responses``).
 
 body, its item references resolved (responses_items)
      --> ResponsesRequest (responses_request), after the conversation ``previous_response_id`` names (response_store)
@@ -43,13 +43,14 @@ from .responses_bodies import (
     response_usage,
 )
 from .responses_items import items_page, listed_items, page_query, resolve_references
-from .responses_request import ResponsesRequest, parse_responses_request
+from .responses_request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
 from .responses_stream import ResponsesStream, sse_event
 from .serving import NO_CACHE, HTTPServing, replica_headers, sse_response
 
 API = "responses"
 # Reading and deleting stored responses, counted apart from the calls that make them.
 STORE_API = "responses_store"
+COUNT_API = "responses_input_tokens"
 # The statuses of a response with an answer a later call can continue.
 ANSWERED = ("completed", "incomplete")
 
@@ -112,6 +113,23 @@ class ServingResponses(HTTPServing):
         answer = self._answer(turn, result)
         self.succeeded(API)
         return JSONResponse(answer, headers=replica_headers(result))
+
+    async def input_tokens(self, request: Request, request_id: str) -> JSONResponse:
+        """How many tokens the prompt of a response made from this body holds (the conversation it continues, its
+        instructions, tools and input, cut as its ``truncation`` says), counted as a call counts them; nothing is
+        generated or stored."""
+        try:
+            tenant = self.authorize(request)
+            body, num_bytes = await self.json_body(request)
+            body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
+            parsed = parse_input_tokens_request(body, self.served_model)
+            previous = self._previous(parsed, tenant)
+            chat = parsed.chat(previous.messages if previous is not None else ())
+            prompt_ids = await self.pipeline.chat_prompt(chat, num_bytes)
+        except Exception as err:
+            return self.failure(COUNT_API, err, request_id)
+        self.succeeded(COUNT_API)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     async def retrieve(self, request: Request, response_id: str, request_id: str) -> Response:
         """The response as it stands; ``?stream=true`` (a streamed background response): its events after the

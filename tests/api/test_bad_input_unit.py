@@ -31,7 +31,7 @@ from rayturn.api.json_schema import token_id_key
 from rayturn.api.openapi import openapi_document
 from rayturn.api.protocol import MIN_LOGIT_DIVISOR, SamplingSpec, to_sampling_params
 from rayturn.api.request_limits import check_json_media_type, parse_json
-from rayturn.api.responses_request import parse_responses_request
+from rayturn.api.responses_request import parse_input_tokens_request, parse_responses_request
 from rayturn.api.session import optional_session_id
 from rayturn.api.tokenize_request import parse_detokenize_request, parse_tokenize_request
 from rayturn.engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
@@ -220,6 +220,7 @@ PARSERS: dict[str, Callable[[object, str], Any]] = {
     "/v1/completions": parse_completion_request,
     "/v1/messages": parse_messages_request,
     "/v1/responses": parse_responses_request,
+    "/v1/responses/input_tokens": parse_input_tokens_request,
     "/tokenize": parse_tokenize_request,
     "/detokenize": lambda body, model: parse_detokenize_request(body, model, VOCAB_SIZE),
 }
@@ -255,6 +256,13 @@ GOOD = {
         "stop_token_ids": [3],
         "n": 1,
         "include": ["reasoning.encrypted_content", "message.output_text.logprobs", "web_search_call.action.sources"],
+    },
+    "/v1/responses/input_tokens": {
+        "input": [USER],
+        "instructions": "Be terse.",
+        "tools": [{"type": "function", "name": "f"}],
+        "tool_choice": "required",
+        "truncation": "auto",
     },
     "/tokenize": {
         "messages": [USER, {"role": "assistant", "content": "Sure"}],
@@ -312,6 +320,12 @@ BAD = {
         {"input": "x", "seed": "7"},
         {"input": "x", "vllm_xargs": {"a": 1}},
         {"input": "x", "include": ["message.output_text.logprob"]},
+    ],
+    "/v1/responses/input_tokens": [
+        {},
+        {"input": []},
+        {"input": "x", "tool_choice": "required"},
+        {"input": "x", "truncation": "no"},
     ],
     "/tokenize": [
         {},

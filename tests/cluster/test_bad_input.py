@@ -185,11 +185,12 @@ def drawable(document: dict[str, Any]) -> dict[str, Any]:
 
 def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     """The ``x-rayturn-rules`` JSON Schema cannot state: unique tool names, a named tool choice that is
-    declared, a ``previous_response_id`` or an ``item_reference`` that names a stored response or item (state,
-    not shape: none is drawn), a chat's ``continue_final_message`` after an assistant's text, an Anthropic
-    prefill without trailing whitespace, a structured output's regex or grammar that compiles, token filters
-    (``allowed_token_ids``, ``bad_words``) only without a guide, ``min_tokens`` within the answer's bound, and
-    the ``UNDRAWN_RULES``: a chat's ``top_logprobs`` with ``logprobs: true``."""
+    declared, a ``required`` one with tools to call, a ``previous_response_id`` or an ``item_reference`` that
+    names a stored response or item (state, not shape: none is drawn), a chat's ``continue_final_message``
+    after an assistant's text, an Anthropic prefill without trailing whitespace, a structured output's regex
+    or grammar that compiles, token filters (``allowed_token_ids``, ``bad_words``) only without a guide,
+    ``min_tokens`` within the answer's bound, and the ``UNDRAWN_RULES``: a chat's ``top_logprobs`` with
+    ``logprobs: true``."""
     text = final_text(body)
     continues = body.get("continue_final_message") is True
     if path in ("/v1/chat/completions", "/tokenize") and continues and not (text and text.strip()):
@@ -210,6 +211,8 @@ def keeps_the_documented_rules(path: str, body: dict[str, Any]) -> bool:
     tools = [tool for tool in body.get("tools") or [] if tool.get("type") in (None, "function", "custom")]
     names = [tool.get("name") or tool.get("function", {}).get("name") for tool in tools]
     choice = body.get("tool_choice")
+    if choice == "required" and not names:
+        return False
     if isinstance(choice, dict) and choice["type"] in ("tool", "function"):
         chosen = choice.get("name") or choice.get("function", {}).get("name")
         if chosen not in names:

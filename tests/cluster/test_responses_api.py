@@ -214,6 +214,15 @@ def test_a_stored_response_is_continued_from_the_cache(cluster: str, client: ope
     )
     assert again.output_text == second.output_text and again.usage is not None
     assert again.usage.input_tokens == second.usage.input_tokens and again.usage.input_tokens_details.cached_tokens
+    # Counted before it is sent, the continuation is the prompt the call sent; by reference too, and for bob's key
+    # the conversation is not found.
+    continuation = {"instructions": INSTRUCTIONS, "input": [{"role": "user", "content": "And a faster one?"}]}
+    counted = client.responses.input_tokens.count(model="tiny", previous_response_id=first.id, **continuation)  # type: ignore[arg-type]
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", second.usage.input_tokens)
+    references = [{"type": "item_reference", "id": item.id} for item in reversed(items)]
+    assert client.responses.input_tokens.count(instructions=INSTRUCTIONS, input=references).input_tokens == (  # type: ignore[arg-type]
+        second.usage.input_tokens
+    )
 
     bob = openai.OpenAI(base_url=f"{cluster}/v1", api_key=BOB_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as other_tenant:
@@ -223,6 +232,9 @@ def test_a_stored_response_is_continued_from_the_cache(cluster: str, client: ope
         bob.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         bob.responses.input_items.list(second.id)
+    with pytest.raises(openai.BadRequestError) as not_bobs:
+        bob.responses.input_tokens.count(model="tiny", previous_response_id=first.id, input="hi")
+    assert not_bobs.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
     client.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError):
