@@ -16,7 +16,7 @@ import asyncio
 import contextvars
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -72,6 +72,10 @@ class _Turn:
         return (*(self.previous.held_items() if self.previous is not None else ()), *self.inputs)
 
 
+# A body read as a response's (``ServingResponses._read``).
+_Read = tuple[str, JSON, int, ResponsesRequest, StoredResponse | None, ChatRequest]
+
+
 class ServingResponses(HTTPServing):
     def __init__(
         self, pipeline: CallPipeline, store: ResponseStore | None = None, runs: BackgroundRuns | None = None
@@ -82,13 +86,8 @@ class ServingResponses(HTTPServing):
 
     async def create(self, request: Request, request_id: str) -> Response:
         try:
-            tenant = self.authorize(request)
-            body, num_bytes = await self.json_body(request)
-            body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
-            parsed = parse_responses_request(body, self.served_model)
-            previous = self._previous(parsed, tenant)
-            inputs = tuple(listed_items(cast(JSON, body)["input"])) if parsed.store else ()  # the body parsed
-            chat = parsed.chat(previous.messages if previous is not None else ())
+            tenant, body, num_bytes, parsed, previous, chat = await self._read(request, parse_responses_request)
+            inputs = tuple(listed_items(body["input"])) if parsed.store else ()  # the body parsed
             prepared = await self.prepare_chat(
                 request_id,
                 request,
@@ -119,17 +118,23 @@ class ServingResponses(HTTPServing):
         instructions, tools and input, cut as its ``truncation`` says), counted as a call counts them; nothing is
         generated or stored."""
         try:
-            tenant = self.authorize(request)
-            body, num_bytes = await self.json_body(request)
-            body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
-            parsed = parse_input_tokens_request(body, self.served_model)
-            previous = self._previous(parsed, tenant)
-            chat = parsed.chat(previous.messages if previous is not None else ())
+            _, _, num_bytes, _, _, chat = await self._read(request, parse_input_tokens_request)
             prompt_ids = await self.pipeline.chat_prompt(chat, num_bytes)
         except Exception as err:
             return self.failure(COUNT_API, err, request_id)
         self.succeeded(COUNT_API)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
+
+    async def _read(self, request: Request, parse: Callable[[object, str], ResponsesRequest]) -> _Read:
+        """A body read as a response's: the caller's tenant, the body (its item references resolved) and its size,
+        the request ``parse`` reads from it, the stored response it continues, and the chat they make."""
+        tenant = self.authorize(request)
+        body, num_bytes = await self.json_body(request)
+        body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
+        parsed = parse(body, self.served_model)
+        previous = self._previous(parsed, tenant)
+        chat = parsed.chat(previous.messages if previous is not None else ())
+        return tenant, cast(JSON, body), num_bytes, parsed, previous, chat
 
     async def retrieve(self, request: Request, response_id: str, request_id: str) -> Response:
         """The response as it stands; ``?stream=true`` (a streamed background response): its events after the
