@@ -72,8 +72,16 @@ class _Turn:
         return (*(self.previous.held_items() if self.previous is not None else ()), *self.inputs)
 
 
-# A body read as a response's (``ServingResponses._read``).
-_Read = tuple[str, JSON, int, ResponsesRequest, StoredResponse | None, ChatRequest]
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A body read as a response's (``ServingResponses._read``)."""
+
+    tenant: str
+    body: JSON  # its item references resolved
+    num_bytes: int
+    request: ResponsesRequest
+    previous: StoredResponse | None  # the stored response it continues
+    chat: ChatRequest
 
 
 class ServingResponses(HTTPServing):
@@ -86,20 +94,21 @@ class ServingResponses(HTTPServing):
 
     async def create(self, request: Request, request_id: str) -> Response:
         try:
-            tenant, body, num_bytes, parsed, previous, chat = await self._read(request, parse_responses_request)
-            inputs = tuple(listed_items(body["input"])) if parsed.store else ()  # the body parsed
+            read = await self._read(request, parse_responses_request)
+            parsed = read.request
+            inputs = tuple(listed_items(read.body["input"])) if parsed.store else ()  # the body parsed
             prepared = await self.prepare_chat(
                 request_id,
                 request,
-                tenant,
-                chat,
-                num_bytes,
+                read.tenant,
+                read.chat,
+                read.num_bytes,
                 body_session=parsed.body_session,
                 prompt_param="input",
                 max_tokens_param="max_output_tokens",
             )
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
-            turn = _Turn(parsed, chat, previous, tenant, frame, num_bytes, inputs)
+            turn = _Turn(parsed, read.chat, read.previous, read.tenant, frame, read.num_bytes, inputs)
             if parsed.background:
                 return self._background(turn, prepared)
             result, steps, first = await self.pipeline.start(prepared)
@@ -118,23 +127,23 @@ class ServingResponses(HTTPServing):
         instructions, tools and input, cut as its ``truncation`` says), counted as a call counts them; nothing is
         generated or stored."""
         try:
-            _, _, num_bytes, _, _, chat = await self._read(request, parse_input_tokens_request)
-            prompt_ids = await self.pipeline.chat_prompt(chat, num_bytes)
+            read = await self._read(request, parse_input_tokens_request)
+            prompt_ids = await self.pipeline.chat_prompt(read.chat, read.num_bytes)
         except Exception as err:
             return self.failure(COUNT_API, err, request_id)
         self.succeeded(COUNT_API)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     async def _read(self, request: Request, parse: Callable[[object, str], ResponsesRequest]) -> _Read:
-        """A body read as a response's: the caller's tenant, the body (its item references resolved) and its size,
-        the request ``parse`` reads from it, the stored response it continues, and the chat they make."""
+        """A body read as a response's: the caller's tenant, the body and its size, the request ``parse`` reads
+        from it, the stored response it continues, and the chat they make."""
         tenant = self.authorize(request)
         body, num_bytes = await self.json_body(request)
         body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
         parsed = parse(body, self.served_model)
         previous = self._previous(parsed, tenant)
         chat = parsed.chat(previous.messages if previous is not None else ())
-        return tenant, cast(JSON, body), num_bytes, parsed, previous, chat
+        return _Read(tenant, cast(JSON, body), num_bytes, parsed, previous, chat)
 
     async def retrieve(self, request: Request, response_id: str, request_id: str) -> Response:
         """The response as it stands; ``?stream=true`` (a streamed background response): its events after the
