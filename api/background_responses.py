@@ -11,21 +11,28 @@ the response store, with its events when it was streamed, and leaves here.
 
 A replica runs at most ``max_running`` background responses at once (a 429
 past that), so a client cannot queue unbounded work it never waits for. A
-replica's restart loses those still running, as it loses its store.
+replica's restart loses those still running. With several ingress replicas the
+others see a run through the response store they share (``shared_responses``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
 
 from .errors import invalid_request, rate_limited
 from .protocol import JSON
+from .response_store import RUNNING
 from .responses_bodies import ResponseFrame
+from .responses_stream import sse_event
+from .serving import NO_CACHE
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 128
-# The statuses of a response that is still being computed.
-RUNNING = ("queued", "in_progress")
 
 
 def starting_after(value: str | None) -> int:
@@ -47,10 +54,14 @@ def stream_query(value: str | None) -> bool:
     raise invalid_request(f"Invalid 'stream': expected true or false, got {value!r}.", param="stream")
 
 
-async def replay(events: Sequence[JSON], after: int) -> AsyncIterator[JSON]:
-    """A finished stream's events after sequence number ``after``."""
-    for event in events[after + 1 :]:
-        yield event
+def event_stream(events: AsyncIterator[JSON]) -> StreamingResponse:
+    """A background response's events as a stream (no replica header: the call is its task's)."""
+    return StreamingResponse(sse_events(events), media_type="text/event-stream", headers=NO_CACHE)
+
+
+async def sse_events(events: AsyncIterator[JSON]) -> AsyncIterator[str]:
+    async for event in events:
+        yield sse_event(event)
 
 
 class BackgroundRun:
@@ -66,6 +77,8 @@ class BackgroundRun:
         self.body = frame.body("queued", [])
         self.events: list[JSON] = []
         self.task: asyncio.Task[None] | None = None
+        # Done once its end is stored and it left the runs.
+        self.saved: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._changed = asyncio.Event()
 
     @property
@@ -124,12 +137,18 @@ class BackgroundRuns:
     def discard(self, run: BackgroundRun) -> None:
         self._runs.pop((run.tenant, run.response_id), None)
 
+    def saved(self, run: BackgroundRun, saving: asyncio.Future[None]) -> None:
+        """``run``'s end stored (``saving`` done): it leaves the runs."""
+        if not saving.cancelled() and saving.exception() is not None:
+            logger.warning("background response %s was not stored: %r", run.response_id, saving.exception())
+        self.discard(run)
+        run.saved.set_result(None)
+
     async def cancel(self, run: BackgroundRun) -> None:
-        """Stop ``run``'s task (the decode replica stops its sequence) and mark it cancelled."""
-        if not run.running:
-            return
-        run.cancelled()
-        if run.task is not None and not run.task.done():
-            run.task.cancel()
-            # The task's own ending (storing the cancelled response) runs before the caller is answered.
-            await asyncio.wait([run.task])
+        """Stop ``run``'s task (the decode replica stops its sequence) and mark it cancelled; returns once its end
+        is stored, so the caller is answered after every replica can read it."""
+        if run.running:
+            run.cancelled()
+            if run.task is not None and not run.task.done():
+                run.task.cancel()
+        await asyncio.shield(run.saved)

@@ -71,13 +71,17 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> Response
 
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, decode: Any, prefill: Any, store_nodes: Any, settings: IngressSettings) -> None:
+    def __init__(
+        self, decode: Any, prefill: Any, store_nodes: Any, settings: IngressSettings, responses: Any = None
+    ) -> None:
+        """``responses``: the ``responses`` deployment every ingress replica keeps its responses in (several
+        replicas: ``shared_responses``), else None (this replica keeps its own)."""
         self.pipeline = CallPipeline(decode, prefill, store_nodes, settings)
         self.http = HTTPServing(self.pipeline)
         self.chat = ServingChat(self.pipeline)
         self.completion = ServingCompletion(self.pipeline)
         self.messages = ServingMessages(self.pipeline)
-        self.responses = ServingResponses(self.pipeline)
+        self.responses = ServingResponses(self.pipeline, responses)
         self.tokens = ServingTokens(self.pipeline)
         self.grpc = GrpcService(self.pipeline)
         self.created = int(time.time())

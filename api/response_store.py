@@ -1,12 +1,13 @@
-"""Finished responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``, per ingress replica.
+"""Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: in the ingress replica with one,
+else in the ``responses`` deployment every ingress replica shares (``shared_responses``).
 
 Each entry holds a response's body, its conversation as chat messages
 (the history it continued, its input, its answer; never the instructions,
 which OpenAI does not carry over either) and the items it was made from
 (``responses_items``), under its tenant: a lookup under another tenant finds
-nothing, a response's or an item's. Entries live in memory only, so a replica's
-restart forgets them, and with several ingress replicas a continuation must
-reach the replica that served its predecessor.
+nothing, a response's or an item's. Entries live in memory only, so a restart
+of the replica holding them forgets them. A background response is kept while
+it runs too (its status, and its events so far when streamed).
 
 Bounded three ways, all cheap: at most ``max_entries`` entries and
 ``max_bytes`` bytes (the JSON size of what an entry retains, counted as if
@@ -25,13 +26,16 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .protocol import JSON
+if TYPE_CHECKING:
+    from .protocol import JSON
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_TTL_S = 3600.0
+# The statuses of a response that is still being computed (a background one).
+RUNNING = ("queued", "in_progress")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,8 @@ class StoredResponse:
     events: tuple[JSON, ...] = ()
     # The items it was made from: the responses' it continues (input and output), then its input.
     items: tuple[JSON, ...] = ()
+    # Made with ``background`` and ``stream`` both true: its events can be streamed again.
+    streamed: bool = False
 
     def held_items(self) -> tuple[JSON, ...]:
         """The items an item reference can name: those it was made from and its output."""

@@ -33,6 +33,18 @@ _NEW_ID: dict[str, Callable[[], str]] = {
 }
 
 
+def referenced_ids(body: object) -> list[str]:
+    """The ids the item references in ``body``'s ``input`` name (those that are strings: ``resolve_references``
+    names what is wrong with the others)."""
+    if not isinstance(body, dict) or not isinstance(body.get("input"), list):
+        return []
+    return [
+        item["id"]
+        for item in body["input"]
+        if isinstance(item, dict) and item.get("type") == ITEM_REFERENCE and isinstance(item.get("id"), str)
+    ]
+
+
 def resolve_references(body: object, find: Callable[[str], JSON | None]) -> object:
     """``body`` with each item reference in its ``input`` replaced by the stored item ``find`` returns for its id."""
     if not isinstance(body, dict) or not isinstance(body.get("input"), list):

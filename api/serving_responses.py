@@ -21,17 +21,25 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rayturn.messages import Call
 
-from .background_responses import BackgroundRun, BackgroundRuns, replay, starting_after, stream_query
+from .background_responses import (
+    RUNNING,
+    BackgroundRun,
+    BackgroundRuns,
+    event_stream,
+    sse_events,
+    starting_after,
+    stream_query,
+)
 from .bodies import assistant_output, chat_logprobs, splits_answer
 from .call_result import CompletionState
 from .errors import APIError, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps
 from .protocol import JSON, ChatRequest
-from .response_store import ResponseStore, StoredResponse
+from .response_store import StoredResponse
 from .responses_bodies import (
     ResponseFrame,
     assistant_message,
@@ -42,10 +50,11 @@ from .responses_bodies import (
     response_status,
     response_usage,
 )
-from .responses_items import items_page, listed_items, page_query, resolve_references
+from .responses_items import items_page, listed_items, page_query
 from .responses_request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
-from .responses_stream import ResponsesStream, sse_event
-from .serving import NO_CACHE, HTTPServing, replica_headers, sse_response
+from .responses_stream import ResponsesStream
+from .serving import HTTPServing, replica_headers, sse_response
+from .shared_responses import Responses, Snapshots
 
 API = "responses"
 # Reading and deleting stored responses, counted apart from the calls that make them.
@@ -85,11 +94,10 @@ class _Read:
 
 
 class ServingResponses(HTTPServing):
-    def __init__(
-        self, pipeline: CallPipeline, store: ResponseStore | None = None, runs: BackgroundRuns | None = None
-    ) -> None:
+    def __init__(self, pipeline: CallPipeline, keeper: Any = None, runs: BackgroundRuns | None = None) -> None:
+        """``keeper``: the application's ``responses`` deployment (several ingress replicas), else None."""
         super().__init__(pipeline)
-        self.store = ResponseStore() if store is None else store
+        self.store = Responses(keeper)
         self.runs = BackgroundRuns() if runs is None else runs
 
     async def create(self, request: Request, request_id: str) -> Response:
@@ -110,15 +118,15 @@ class ServingResponses(HTTPServing):
             frame = ResponseFrame(response_id(), int(time.time()), self.served_model, parsed.echo)
             turn = _Turn(parsed, read.chat, read.previous, read.tenant, frame, read.num_bytes, inputs)
             if parsed.background:
-                return self._background(turn, prepared)
+                return await self._background(turn, prepared)
             result, steps, first = await self.pipeline.start(prepared)
             if parsed.stream:
-                return sse_response(_sse(self._events(turn, steps, first, result)), result)
+                return sse_response(sse_events(self._events(turn, steps, first, result)), result)
             async for _ in chain_steps(first, steps):
                 pass
         except Exception as err:
             return self.failure(API, err, request_id)
-        answer = self._answer(turn, result)
+        answer = await self._answer(turn, result)
         self.succeeded(API)
         return JSONResponse(answer, headers=replica_headers(result))
 
@@ -139,9 +147,9 @@ class ServingResponses(HTTPServing):
         from it, the stored response it continues, and the chat they make."""
         tenant = self.authorize(request)
         body, num_bytes = await self.json_body(request)
-        body = resolve_references(body, lambda item_id: self.store.find_item(tenant, item_id))
+        body = await self.store.resolve(body, tenant)
         parsed = parse(body, self.served_model)
-        previous = self._previous(parsed, tenant)
+        previous = await self._previous(parsed, tenant)
         chat = parsed.chat(previous.messages if previous is not None else ())
         return _Read(tenant, cast(JSON, body), num_bytes, parsed, previous, chat)
 
@@ -154,8 +162,8 @@ class ServingResponses(HTTPServing):
             after = starting_after(request.query_params.get("starting_after"))
             run = self.runs.get(tenant, response_id)
             if run is None:
-                found = self._stored(tenant, response_id)
-                body, streamed, events = found.body, bool(found.events), replay(found.events, after)
+                found = await self._stored(tenant, response_id)
+                body, streamed, events = found.body, found.streamed, self.store.follow(found, after)
             else:
                 body, streamed, events = run.body, run.streamed, run.follow(after)
             if stream and not streamed:
@@ -164,7 +172,7 @@ class ServingResponses(HTTPServing):
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
         self.succeeded(STORE_API)
-        return _event_stream(events) if stream else JSONResponse(body)
+        return event_stream(events) if stream else JSONResponse(body)
 
     async def cancel(self, request: Request, response_id: str, request_id: str) -> JSONResponse:
         """Stop a background response still running; one already cancelled is answered as it is."""
@@ -175,7 +183,7 @@ class ServingResponses(HTTPServing):
                 await self.runs.cancel(run)
                 body = run.body
             else:
-                body = self._stored(tenant, response_id).body
+                body = (await self._stored(tenant, response_id, cancel=True)).body
                 if body["status"] != "cancelled":
                     message = (
                         f"Response '{response_id}' is {body['status']}; only a background response still running "
@@ -194,10 +202,10 @@ class ServingResponses(HTTPServing):
             run = self.runs.get(tenant, response_id)
             if run is not None:
                 await self.runs.cancel(run)
-            found = self._stored(tenant, response_id)
+            found = await self._stored(tenant, response_id, cancel=True)
+            await self.store.delete(found.tenant, found.response_id)
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
-        self.store.delete(found.tenant, found.response_id)
         self.succeeded(STORE_API)
         return JSONResponse(deleted(response_id))
 
@@ -207,43 +215,57 @@ class ServingResponses(HTTPServing):
             tenant = self.authorize(request)
             limit, descending, after = page_query(request.query_params)
             run = self.runs.get(tenant, response_id)
-            items = run.input_items if run is not None else self._stored(tenant, response_id).items
+            items = run.input_items if run is not None else (await self._stored(tenant, response_id)).items
             page = items_page(items, limit=limit, descending=descending, after=after)
         except Exception as err:
             return self.failure(STORE_API, err, request_id)
         self.succeeded(STORE_API)
         return JSONResponse(page)
 
-    def _stored(self, tenant: str, response_id: str) -> StoredResponse:
-        found = self.store.get(tenant, response_id)
+    async def _stored(self, tenant: str, response_id: str, *, cancel: bool = False) -> StoredResponse:
+        """The stored response (``cancel``: one another replica is computing, once it stopped), else a 404."""
+        found = await self.store.get(tenant, response_id)
+        if cancel and found is not None and found.body["status"] in RUNNING:
+            found = await self.store.cancel(tenant, response_id)
         if found is None:
             message = f"No response with id '{response_id}' is stored here."
             raise APIError(404, message, param="response_id", code="response_not_found")
         return found
 
-    def _background(self, turn: _Turn, call: Call) -> Response:
+    async def _background(self, turn: _Turn, call: Call) -> Response:
         """Start a background response: answered now (``queued``, or its events as they come), computed by a task."""
         run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream, input_items=turn.items())
         self.runs.add(run)
+        await self._remember(turn, run.body)  # found queued by every replica from now on
+        if not run.running:  # cancelled while it was being stored
+            self._ended(run, turn)
+            return JSONResponse(run.body)
         # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
         # the request's context, which a task would otherwise inherit.
         run.task = asyncio.create_task(self._run(run, turn, call), context=contextvars.Context())
         run.task.add_done_callback(lambda _: self._ended(run, turn))  # even for a task cancelled before it ran
-        return _event_stream(run.follow(-1)) if run.streamed else JSONResponse(run.body)
+        if self.store.shared:  # a cancel that reaches another replica
+            watching = asyncio.create_task(self.store.relay_cancel(run, self.runs), context=contextvars.Context())
+            run.saved.add_done_callback(lambda _: watching.cancel())
+        return event_stream(run.follow(-1)) if run.streamed else JSONResponse(run.body)
 
     async def _run(self, run: BackgroundRun, turn: _Turn, call: Call) -> None:
         """Compute a background response (``_ended`` stores it)."""
         try:
             result, steps, first = await self.pipeline.start(call)
             run.update(turn.frame.body("in_progress", []))
+            await self._remember(turn, run.body)
             if run.streamed:
-                async for event in self._events(turn, steps, first, result):
+                snapshots = Snapshots()
+                async for event in self._events(turn, steps, first, result, store=False):
                     run.push(event)
+                    if self.store.shared and snapshots.due():  # followed from the other replicas
+                        await self._remember(turn, run.body, run.events)
                 run.update(run.events[-1]["response"])
             else:
                 async for _ in chain_steps(first, steps):
                     pass
-                run.update(self._answer(turn, result))
+                run.update(await self._answer(turn, result, store=False))
                 self.succeeded(API)
         except Exception as err:
             failure = client_error(err, call.request_id)
@@ -253,22 +275,24 @@ class ServingResponses(HTTPServing):
                 run.push({"type": "response.failed", "sequence_number": len(run.events), "response": run.body})
 
     def _ended(self, run: BackgroundRun, turn: _Turn) -> None:
-        """Whatever a background response's end, it is stored (with its events) and leaves the runs."""
+        """Whatever a background response's end, it is stored (with its events), then leaves the runs."""
         if run.running:  # its task was cancelled (before it ran, or after its last event) without ``cancel``
             run.cancelled()
         if run.body["status"] == "cancelled":
             self.telemetry.requests.labels(API, "cancelled").inc()
-        self._remember(turn, run.body, run.events)
-        self.runs.discard(run)
+        saving = asyncio.ensure_future(self._remember(turn, run.body, run.events))
+        saving.add_done_callback(lambda done: self.runs.saved(run, done))
 
-    def _previous(self, parsed: ResponsesRequest, tenant: str) -> StoredResponse | None:
+    async def _previous(self, parsed: ResponsesRequest, tenant: str) -> StoredResponse | None:
         if parsed.previous_response_id is None:
             return None
         param = "previous_response_id"
-        if self.runs.get(tenant, parsed.previous_response_id) is not None:
+        found = await self.store.get(tenant, parsed.previous_response_id)
+        if self.runs.get(tenant, parsed.previous_response_id) is not None or (
+            found is not None and found.body["status"] in RUNNING
+        ):
             message = f"Previous response '{parsed.previous_response_id}' is still in progress; wait for it to end."
             raise invalid_request(message, param=param, code="previous_response_in_progress")
-        found = self.store.get(tenant, parsed.previous_response_id)
         if found is None:
             message = (
                 f"Previous response with id '{parsed.previous_response_id}' not found. Responses are kept only when "
@@ -280,7 +304,8 @@ class ServingResponses(HTTPServing):
             raise invalid_request(message, param=param, code="previous_response_unanswered")
         return found
 
-    def _answer(self, turn: _Turn, result: CallResult) -> JSON:
+    async def _answer(self, turn: _Turn, result: CallResult, *, store: bool = True) -> JSON:
+        """The answer's body; ``store``: kept too (a background run keeps it as it ends)."""
         state = result.completions.get(0, CompletionState())
         parsed = assistant_output(
             state.text,
@@ -292,10 +317,11 @@ class ServingResponses(HTTPServing):
         status = response_status(state.finish_reason)
         logprobs = chat_logprobs(state.logprobs, self.token_names) if turn.chat.sampling.logprobs else ()
         answer = turn.frame.body(status, output_items(parsed, status, logprobs), self._usage(result))
-        self._remember(turn, answer)
+        if store:
+            await self._remember(turn, answer)
         return answer
 
-    def _remember(self, turn: _Turn, answer: JSON, events: Sequence[JSON] = ()) -> None:
+    async def _remember(self, turn: _Turn, answer: JSON, events: Sequence[JSON] = ()) -> None:
         """Store ``answer`` under ``store`` (with ``events``: a streamed background response's, to stream again)."""
         if not turn.request.store:
             return
@@ -306,10 +332,11 @@ class ServingResponses(HTTPServing):
         # twice (messages, items); the output is held twice too (body, messages).
         num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * _size(turn.inputs)
         num_bytes += 2 * _size(answer["output"]) + (_size(events) if events else 0)
+        streamed = turn.request.background and turn.request.stream
         stored = StoredResponse(
-            turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items()
+            turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items(), streamed
         )
-        self.store.put(stored)
+        await self.store.put(stored)
 
     def _usage(self, result: CallResult) -> JSON:
         tokens = response_usage(
@@ -321,7 +348,9 @@ class ServingResponses(HTTPServing):
         )
         return {**tokens, "energy": result.energy()}
 
-    async def _events(self, turn: _Turn, steps: Steps, first: Any, result: CallResult) -> AsyncIterator[JSON]:
+    async def _events(
+        self, turn: _Turn, steps: Steps, first: Any, result: CallResult, *, store: bool = True
+    ) -> AsyncIterator[JSON]:
         chat, names = turn.chat, self.token_names
         stream = ResponsesStream(
             turn.frame,
@@ -350,7 +379,8 @@ class ServingResponses(HTTPServing):
             yield stream.fail(response_error(client_error(err, result.request_id)))
             return
         events = stream.finish(finish_reason, self._usage(result), held)
-        self._remember(turn, stream.response)  # before the last event: the client may continue at once
+        if store:  # before the last event: the client may continue at once
+            await self._remember(turn, stream.response)
         for event in events:
             yield event
         self.succeeded(API)
@@ -358,13 +388,3 @@ class ServingResponses(HTTPServing):
 
 def _size(value: object) -> int:
     return len(json.dumps(value, ensure_ascii=False))
-
-
-def _event_stream(events: AsyncIterator[JSON]) -> StreamingResponse:
-    """A background response's events as a stream (no replica header: the call is its task's)."""
-    return StreamingResponse(_sse(events), media_type="text/event-stream", headers=NO_CACHE)
-
-
-async def _sse(events: AsyncIterator[JSON]) -> AsyncIterator[str]:
-    async for event in events:
-        yield sse_event(event)

@@ -42,6 +42,7 @@ from ray.serve import Application
 from rayturn import __version__
 from rayturn.api.grpc_service import SERVICER_FUNCTION
 from rayturn.api.ingress import Ingress
+from rayturn.api.response_keeper import ResponseKeeper
 from rayturn.api.settings import IngressSettings
 from rayturn.decode.server import DecodeServer
 from rayturn.engine.config import ModelConfig
@@ -61,6 +62,9 @@ APP_NAME = "rayturn"
 KV_NAMESPACE = "rayturn"
 # The ingress only parses and streams; its replicas' calls wait on the pools, which bound them.
 INGRESS_MAX_ONGOING_REQUESTS = 1000
+# The shared response store's: each running background response holds one call (its cancel watch) open.
+RESPONSES_MAX_ONGOING_REQUESTS = 4096
+RESPONSES_NUM_CPUS = 0.25  # a dictionary behind a handle
 # ``app_builder``'s argument with the config file's digest, and how long a build waits for the file to match.
 CONFIG_DIGEST_ARG = "config_sha256"
 CONFIG_SYNC_TIMEOUT_S = 180.0
@@ -107,6 +111,13 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
             "name": "kv-store",
             "num_replicas": kv.store_nodes,
             "ray_actor_options": {"num_cpus": kv.store_node_num_cpus, "resources": dict(kv.store_node_resources)},
+        }
+    if config.server.ingress_replicas > 1:  # the response store they share (``api.shared_responses``)
+        options["responses"] = {
+            "name": "responses",
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": min(config.server.ingress_num_cpus, RESPONSES_NUM_CPUS)},
+            "max_ongoing_requests": RESPONSES_MAX_ONGOING_REQUESTS,
         }
     options["ingress"] = {
         "name": "ingress",
@@ -209,7 +220,12 @@ def build_app(config: ClusterConfig) -> Application:
         tool_call_parser=config.model.tool_call_parser,
         reasoning_parser=config.model.reasoning_parser,
     )
-    return _bind(_deployment(Ingress).options(**options["ingress"]), decode, prefill, store_nodes, ingress_settings)
+    responses = None
+    if "responses" in options:
+        responses = _bind(_deployment(ResponseKeeper).options(**options["responses"]))
+        ingress_settings = dataclasses.replace(ingress_settings, pools=(*ingress_settings.pools, "responses"))
+    ingress = _deployment(Ingress).options(**options["ingress"])
+    return _bind(ingress, decode, prefill, store_nodes, ingress_settings, responses)
 
 
 def serve_logging_config(log_level: int = logging.INFO) -> dict[str, Any]:

@@ -16,6 +16,10 @@ Asked for, each answer token's log probability and alternatives equal
 ``transformers``' on the same weights, and the chat API's, streamed or not.
 A call's class (``priority`` in the body, the ``x-rayturn-priority`` header,
 bob's key's default) reaches the decode replica, and a bad one is a 400.
+The cluster has two ingress replicas and Serve's proxy hands each call to
+either, so all of this holds whichever replica stored a response: a
+conversation continued turn after turn by id, read, listed and deleted finds
+every response on both.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ OVERRIDES = small_cluster(
     **{
         "server.tenant_keys": {"alice": [ALICE_KEY], "bob": [BOB_KEY]},
         "server.tenant_priorities": {"bob": "batch"},
+        # Serve's proxy hands each call to either: every test here reads across replicas (``shared_responses``).
+        "server.ingress_replicas": 2,
     },
 )
 INSTRUCTIONS = "You are a terse coding agent."
@@ -239,6 +245,28 @@ def test_a_stored_response_is_continued_from_the_cache(cluster: str, client: ope
     client.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2)
+
+
+def test_both_ingress_replicas_read_continue_and_delete_what_either_stored(cluster: str, client: openai.OpenAI) -> None:
+    pools = requests.get(f"{cluster}/health", timeout=30).json()["pools"]
+    assert pools["ingress"]["replicas"] == 2 and pools["responses"] == {"ok": True, "replicas": 1, "target_replicas": 1}
+    # 18 calls, each to either replica: with a store per replica one would miss its predecessor (all 18 reaching
+    # one replica has odds of 1 in 2**17).
+    turns = [respond(client, "Name a file.", max_output_tokens=2)]
+    for turn in range(5):
+        turns.append(
+            client.responses.create(
+                model="tiny", previous_response_id=turns[-1].id, input=f"And {turn}?", max_output_tokens=2
+            )
+        )
+        assert turns[-1].previous_response_id == turns[-2].id and turns[-1].status in ("completed", "incomplete")
+    for response in turns:
+        assert client.responses.retrieve(response.id).output_text == response.output_text
+    assert len(list(client.responses.input_items.list(turns[-1].id))) == 2 * len(turns) - 1
+    client.responses.delete(turns[0].id)
+    for _ in range(4):  # gone from both
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(turns[0].id)
 
 
 def test_unknown_and_unstored_ids_and_bad_items_are_400s(client: openai.OpenAI) -> None:

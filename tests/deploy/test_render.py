@@ -83,6 +83,20 @@ def test_no_prefill_pool_no_prefill_group_or_deployment() -> None:
     assert [deployment["name"] for deployment in deployments] == ["decode", "ingress"]
 
 
+def test_several_ingress_replicas_share_one_responses_deployment() -> None:
+    config = deploy_config(_config(server={"ingress_replicas": 3, "ingress_num_cpus": 2}))
+    deployments = {d["name"]: d for d in serve_config(config, "")["applications"][0]["deployments"]}
+    assert deployments["ingress"]["num_replicas"] == 3
+    assert deployments["responses"] == {
+        "name": "responses",
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0.25},
+        "max_ongoing_requests": 4096,
+    }
+    one = serve_config(deploy_config(_config(server={"ingress_replicas": 1})), "")
+    assert "responses" not in {d["name"] for d in one["applications"][0]["deployments"]}
+
+
 def test_store_nodes_get_a_group_of_their_own() -> None:
     config = deploy_config(_config(kvstore={"store_nodes": 3, "store_node_bytes": "4GiB"}))
     store = next(group for group in worker_groups(config) if group.name == "kvstore")
