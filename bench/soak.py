@@ -322,9 +322,9 @@ def write_plot(samples: list[tuple[float, dict[str, float]]], marks: dict[str, f
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 sessions, 20 s of load, one small overload round")
+    parser.add_argument("--quick", action="store_true", help="4 sessions, 10 s of load, one small overload round")
     parser.add_argument("--sessions", type=int, default=None, help="concurrent agents (default 8, quick 4)")
-    parser.add_argument("--minutes", type=float, default=None, help="minutes of load (default 10, quick 1/3)")
+    parser.add_argument("--minutes", type=float, default=None, help="minutes of load (default 10, quick 1/6)")
     parser.add_argument("--warmup-s", type=float, default=None, help="load before memory counts (default 60, quick 5)")
     parser.add_argument("--idle-s", type=float, default=None, help="idle baseline (default 60, quick 3)")
     parser.add_argument("--sample-every-s", type=float, default=None, help="RSS sampling (default 5, quick 1)")
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     num_sessions = args.sessions or (4 if args.quick else 8)
-    load_s = 60 * (args.minutes if args.minutes is not None else (1 / 3 if args.quick else 10))
+    load_s = 60 * (args.minutes if args.minutes is not None else (1 / 6 if args.quick else 10))
     warmup_s = args.warmup_s if args.warmup_s is not None else (5.0 if args.quick else 60.0)
     idle_s = args.idle_s if args.idle_s is not None else (3.0 if args.quick else 60.0)
     rounds = args.overload_rounds if args.overload_rounds is not None else (1 if args.quick else 3)
