@@ -727,6 +727,29 @@ def test_usage_carries_each_calls_energy_and_its_sessions_total(server: str, cli
     assert counted_j == pytest.approx(sum(energy["joules"] for energy in energies))
 
 
+def test_responses_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.OpenAI) -> None:
+    """The Responses API's ``usage.energy``: the call's joules and its session's total (kept by the one ingress
+    replica), in the answer and in a stream's final response."""
+    session = {"x-session-id": "responses-energy"}
+    answer = client.responses.create(
+        model="tiny", input="Review: " + "a = b\n" * 20, max_output_tokens=4, temperature=0, extra_headers=session
+    )
+    events = list(
+        client.responses.create(
+            model="tiny", input="hi", max_output_tokens=4, temperature=0, stream=True, extra_headers=session
+        )
+    )
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert answer.usage is not None and final.usage is not None
+    energies = [(usage.model_extra or {})["energy"] for usage in (answer.usage, final.usage)]
+    for energy in energies:
+        assert energy["joules"] > 0 and set(energy["meter"].split("+")) <= {"model", "rapl", "nvml"}
+    assert [energy["session_joules"] for energy in energies] == pytest.approx(
+        [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
+    )
+
+
 def test_speculative_decoding_per_call_gives_the_same_greedy_answer(server: str, client: openai.OpenAI) -> None:
     """The server's default is off; ``speculative: true`` turns drafting on for one call, and the answer is the
     same token for token, streamed or not."""

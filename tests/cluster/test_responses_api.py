@@ -440,29 +440,6 @@ def test_each_calls_class_reaches_the_decode_replica_and_a_bad_one_is_a_400(
     assert decode_calls_by_priority(cluster) == after  # refused at the ingress: no replica saw them
 
 
-def test_usage_carries_each_calls_energy_and_its_sessions_total(client: openai.OpenAI) -> None:
-    """rayturn's ``usage.energy`` (an extra field to the SDK): the call's joules and its session's total, in the
-    answer and in a stream's final response."""
-    session = {"x-session-id": "responses-energy"}
-    answer = client.responses.create(
-        model="tiny", input="Review: " + "a = b\n" * 20, max_output_tokens=4, temperature=0, extra_headers=session
-    )
-    events = list(
-        client.responses.create(
-            model="tiny", input="hi", max_output_tokens=4, temperature=0, stream=True, extra_headers=session
-        )
-    )
-    final = events[-1].response  # type: ignore[union-attr]
-    assert events[-1].type in ("response.completed", "response.incomplete")
-    assert answer.usage is not None and final.usage is not None
-    energies = [(usage.model_extra or {})["energy"] for usage in (answer.usage, final.usage)]
-    for energy in energies:
-        assert energy["joules"] > 0 and set(energy["meter"].split("+")) <= {"model", "rapl", "nvml"}
-    assert [energy["session_joules"] for energy in energies] == pytest.approx(
-        [energies[0]["joules"], energies[0]["joules"] + energies[1]["joules"]]
-    )
-
-
 def test_logprobs_equal_transformers_and_the_chat_apis_streamed_or_not(client: openai.OpenAI) -> None:
     question = "Write one line of Python: " + "x = 1; " * 6
     chat = chat_completion(client, question, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
