@@ -93,10 +93,10 @@ class Responses:
         replica computing it keeps storing them, until it ended."""
         sent = after + 1
         while True:
-            yield_from = entry.events[sent:]
-            for event in yield_from:
+            new = entry.events[sent:]
+            for event in new:
                 yield event
-            sent += len(yield_from)
+            sent += len(new)
             if entry.body["status"] not in RUNNING:
                 return
             await asyncio.sleep(FOLLOW_EVERY_S)
