@@ -236,22 +236,23 @@ class ServingResponses(HTTPServing):
         """Start a background response: answered now (``queued``, or its events as they come), computed by a task."""
         run = BackgroundRun(turn.tenant, turn.frame, streamed=turn.request.stream, input_items=turn.items())
         self.runs.add(run)
-        await self._remember(turn, run.body)  # found queued by every replica from now on
-        if not run.running:  # cancelled while it was being stored
-            self._ended(run, turn)
-            return JSONResponse(run.body)
-        # A context of its own: Serve cancels the calls a request made when its client goes, and finds them by
-        # the request's context, which a task would otherwise inherit.
-        run.task = asyncio.create_task(self._run(run, turn, call), context=contextvars.Context())
+        # Contexts of their own: Serve cancels the calls a request made when its client goes, and finds them by
+        # the request's context, which a task would otherwise inherit. So the run is stored queued (found by
+        # every replica from then on) and computed whatever becomes of the connection, even while it is stored.
+        loop = asyncio.get_running_loop()
+        queued = loop.create_task(self._remember(turn, run.body), context=contextvars.Context())
+        run.task = loop.create_task(self._run(run, turn, call, queued), context=contextvars.Context())
         run.task.add_done_callback(lambda _: self._ended(run, turn))  # even for a task cancelled before it ran
         if self.store.shared:  # a cancel that reaches another replica
-            watching = asyncio.create_task(self.store.relay_cancel(run, self.runs), context=contextvars.Context())
+            watching = loop.create_task(self.store.relay_cancel(run, self.runs), context=contextvars.Context())
             run.saved.add_done_callback(lambda _: watching.cancel())
+        await asyncio.shield(queued)
         return event_stream(run.follow(-1)) if run.streamed else JSONResponse(run.body)
 
-    async def _run(self, run: BackgroundRun, turn: _Turn, call: Call) -> None:
-        """Compute a background response (``_ended`` stores it)."""
+    async def _run(self, run: BackgroundRun, turn: _Turn, call: Call, queued: asyncio.Task[None]) -> None:
+        """Compute a background response once it is stored ``queued`` (``_ended`` stores its end)."""
         try:
+            await asyncio.wait([queued])
             result, steps, first = await self.pipeline.start(call)
             run.update(turn.frame.body("in_progress", []))
             await self._remember(turn, run.body)

@@ -238,3 +238,30 @@ def test_a_keeper_that_is_away_costs_the_stored_response_not_the_answer(caplog: 
     with caplog.at_level("WARNING", logger="rayturn.api.shared_responses"):
         run(scenario)
     assert "was not stored: RuntimeError: the responses replica is restarting" in caplog.text
+
+
+def test_a_background_response_runs_though_its_client_went_while_it_was_being_stored() -> None:
+    async def scenario() -> None:
+        one, other, decode, handle = replicas()
+        gate, stored = asyncio.Event(), []
+
+        async def slow_put(entry: StoredResponse) -> None:
+            await gate.wait()
+            stored.append(entry.body["status"])
+            await handle.keeper.put(entry)
+
+        handle.methods["put"] = Method(slow_put)
+        creating = asyncio.create_task(one.create(request("POST", BODY), "r1"))
+        await settle()
+        creating.cancel()  # as Serve cancels the handler of a client that went
+        await settle()
+        assert creating.cancelled() and len(one.runs) == 1
+        gate.set()
+        await settle()
+        decode.streams[0].release()
+        await settle()
+        assert stored == ["queued", "in_progress", "completed"] and len(one.runs) == 0
+        [rid] = {key[1] for key in handle.keeper.store._entries}
+        assert body_of(await other.retrieve(request("GET"), rid, "r"))["status"] == "completed"
+
+    run(scenario)
