@@ -289,9 +289,13 @@ class ServingResponses(HTTPServing):
             return None
         param = "previous_response_id"
         found = await self.store.get(tenant, parsed.previous_response_id)
-        if self.runs.get(tenant, parsed.previous_response_id) is not None or (
-            found is not None and found.body["status"] in RUNNING
-        ):
+        # The store says how it stands (its end may be stored before its run leaves this replica's runs); this
+        # replica's runs, when the store has nothing of it (the keeper was away).
+        if found is not None:
+            running = found.body["status"] in RUNNING
+        else:
+            running = self.runs.get(tenant, parsed.previous_response_id) is not None
+        if running:
             message = f"Previous response '{parsed.previous_response_id}' is still in progress; wait for it to end."
             raise invalid_request(message, param=param, code="previous_response_in_progress")
         if found is None:

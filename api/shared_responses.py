@@ -50,7 +50,7 @@ class Responses:
     def __init__(self, keeper: Any = None) -> None:
         self.shared = keeper is not None
         self._keeper = keeper if self.shared else ResponseKeeper()
-        self.ttl_s = DEFAULT_TTL_S if self.shared else self._keeper.store.ttl_s
+        self.ttl_s = DEFAULT_TTL_S  # the keeper's store, local or shared, is built with the defaults
 
     async def _call(self, method: str, *args: object) -> Any:
         if self.shared:
