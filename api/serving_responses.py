@@ -244,7 +244,7 @@ class ServingResponses(HTTPServing):
         run.task = loop.create_task(self._run(run, turn, call, queued), context=contextvars.Context())
         run.task.add_done_callback(lambda _: self._ended(run, turn))  # even for a task cancelled before it ran
         if self.store.shared:  # a cancel that reaches another replica
-            watching = loop.create_task(self.store.relay_cancel(run, self.runs), context=contextvars.Context())
+            watching = loop.create_task(self.store.relay_cancel(run, self.runs, queued), context=contextvars.Context())
             run.saved.add_done_callback(lambda _: watching.cancel())
         await asyncio.shield(queued)
         return event_stream(run.follow(-1)) if run.streamed else JSONResponse(run.body)

@@ -76,8 +76,10 @@ class Responses:
     async def cancel(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._call("cancel", tenant, response_id)
 
-    async def relay_cancel(self, run: BackgroundRun, runs: BackgroundRuns) -> None:
-        """Stop ``run`` when a cancel of it reaches another replica (the keeper gone: only this one's reach it)."""
+    async def relay_cancel(self, run: BackgroundRun, runs: BackgroundRuns, queued: asyncio.Task[None]) -> None:
+        """Stop ``run`` when a cancel of it reaches another replica (the keeper gone: only this one's reach it).
+        The watch goes once ``queued`` stored the run: a keeper with no running entry answers a watch at once."""
+        await asyncio.wait([queued])
         with contextlib.suppress(Exception):
             if await self.watch(run.tenant, run.response_id):
                 await runs.cancel(run)

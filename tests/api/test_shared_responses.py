@@ -265,3 +265,31 @@ def test_a_background_response_runs_though_its_client_went_while_it_was_being_st
         assert body_of(await other.retrieve(request("GET"), rid, "r"))["status"] == "completed"
 
     run(scenario)
+
+
+def test_a_cancel_from_the_other_replica_stops_a_run_whose_queued_state_was_stored_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(response_keeper, "CANCEL_WAIT_S", 1.0)
+
+    async def scenario() -> None:
+        one, other, decode, handle = replicas()
+        gate = asyncio.Event()
+
+        async def slow_put(entry: StoredResponse) -> None:
+            await gate.wait()
+            await handle.keeper.put(entry)
+
+        handle.methods["put"] = Method(slow_put)
+        creating = asyncio.create_task(one.create(request("POST", BODY), "r1"))
+        await settle()  # a watch sent now would find nothing stored, and answer at once
+        gate.set()
+        rid = body_of(await creating)["id"]
+        await settle()
+        decode.streams[0].release(1)
+        await settle()
+        cancelled = body_of(await other.cancel(request("POST"), rid, "r2"))
+        # Stopped by its own replica, not given up on by the keeper after the wait.
+        assert cancelled["status"] == "cancelled" and decode.streams[0].cancelled and len(one.runs) == 0
+
+    run(scenario)
