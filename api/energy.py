@@ -27,9 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
-from prometheus_client import Counter
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rayturn.engine.energy import joined_meter_names
 
@@ -81,10 +79,16 @@ class SessionEnergy:
         return len(self._totals_j)
 
 
+class MeterCounter(Protocol):
+    """A counter labelled by meter (the ingress's ``rayturn_energy_joules``, or ``prometheus_client``'s own)."""
+
+    def labels(self, *values: str) -> Any: ...
+
+
 class EnergyAccounts:
     """Settles each call's energy once: into its session's total and the per-meter counter."""
 
-    def __init__(self, counter: Counter, sessions: SessionEnergy | None = None) -> None:
+    def __init__(self, counter: MeterCounter, sessions: SessionEnergy | None = None) -> None:
         self.counter = counter
         self.sessions = sessions or SessionEnergy()
 

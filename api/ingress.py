@@ -77,6 +77,7 @@ class Ingress:
         """``responses``: the ``responses`` deployment every ingress replica keeps its responses in (several
         replicas: ``shared_responses``), else None (this replica keeps its own)."""
         self.pipeline = CallPipeline(decode, prefill, store_nodes, settings)
+        self.pipeline.telemetry.keep_up()  # counted live in Ray's metrics as long as this replica runs
         self.http = HTTPServing(self.pipeline)
         self.chat = ServingChat(self.pipeline)
         self.completion = ServingCompletion(self.pipeline)

@@ -30,6 +30,7 @@ from rayturn.engine.tokenizer import Tokenizer
 from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.messages import Call, CallKind, Delta, PrewarmAnswer, SessionAnnouncement, Step
 from rayturn.router.replica_stats import page_hash_key
+from rayturn.router.request_router import serve_replica_id
 
 from .bodies import splits_answer
 from .call_result import CallResult
@@ -115,7 +116,7 @@ class CallPipeline:
         self.guides = GuideMaker(parser, self.tokenizer)
         self.reasoning_parser = settings.reasoning_parser
         self.health_probe = PoolHealthProbe(settings.app_name, settings.pools)
-        self.telemetry = IngressMetrics()
+        self.telemetry = IngressMetrics(serve_replica_id())
         self.energy = EnergyAccounts(self.telemetry.energy_joules)
 
     # -- the caller -------------------------------------------------------

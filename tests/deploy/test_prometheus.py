@@ -1,15 +1,18 @@
 """deploy/monitoring against a real Prometheus scraping a real cluster.
 
-The committed scrape config's jobs (Ray's metrics export port, the ingress's
-``/metrics``) are pointed at a running cluster (the tests' small cluster,
-Ray's export port fixed, its report interval cut to 1 s) and scraped by
+The committed scrape config's job (Ray's metrics export port, where every
+replica's series arrive, the two ingress replicas' included) is pointed at a
+running cluster (the tests' small cluster with 2 ingress replicas, Ray's
+export port fixed, its report interval cut to 1 s) and scraped by
 Debian's ``prometheus`` (installed on first use, ``prometheus_server``) while
 a short load runs through the official ``openai`` client: disaggregated and
 local prefills, stored twice (bytes move between segments), and a session
 whose turn ends, whose pages go off the device and come back before its user
 returns. Then every PromQL expression of the Grafana dashboard must return at
-least one series through Prometheus' HTTP API. The committed files are also
-checked on their own (their shape, the names the dashboard reads).
+least one series through Prometheus' HTTP API, and the ingress's call count
+summed over its replicas must be every call the load made, whichever replica
+Serve's proxy gave it to. The committed files are also checked on their own
+(their shape, the names the dashboard reads).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ OVERRIDES = small_cluster(
     threshold=48,
     **{
         "kvstore.replicas": 2,  # every page lands in a second segment too: bytes move between workers
+        "server.ingress_replicas": 2,  # the ingress's series are the sum of its replicas'
         # A session's pages leave the device as soon as its turn ends and come back about two seconds later
         # (as in test_session_lifecycle): the offload, prewarm and idle series get their first samples.
         "lifecycle.predictor": "session",
@@ -76,16 +80,16 @@ def test_the_committed_files_hold_together() -> None:
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
-    # Every series the dashboard reads is one rayturn exports: Ray's agent prefixes replicas' names with ray_.
+    # Every series the dashboard reads comes through Ray's agent (which prefixes names with ray_), the ingress's
+    # too: one replica's /metrics is not the cluster's.
     names = {name for expr in dashboard_exprs() for name in re.findall(r"\b(?:ray_)?rayturn_\w+", expr)}
-    assert names and all(name.startswith(("ray_rayturn_", "rayturn_")) for name in names)
-    jobs = {job["job_name"]: job for job in committed_scrape_config()["scrape_configs"]}
-    assert set(jobs) == {"ray", "rayturn-ingress"}
-    assert jobs["rayturn-ingress"]["metrics_path"] == "/metrics"
+    assert names and all(name.startswith("ray_rayturn_") for name in names), sorted(names)
+    jobs = [job["job_name"] for job in committed_scrape_config()["scrape_configs"]]
+    assert jobs == ["ray"]
     monitors = list(yaml.safe_load_all((MONITORING / "podmonitor.yaml").read_text()))
-    assert [monitor["kind"] for monitor in monitors] == ["PodMonitor", "PodMonitor"]
+    assert [monitor["kind"] for monitor in monitors] == ["PodMonitor"]
     ports = [endpoint["port"] for monitor in monitors for endpoint in monitor["spec"]["podMetricsEndpoints"]]
-    assert ports == ["metrics", "serve"]
+    assert ports == ["metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ def cluster(prometheus_path: Path, metrics_port: int) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def prometheus(prometheus_path: Path, cluster: str, metrics_port: int) -> Iterator[Prometheus]:
-    targets = {"ray": f"127.0.0.1:{metrics_port}", "rayturn-ingress": f"127.0.0.1:{HTTP_PORT}"}
+    targets = {"ray": f"127.0.0.1:{metrics_port}"}
     config = scrape_config(committed_scrape_config(), targets, SCRAPE_INTERVAL_S)
     with running_prometheus(prometheus_path, config) as server:
         yield server
@@ -177,7 +181,7 @@ def test_every_dashboard_query_returns_series(prometheus: Prometheus, cluster: s
     first_seen = [
         'ray_rayturn_pool_time_to_first_token_seconds_count{pool="prefill"}',
         'ray_rayturn_pool_time_to_first_token_seconds_count{pool="decode"}',
-        "rayturn_time_to_first_token_seconds_count",
+        "ray_rayturn_time_to_first_token_seconds_count",
     ]
     assert wait_for(prometheus, first_seen, timeout_s=30) == []
     chat(client, "hello")
@@ -188,11 +192,18 @@ def test_every_dashboard_query_returns_series(prometheus: Prometheus, cluster: s
     # Replicas export every second and Prometheus scrapes every second: the load's series arrive within a few
     # seconds; a query still empty well past that reads a name or label the cluster never exports.
     empty = wait_for(prometheus, exprs, timeout_s=30)
-    assert prometheus.targets_up() == {"ray": True, "rayturn-ingress": True}
+    assert prometheus.targets_up() == {"ray": True}
     assert empty == [], "dashboard queries without a series:\n" + "\n".join(empty)
     for expr in (expr for expr in exprs if "time_to_first_token" in expr):  # per pool, and at the ingress
         assert finite(prometheus, expr), f"no latency from {expr}"
     live = prometheus.query("count by (pool) (ray_rayturn_replica_up)")
-    assert {row["metric"]["pool"]: float(row["value"][1]) for row in live} == {"decode": 1.0, "prefill": 1.0}
+    assert {row["metric"]["pool"]: float(row["value"][1]) for row in live} == {
+        "ingress": 2.0,
+        "decode": 1.0,
+        "prefill": 1.0,
+    }
+    # 6 chat calls, each counted once by the ingress replica that served it: their sum is the cluster's count.
+    calls = 'sum(ray_rayturn_requests_total{api="chat"})'
+    assert wait_for(prometheus, [f"{calls} == 6"], timeout_s=30) == [], prometheus.query(calls)
     idle_capture = finite(prometheus, next(expr for expr in exprs if "user_idle" in expr))
     assert len(idle_capture) == 1 and 0 < idle_capture[0] <= 1

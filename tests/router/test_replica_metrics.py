@@ -1,19 +1,16 @@
 """``ReplicaMetrics``: the values a replica exports equal its engine's and planner's own figures.
 
-Ray's metric types are replaced by a recorder that keeps the last value of
-every gauge series, the increments of every counter series (refusing what
-Ray refuses: an increment <= 0, a tag set other than the declared keys) and
-the observations of every histogram series.
+Ray's metric types are replaced by a recorder (``recorded_metrics``) that
+refuses what Ray refuses.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from recorded_metrics import RecordedMetrics, Series
 
 from rayturn.decode.lifecycle.session import Phase
 from rayturn.engine import LLMEngine, SamplingParams
@@ -21,45 +18,10 @@ from rayturn.engine.async_engine import AsyncEngine
 from rayturn.router.replica_metrics import SESSION_PHASES, CallClock, PromptSources, ReplicaMetrics
 
 TAGS = {"pool": "decode", "replica": "r1"}
-Series = tuple[str, frozenset[tuple[str, str]]]
 
 
 def series(name: str, **extra: str) -> Series:
     return name, frozenset({**TAGS, **extra}.items())
-
-
-class RecordedMetrics:
-    """A stand-in for ``ray.util.metrics`` that records what is exported."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[Series, float] = {}
-        self.increments: dict[Series, list[float]] = defaultdict(list)
-        self.observations: dict[Series, list[float]] = defaultdict(list)
-        recorder = self
-
-        class _Metric:
-            def __init__(self, name: str, description: str = "", tag_keys: Sequence[str] = (), **_: Any) -> None:
-                self.name, self.tag_keys = name, set(tag_keys)
-
-            def key(self, tags: Mapping[str, str]) -> Series:
-                assert set(tags) == self.tag_keys, f"{self.name}: tags {sorted(tags)}"
-                return self.name, frozenset(tags.items())
-
-        class Gauge(_Metric):
-            def set(self, value: float, tags: Mapping[str, str]) -> None:
-                recorder.gauges[self.key(tags)] = value
-
-        class Counter(_Metric):
-            def inc(self, value: float, tags: Mapping[str, str]) -> None:
-                if value <= 0:
-                    raise ValueError(f"value must be >0, got {value}")
-                recorder.increments[self.key(tags)].append(value)
-
-        class Histogram(_Metric):
-            def observe(self, value: float, tags: Mapping[str, str]) -> None:
-                recorder.observations[self.key(tags)].append(value)
-
-        self.Gauge, self.Counter, self.Histogram = Gauge, Counter, Histogram
 
 
 def test_gauges_equal_the_engines_own_counts() -> None:
