@@ -12,7 +12,8 @@ the response store, with its events when it was streamed, and leaves here.
 A replica runs at most ``max_running`` background responses at once (a 429
 past that), so a client cannot queue unbounded work it never waits for. A
 replica's restart loses those still running. With several ingress replicas the
-others see a run through the response store they share (``shared_responses``).
+others see a run through the response store they share (``shared_responses``),
+which stores one that lost its replica failed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,23 @@
 """``ResponseKeeper``: the response store behind coroutines, as the ``responses`` deployment runs it for every
 ingress replica (``shared_responses``), with the signals that let one replica cancel a run another computes.
 
+The replica computing a background response watches it here until it ended,
+one ``watch`` call at a time, each answered within ``WATCH_EVERY_S``: a cancel
+was asked, it ended, or nothing happened (it watches again). So the keeper
+hears from that replica at least that often. A response still running that
+nobody stored or watched for ``LOST_AFTER_S`` lost its replica (it stopped:
+its restart loses the runs it computed) and is stored ``failed`` with a
+``server_error``, rather than shown in progress until it expires. An end,
+once stored, stays: what the computing replica sends after a cancel or a loss
+was settled without it is dropped.
+
 It imports only the store, so its replica starts without the model's libraries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -18,6 +29,11 @@ if TYPE_CHECKING:
 
 # How long a cancel waits for the replica computing the response to store its end.
 CANCEL_WAIT_S = 10.0
+# How long one watch waits before it answers that nothing happened.
+WATCH_EVERY_S = 5.0
+# How long a running response may go unwatched and unstored before its replica counts as gone.
+LOST_AFTER_S = 30.0
+LOST_MESSAGE = "The ingress replica computing this response stopped before it ended; create the response again."
 
 
 class _Run:
@@ -31,23 +47,51 @@ class _Run:
 class ResponseKeeper:
     """A ``ResponseStore`` behind coroutines, with the signals that let one replica cancel another's run."""
 
-    def __init__(self, store: ResponseStore | None = None) -> None:
+    def __init__(self, store: ResponseStore | None = None, *, watched: bool = True) -> None:
+        """``watched``: every running response's computing replica watches it here (``shared_responses``), so
+        one nobody watches is lost; False for the keeper an ingress replica holds for itself (nobody watches)."""
         self.store = ResponseStore() if store is None else store
+        self.watched = watched
         self._runs: dict[tuple[str, str], _Run] = {}
+        self._heard: dict[tuple[str, str], float] = {}  # when a running response's replica last called
 
     async def put(self, entry: StoredResponse) -> None:
         key = (entry.tenant, entry.response_id)
         running = entry.body["status"] in RUNNING
         current = self.store.get(*key)
-        if running and current is not None and current.body["status"] not in RUNNING:
-            return  # a snapshot sent before the run's end, arriving after it
+        if current is not None and current.body["status"] not in RUNNING:
+            return  # ended already: a snapshot sent before its end, or an end settled here (cancelled, lost)
         self.store.put(entry)
-        if not running and (run := self._runs.pop(key, None)) is not None:
+        if running:
+            self._heard[key] = time.monotonic()
+        else:
+            self._ended(key)
+
+    def _ended(self, key: tuple[str, str]) -> None:
+        self._heard.pop(key, None)
+        if (run := self._runs.pop(key, None)) is not None:
             run.ended.set()
             run.wake.set()
 
+    def _live(self, found: StoredResponse | None) -> StoredResponse | None:
+        """``found``, or, running with no word from its replica for ``LOST_AFTER_S``, stored failed."""
+        if not self.watched or found is None or found.body["status"] not in RUNNING:
+            return found
+        key = (found.tenant, found.response_id)
+        now = time.monotonic()
+        if now - self._heard.setdefault(key, now) <= LOST_AFTER_S:
+            return found
+        error = {"code": "server_error", "message": LOST_MESSAGE}
+        body = {**found.body, "status": "failed", "error": error, "output": [], "usage": None}
+        events = found.events
+        if found.streamed:  # a follower's stream ends as a failed run's does
+            events = (*events, {"type": "response.failed", "sequence_number": len(events), "response": body})
+        self.store.put(replace(found, body=body, events=events))
+        self._ended(key)
+        return self.store.get(*key)
+
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        return self.store.get(tenant, response_id)
+        return self._live(self.store.get(tenant, response_id))
 
     async def find_items(self, tenant: str, item_ids: Sequence[str]) -> dict[str, JSON]:
         """The tenant's stored items of those ids that are kept."""
@@ -57,18 +101,24 @@ class ResponseKeeper:
     async def delete(self, tenant: str, response_id: str) -> bool:
         return self.store.delete(tenant, response_id)
 
-    async def watch(self, tenant: str, response_id: str) -> bool:
-        """Wait until a cancel of the running response is asked (True) or it ended (False)."""
+    async def watch(self, tenant: str, response_id: str) -> bool | None:
+        """The computing replica's watch of its running response: a cancel was asked (True), it ended (False),
+        or nothing happened within ``WATCH_EVERY_S`` (None: watch again)."""
+        key = (tenant, response_id)
         found = self.store.get(tenant, response_id)
         if found is None or found.body["status"] not in RUNNING:  # ended before the watch came
             return False
-        run = self._runs.setdefault((tenant, response_id), _Run())
-        await run.wake.wait()
+        self._heard[key] = time.monotonic()
+        run = self._runs.setdefault(key, _Run())
+        try:
+            await asyncio.wait_for(run.wake.wait(), WATCH_EVERY_S)
+        except TimeoutError:
+            return None
         return not run.ended.is_set()
 
     async def cancel(self, tenant: str, response_id: str) -> StoredResponse | None:
         """Ask the computing replica to stop a running response and wait for its end; None when unknown."""
-        found = self.store.get(tenant, response_id)
+        found = self._live(self.store.get(tenant, response_id))
         if found is None or found.body["status"] not in RUNNING:
             return found
         run = self._runs.setdefault((tenant, response_id), _Run())

@@ -16,6 +16,9 @@ replica asks the keeper, which wakes the computing replica's watch; that
 replica stops the run and stores it cancelled, and the cancel is answered
 with that. When no answer comes within ``response_keeper.CANCEL_WAIT_S``
 (the computing replica is gone), the keeper stores the response cancelled.
+The watch also tells the keeper that the computing replica lives: a run it
+stopped hearing of (that replica stopped) is stored failed, so a client
+polling it learns so rather than reading ``in_progress`` until it expires.
 
 ``Responses`` is what the ingress holds: the keeper, local or behind a Serve
 handle, behind the same coroutines.
@@ -24,7 +27,6 @@ handle, behind the same coroutines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 FOLLOW_EVERY_S = 0.5
 # How often the computing replica stores a streamed background response's events while it runs.
 SNAPSHOT_EVERY_S = 1.0
+# How long the computing replica waits to watch its run again after the keeper did not answer.
+WATCH_RETRY_S = 1.0
 
 
 class Responses:
@@ -49,7 +53,7 @@ class Responses:
 
     def __init__(self, keeper: Any = None) -> None:
         self.shared = keeper is not None
-        self._keeper = keeper if self.shared else ResponseKeeper()
+        self._keeper = keeper if self.shared else ResponseKeeper(watched=False)
         self.ttl_s = DEFAULT_TTL_S  # the keeper's store, local or shared, is built with the defaults
 
     async def _call(self, method: str, *args: object) -> Any:
@@ -70,19 +74,29 @@ class Responses:
     async def delete(self, tenant: str, response_id: str) -> bool:
         return await self._call("delete", tenant, response_id)
 
-    async def watch(self, tenant: str, response_id: str) -> bool:
+    async def watch(self, tenant: str, response_id: str) -> bool | None:
         return await self._call("watch", tenant, response_id)
 
     async def cancel(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._call("cancel", tenant, response_id)
 
     async def relay_cancel(self, run: BackgroundRun, runs: BackgroundRuns, queued: asyncio.Task[None]) -> None:
-        """Stop ``run`` when a cancel of it reaches another replica (the keeper gone: only this one's reach it).
-        The watch goes once ``queued`` stored the run: a keeper with no running entry answers a watch at once."""
+        """Watch ``run`` in the keeper until it ended, and stop it when a cancel of it reaches another replica.
+        The watch goes once ``queued`` stored the run: a keeper with no running entry answers a watch at once.
+        A keeper that is away is asked again (its answers are how it knows this replica still computes it)."""
         await asyncio.wait([queued])
-        with contextlib.suppress(Exception):
-            if await self.watch(run.tenant, run.response_id):
+        while run.running:
+            try:
+                cancel = await self.watch(run.tenant, run.response_id)
+            except Exception as err:
+                logger.debug("watch of %s failed: %s: %s", run.response_id, type(err).__name__, err)
+                await asyncio.sleep(WATCH_RETRY_S)
+                continue
+            if cancel is None:  # nothing happened: watch again
+                continue
+            if cancel:
                 await runs.cancel(run)
+            return
 
     async def resolve(self, body: object, tenant: str) -> object:
         """``body`` with its item references replaced by the tenant's stored items (a 400 naming one unknown)."""

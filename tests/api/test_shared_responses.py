@@ -3,7 +3,8 @@ path and call pipeline and a decode pool whose steps the test releases. The keep
 handle, every argument and answer copied as Ray copies them: what one replica stored, the other reads, continues,
 lists, references and deletes; a background response computed on one is seen queued and in progress on the other,
 followed there when streamed, and cancelled from there (the decode stream stops); a snapshot late for its run's end
-is dropped, and a run whose replica is gone is cancelled by the keeper itself."""
+is dropped, a run whose replica is gone is cancelled by the keeper itself, and one whose replica stopped while it
+ran is stored failed."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from test_background_responses import (
     events_of,
     request,
     run,
+    serving,
     settle,
 )
 
@@ -35,14 +37,17 @@ from rayturn.api.tenants import KeyTable
 
 
 class Method:
-    def __init__(self, method: Callable[..., Coroutine[Any, Any, Any]]) -> None:
+    def __init__(self, method: Callable[..., Coroutine[Any, Any, Any]], handle: KeeperHandle | None = None) -> None:
         self.method = method
+        self.handle = handle
         self.calls = 0
 
     def remote(self, *args: object) -> Coroutine[Any, Any, Any]:
         self.calls += 1
 
         async def call() -> Any:
+            if self.handle is not None and self.handle.stopped:  # a stopped process's calls never arrive
+                await asyncio.get_running_loop().create_future()
             answer = await self.method(*pickle.loads(pickle.dumps(args)))
             return pickle.loads(pickle.dumps(answer))
 
@@ -50,14 +55,16 @@ class Method:
 
 
 class KeeperHandle:
-    """A Serve handle's shape over a ``ResponseKeeper`` of this event loop: ``handle.get.remote(...)``."""
+    """A Serve handle's shape over a ``ResponseKeeper`` of this event loop: ``handle.get.remote(...)``.
+    ``stopped``: the replica holding it stopped (what it sends from then on never reaches the keeper)."""
 
     def __init__(self, keeper: ResponseKeeper) -> None:
         self.keeper = keeper
         self.methods: dict[str, Method] = {}
+        self.stopped = False
 
     def __getattr__(self, name: str) -> Method:
-        return self.methods.setdefault(name, Method(getattr(self.keeper, name)))
+        return self.methods.setdefault(name, Method(getattr(self.keeper, name), self))
 
 
 def replicas() -> tuple[ServingResponses, ServingResponses, ScriptedDecode, KeeperHandle]:
@@ -291,5 +298,83 @@ def test_a_cancel_from_the_other_replica_stops_a_run_whose_queued_state_was_stor
         cancelled = body_of(await other.cancel(request("POST"), rid, "r2"))
         # Stopped by its own replica, not given up on by the keeper after the wait.
         assert cancelled["status"] == "cancelled" and decode.streams[0].cancelled and len(one.runs) == 0
+
+    run(scenario)
+
+
+def test_a_run_whose_replica_stopped_is_stored_failed_and_a_live_slow_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(response_keeper, "WATCH_EVERY_S", 0.02)
+    monkeypatch.setattr(response_keeper, "LOST_AFTER_S", 0.2)
+    monkeypatch.setattr(shared_responses, "FOLLOW_EVERY_S", 0.01)
+    monkeypatch.setattr(shared_responses, "SNAPSHOT_EVERY_S", 0.0)
+
+    async def scenario() -> None:
+        decode = ScriptedDecode()
+        settings = IngressSettings(model="tiny", served_model_name="tiny", page_size=16)
+        keeper = ResponseKeeper()
+        handles = KeeperHandle(keeper), KeeperHandle(keeper)
+        one, other = (ServingResponses(CallPipeline(decode, None, None, settings), handle) for handle in handles)
+        created = await one.create(request("POST", {**BODY, "stream": True}), "r1")
+        await settle()
+        decode.streams[0].release(2)
+        await settle()
+        rid = event_of(await created.body_iterator.__anext__())["response"]["id"]
+        # Slow but alive: its replica watches it, so it stays in progress past the loss limit.
+        await asyncio.sleep(0.5)
+        assert body_of(await other.retrieve(request("GET"), rid, "r"))["status"] == "in_progress"
+        assert handles[0].methods["watch"].calls > 5  # answered "nothing happened" and watched again
+        following = await other.retrieve(request("GET", query="stream=true&starting_after=0"), rid, "r")
+        followed = asyncio.create_task(events_of(following))
+        handles[0].stopped = True  # its replica stops: no watch, snapshot or end reaches the keeper again
+        failed = body_of(await other.retrieve(request("GET"), rid, "r"))
+        assert failed["status"] == "in_progress"  # not yet: the keeper heard from it a moment ago
+        await asyncio.sleep(0.5)
+        failed = body_of(await other.retrieve(request("GET"), rid, "r"))
+        assert failed["status"] == "failed" and failed["output"] == [] and failed["usage"] is None
+        assert failed["error"] == {"code": "server_error", "message": response_keeper.LOST_MESSAGE}
+        Response.model_validate(failed)
+        # A follower's stream ends as a failed run's does, numbered on from the events stored.
+        events = await asyncio.wait_for(followed, 5)
+        assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
+        assert [event["sequence_number"] for event in events] == list(range(1, len(events) + 1))
+        words = [event["delta"] for event in events if event["type"] == "response.output_text.delta"]
+        assert words == ["Hello", " there"]
+        # Settled: a continuation is told it has no answer (not to wait for it), a cancel that it no longer runs.
+        continued = {"model": "tiny", "input": "Again.", "previous_response_id": rid}
+        refused = body_of(await other.create(request("POST", continued), "r2"))
+        assert refused["error"]["code"] == "previous_response_unanswered" and "failed" in refused["error"]["message"]
+        refused = body_of(await other.cancel(request("POST"), rid, "r3"))
+        assert refused["error"]["code"] == "response_not_running" and "is failed" in refused["error"]["message"]
+        # What the stopped replica sends once it is heard again does not undo the failure.
+        handles[0].stopped = False
+        decode.streams[0].release()
+        await asyncio.sleep(0.1)
+        assert len(one.runs) == 0
+        assert body_of(await other.retrieve(request("GET"), rid, "r"))["status"] == "failed"
+
+    run(scenario)
+
+
+def test_a_replica_keeping_its_own_responses_never_counts_its_runs_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one ingress replica nobody watches its runs in the keeper (it holds it): a long run stays running."""
+    monkeypatch.setattr(response_keeper, "LOST_AFTER_S", 0.05)
+
+    async def scenario() -> None:
+        api, decode = serving()
+        assert not api.store.shared
+        rid = body_of(await api.create(request("POST", BODY), "r1"))["id"]
+        await settle()
+        decode.streams[0].release(1)
+        await asyncio.sleep(0.3)
+        assert body_of(await api.retrieve(request("GET"), rid, "r"))["status"] == "in_progress"
+        # A continuation asks the keeper itself how the run stands: still in progress.
+        follow_up = {"model": "tiny", "input": "More.", "previous_response_id": rid}
+        refused = body_of(await api.create(request("POST", follow_up), "r2"))
+        assert refused["error"]["code"] == "previous_response_in_progress"
+        decode.streams[0].release()
+        await settle()
+        assert body_of(await api.retrieve(request("GET"), rid, "r"))["status"] == "completed"
 
     run(scenario)
