@@ -80,6 +80,18 @@ def test_the_committed_files_hold_together() -> None:
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
+    # Laid out without overlaps: Grafana would otherwise move panels out of their rows.
+    boxes = [(panel["title"], panel["gridPos"]) for panel in dashboard["panels"]]
+    for index, (title, box) in enumerate(boxes):
+        assert box["x"] + box["w"] <= 24, title
+        for other, then in boxes[index + 1 :]:
+            apart = (
+                box["x"] + box["w"] <= then["x"]
+                or then["x"] + then["w"] <= box["x"]
+                or box["y"] + box["h"] <= then["y"]
+                or then["y"] + then["h"] <= box["y"]
+            )
+            assert apart, f"{title} overlaps {other}"
     # Every series the dashboard reads comes through Ray's agent (which prefixes names with ray_), the ingress's
     # too: one replica's /metrics is not the cluster's.
     names = {name for expr in dashboard_exprs() for name in re.findall(r"\b(?:ray_)?rayturn_\w+", expr)}
