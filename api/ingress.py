@@ -78,6 +78,7 @@ class Ingress:
         replicas: ``shared_responses``), else None (this replica keeps its own)."""
         self.pipeline = CallPipeline(decode, prefill, store_nodes, settings)
         self.pipeline.telemetry.keep_up()  # counted live in Ray's metrics as long as this replica runs
+        self.pipeline.energy.keeper = responses  # several ingress replicas: sessions' joules counted there
         self.http = HTTPServing(self.pipeline)
         self.chat = ServingChat(self.pipeline)
         self.completion = ServingCompletion(self.pipeline)

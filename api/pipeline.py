@@ -328,6 +328,8 @@ class CallPipeline:
                             self.telemetry.itl.observe(now - last)
                         last = now
                         self._fold(call, step, result)
+                        if step.finished:  # settled before the API sees the last step: its usage has the session's
+                            await self.energy.settle(call.session_id, result)
                         for delta in step.deltas:
                             resumer.record(delta.index, delta.text)
                         yield step.deltas
@@ -358,15 +360,16 @@ class CallPipeline:
                 generator.cancel()
             self.telemetry.e2e.observe(time.perf_counter() - start)
             self.telemetry.count_tokens(result)
-            self.energy.settle(call.session_id, result)  # a call that ended without its last step spent too
+            if done:  # answered whole (its last step, or the steps a dead replica had sent all)
+                await self.energy.settle(call.session_id, result)
+            else:
+                self.energy.settle_unanswered(call.session_id, result)
 
     def _fold(self, call: Call, step: Step, result: CallResult) -> None:
         if any(delta.finish_reason == GUIDE_BROKEN for delta in step.deltas):
             # The engine met a token its guide refused: the answer is not what was asked, so no answer.
             raise server_error(f"The answer broke its required format (request id {call.request_id}).")
         result.fold(step)
-        if step.finished:  # settled before the API sees the last step: its usage carries the session's total
-            self.energy.settle(call.session_id, result)
         if step.session is not None:
             self.telemetry.count_session(step.session)
 

@@ -11,6 +11,9 @@ its restart loses the runs it computed) and is stored ``failed`` with a
 once stored, stays: what the computing replica sends after a cancel or a loss
 was settled without it is dropped.
 
+It also keeps the sessions' energy totals (``session_energy``), so a session's
+``session_joules`` counts its calls on every ingress replica.
+
 It imports only the store, so its replica starts without the model's libraries.
 """
 
@@ -23,6 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .response_store import RUNNING, ResponseStore, StoredResponse
+from .session_energy import SessionEnergy
 
 if TYPE_CHECKING:
     from .protocol import JSON
@@ -33,6 +37,8 @@ CANCEL_WAIT_S = 10.0
 WATCH_EVERY_S = 5.0
 # How long a running response may go unwatched and unstored before its replica counts as gone.
 LOST_AFTER_S = 30.0
+# Sessions whose energy totals are kept, over every ingress replica (the most recent).
+MAX_SHARED_SESSIONS = 65536
 LOST_MESSAGE = "The ingress replica computing this response stopped before it ended; create the response again."
 
 
@@ -54,6 +60,11 @@ class ResponseKeeper:
         self.watched = watched
         self._runs: dict[tuple[str, str], _Run] = {}
         self._heard: dict[tuple[str, str], float] = {}  # when a running response's replica last called
+        self.session_energy = SessionEnergy(MAX_SHARED_SESSIONS)
+
+    async def add_session_joules(self, session_id: str, energy_j: float) -> float:
+        """Add a call's joules to its session (named with its tenant); returns the session's total."""
+        return self.session_energy.add(session_id, energy_j)
 
     async def put(self, entry: StoredResponse) -> None:
         key = (entry.tenant, entry.response_id)

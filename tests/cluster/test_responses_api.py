@@ -269,6 +269,32 @@ def test_both_ingress_replicas_read_continue_and_delete_what_either_stored(clust
             client.responses.retrieve(turns[0].id)
 
 
+def test_a_sessions_energy_total_counts_its_calls_on_both_ingress_replicas(client: openai.OpenAI) -> None:
+    """``session_joules`` is kept in the deployment both ingress replicas share: after each of 8 calls of one
+    session (each to either replica) it is the sum of the session's calls so far (all 8 reaching one replica has
+    odds of 1 in 2**7)."""
+    session = {"x-session-id": "energy-across-replicas"}
+    energies = []
+    for turn in range(8):
+        if turn % 2:
+            events = list(
+                client.responses.create(
+                    model="tiny", input=f"Step {turn}.", max_output_tokens=3, stream=True, extra_headers=session
+                )
+            )
+            usage = events[-1].response.usage  # type: ignore[union-attr]
+        else:
+            usage = client.responses.create(
+                model="tiny", input=f"Step {turn}.", max_output_tokens=3, extra_headers=session
+            ).usage
+        assert usage is not None
+        energies.append((usage.model_extra or {})["energy"])
+    joules = [energy["joules"] for energy in energies]
+    assert all(value > 0 for value in joules)
+    totals = [sum(joules[: turn + 1]) for turn in range(len(joules))]
+    assert [energy["session_joules"] for energy in energies] == pytest.approx(totals)
+
+
 def test_unknown_and_unstored_ids_and_bad_items_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as unknown:
         client.responses.create(model="tiny", previous_response_id="resp_nothing", input="hi", max_output_tokens=2)
