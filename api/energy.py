@@ -22,8 +22,9 @@ Every API's usage then carries the same object::
 a nominal power model, so estimates; ``+``-joined when a call's replicas
 read different ones); ``session_joules`` is null for a call that names no
 session, and for one whose shared total could not be reached (a warning is
-logged: this replica's own count is not the session's). A completions request with several prompts makes one call each:
-its usage adds their joules up.
+logged: this replica's own count is not the session's). A completions
+request with several prompts makes one call each: its usage adds their
+joules up.
 """
 
 from __future__ import annotations
