@@ -20,6 +20,7 @@ It imports only the store, so its replica starts without the model's libraries.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -103,6 +104,23 @@ class ResponseKeeper:
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         return self._live(self.store.get(tenant, response_id))
+
+    async def append_events(
+        self, tenant: str, response_id: str, body: JSON, start: int, events: Sequence[JSON]
+    ) -> bool:
+        """A streamed run's snapshot: its latest body, and its events from number ``start`` on (those before were
+        sent already), so each event crosses once. False when the entry is not what it extends (gone, or its
+        events do not end at ``start``): the caller then stores it whole."""
+        key = (tenant, response_id)
+        current = self.store.get(*key)
+        if current is not None and current.body["status"] not in RUNNING:
+            return True  # ended already: nothing to add
+        if current is None or len(current.events) != start or body["status"] not in RUNNING:
+            return False
+        num_bytes = current.num_bytes + len(json.dumps(list(events), ensure_ascii=False))
+        self.store.put(replace(current, body=body, events=(*current.events, *events), num_bytes=num_bytes))
+        self._heard[key] = time.monotonic()
+        return True
 
     async def find_items(self, tenant: str, item_ids: Sequence[str]) -> dict[str, JSON]:
         """The tenant's stored items of those ids that are kept."""

@@ -261,7 +261,7 @@ class ServingResponses(HTTPServing):
                 async for event in self._events(turn, steps, first, result, store=False):
                     run.push(event)
                     if self.store.shared and snapshots.due():  # followed from the other replicas
-                        await self._remember(turn, run.body, run.events)
+                        await snapshots.store(self.store, run, lambda: self._remember(turn, run.body, run.events))
                 run.update(run.events[-1]["response"])
             else:
                 async for _ in chain_steps(first, steps):

@@ -9,7 +9,8 @@ with one ingress replica the same keeper lives in that replica's process.
 
 A background response is computed by the replica its create call reached.
 That replica keeps its state in the keeper as it goes: queued, in progress,
-its events about once a second while it streams, and its end. So any replica
+its new events about once a second while it streams (each event crosses
+once), and its end. So any replica
 answers ``GET`` (a streamed one is followed from the keeper), lists its input
 items, and refuses to continue it until it ended. A cancel reaching another
 replica asks the keeper, which wakes the computing replica's watch; that
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from .background_responses import BackgroundRun, BackgroundRuns
@@ -70,6 +71,16 @@ class Responses:
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._call("get", tenant, response_id)
+
+    async def append_events(self, tenant: str, response_id: str, body: JSON, start: int, events: list[JSON]) -> bool:
+        """A streamed run's new events (``ResponseKeeper.append_events``); the keeper away, True: its end, stored
+        whole, will hold them."""
+        try:
+            appended: bool = await self._call("append_events", tenant, response_id, body, start, events)
+        except Exception as err:
+            logger.warning("events of %s were not stored: %s: %s", response_id, type(err).__name__, err)
+            return True
+        return appended
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         return await self._call("delete", tenant, response_id)
@@ -123,10 +134,19 @@ class Responses:
 
 
 class Snapshots:
-    """When the computing replica next stores a streamed run's events: about every ``SNAPSHOT_EVERY_S``."""
+    """When and what the computing replica stores of a streamed run while it runs: about every
+    ``SNAPSHOT_EVERY_S``, its latest body and the events since the last time."""
 
     def __init__(self) -> None:
         self._last = time.monotonic()
+        self.sent = 0  # events the keeper holds
+
+    async def store(self, responses: Responses, run: BackgroundRun, whole: Callable[[], Awaitable[None]]) -> None:
+        """Add the run's new events to its entry; ``whole`` stores the entry anew when the keeper has no such
+        entry to extend (it restarted, or an earlier snapshot was lost)."""
+        if not await responses.append_events(run.tenant, run.response_id, run.body, self.sent, run.events[self.sent :]):
+            await whole()
+        self.sent = len(run.events)
 
     def due(self) -> bool:
         now = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,9 +42,11 @@ class Method:
         self.method = method
         self.handle = handle
         self.calls = 0
+        self.sent_bytes = 0  # pickled arguments, as they would cross to the keeper's process
 
     def remote(self, *args: object) -> Coroutine[Any, Any, Any]:
         self.calls += 1
+        self.sent_bytes += len(pickle.dumps(args))
 
         async def call() -> Any:
             if self.handle is not None and self.handle.stopped:  # a stopped process's calls never arrive
@@ -164,7 +167,7 @@ def test_a_streamed_background_response_is_followed_from_the_other_replica(monke
     monkeypatch.setattr(shared_responses, "SNAPSHOT_EVERY_S", 0.0)  # every event stored as it comes
 
     async def scenario() -> None:
-        one, other, decode, _ = replicas()
+        one, other, decode, handle = replicas()
         created = await one.create(request("POST", {**BODY, "stream": True}), "r1")
         await settle()
         decode.streams[0].release(2)
@@ -193,6 +196,11 @@ def test_a_streamed_background_response_is_followed_from_the_other_replica(monke
         assert [event["sequence_number"] for event in rest] == list(range(len(rest)))
         again = await events_of(await other.retrieve(request("GET", query="stream=true&starting_after=3"), rid, "r"))
         assert again == rest[4:]
+        # Stored whole three times (queued, in progress, its end); in between only the new events crossed, each
+        # once: the snapshots together weigh about what the events do, not what every prefix of them does.
+        appends = handle.methods["append_events"]
+        assert handle.methods["put"].calls == 3 and appends.calls >= 3
+        assert appends.sent_bytes < 3 * len(pickle.dumps(rest)) + 2000 * appends.calls
 
     run(scenario)
 
@@ -376,5 +384,52 @@ def test_a_replica_keeping_its_own_responses_never_counts_its_runs_lost(monkeypa
         decode.streams[0].release()
         await settle()
         assert body_of(await api.retrieve(request("GET"), rid, "r"))["status"] == "completed"
+
+    run(scenario)
+
+
+def test_the_keeper_extends_a_streamed_run_only_where_its_events_end() -> None:
+    def entry(status: str, events: tuple[dict[str, Any], ...] = ()) -> StoredResponse:
+        body = {"id": "resp_1", "status": status, "output": [], "usage": None}
+        return StoredResponse("resp_1", "alice", body, (), 100, events, (), True)
+
+    def event(number: int) -> dict[str, Any]:
+        return {"type": "response.output_text.delta", "sequence_number": number, "delta": "x"}
+
+    async def scenario() -> None:
+        keeper = ResponseKeeper()
+        running = {"id": "resp_1", "status": "in_progress", "output": [], "usage": None}
+        assert await keeper.append_events("alice", "resp_1", running, 0, [event(0)]) is False  # nothing to extend
+        await keeper.put(entry("in_progress"))
+        assert await keeper.append_events("alice", "resp_1", running, 0, [event(0), event(1)]) is True
+        assert await keeper.append_events("alice", "resp_1", running, 2, [event(2)]) is True
+        assert await keeper.append_events("alice", "resp_1", running, 5, [event(5)]) is False  # a snapshot lost
+        assert await keeper.append_events("bob", "resp_1", running, 3, [event(3)]) is False
+        found = await keeper.get("alice", "resp_1")
+        assert found is not None and [e["sequence_number"] for e in found.events] == [0, 1, 2]
+        assert found.num_bytes > 100 and found.streamed
+        await keeper.put(entry("completed", found.events))
+        assert await keeper.append_events("alice", "resp_1", running, 3, [event(3)]) is True  # ended: dropped
+        ended = await keeper.get("alice", "resp_1")
+        assert ended is not None and ended.body["status"] == "completed" and len(ended.events) == 3
+
+    run(scenario)
+
+
+def test_a_snapshot_the_keeper_cannot_extend_is_stored_whole() -> None:
+    class Refusing:
+        async def append_events(self, *args: Any) -> bool:
+            return False
+
+    async def scenario() -> None:
+        run_ = SimpleNamespace(tenant="alice", response_id="resp_1", body={"status": "in_progress"}, events=[1, 2])
+        stored: list[int] = []
+
+        async def whole() -> None:
+            stored.append(len(run_.events))
+
+        snapshots = shared_responses.Snapshots()
+        await snapshots.store(Refusing(), run_, whole)  # type: ignore[arg-type]
+        assert stored == [2] and snapshots.sent == 2
 
     run(scenario)
