@@ -93,12 +93,21 @@ class ResponseKeeper:
         now = time.monotonic()
         if now - self._heard.setdefault(key, now) <= LOST_AFTER_S:
             return found
-        error = {"code": "server_error", "message": LOST_MESSAGE}
-        body = {**found.body, "status": "failed", "error": error, "output": [], "usage": None}
-        events = found.events
-        if found.streamed:  # a follower's stream ends as a failed run's does
+        return self._end_here(found, "failed", {"code": "server_error", "message": LOST_MESSAGE})
+
+    def _end_here(self, found: StoredResponse, status: str, error: JSON | None = None) -> StoredResponse | None:
+        """Store a running response ended by the keeper itself (its replica no longer answers for it), its output
+        dropped; a follower's stream of a failed one ends with ``response.failed``, as a failed run's does. One
+        that ended (or went) meanwhile is answered as it stands."""
+        key = (found.tenant, found.response_id)
+        current = self.store.get(*key)
+        if current is None or current.body["status"] not in RUNNING:
+            return current
+        body = {**current.body, "status": status, "error": error, "output": [], "usage": None}
+        events = current.events
+        if current.streamed and status == "failed":
             events = (*events, {"type": "response.failed", "sequence_number": len(events), "response": body})
-        self.store.put(replace(found, body=body, events=events))
+        self.store.put(replace(current, body=body, events=events))
         self._ended(key)
         return self.store.get(*key)
 
@@ -155,5 +164,5 @@ class ResponseKeeper:
         try:
             await asyncio.wait_for(run.ended.wait(), CANCEL_WAIT_S)
         except TimeoutError:  # nobody computes it any more: it is cancelled here
-            await self.put(replace(found, body={**found.body, "status": "cancelled", "output": [], "usage": None}))
+            return self._end_here(found, "cancelled")
         return self.store.get(tenant, response_id)
