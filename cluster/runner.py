@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 # Serve's own ``serve.shutdown()`` waits as long for its controller.
 SERVE_SHUTDOWN_TIMEOUT_S = 30.0
+# ``serve.delete`` waits as long for the application to go.
+APP_DELETE_TIMEOUT_S = 60.0
+# An actor in these states has no process running its code yet (no node has taken it, or its
+# dependencies are not ready).
+UNPLACED_ACTOR_STATES = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION"})
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def running_cluster(
     finally:
         try:
             # The application first: its replicas leave the KV store while its master still runs.
-            serve.delete(APP_NAME)
+            _delete_app(APP_NAME)
             _shut_down_serve()
         except Exception as err:
             logger.warning("Serve shutdown: %s", err)
@@ -95,6 +100,50 @@ def running_cluster(
             ray.kill(ray.get_actor(config.kvstore.master_name, namespace=KV_NAMESPACE))
         if started_ray:
             ray.shutdown()
+
+
+def _delete_app(app_name: str) -> None:
+    """``serve.delete(app_name)``, without waiting out the grace period of replicas that never started.
+
+    Serve stops a replica by asking its actor to shut down and waits up to the deployment's
+    ``graceful_shutdown_timeout_s`` (20 s) for the answer. An actor still waiting for a node (a
+    resource nobody has, a node group still growing) never answers, so a stop during start-up,
+    or while an autoscaled replica waits for its node, would take that long for nothing: such a
+    replica has served nothing and has nothing to drain. So while Serve deletes the application,
+    those actors are ended; replicas that run still stop gracefully. (Ending them until the
+    application is gone: a replica ended before Serve takes in the deletion is replaced.)
+    """
+    from ray import serve
+
+    serve.delete(app_name, _blocking=False)
+    deadline = time.monotonic() + APP_DELETE_TIMEOUT_S
+    while app_name in serve.status().applications:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Serve's application {app_name!r} still runs {APP_DELETE_TIMEOUT_S:.0f} s after its deletion"
+            )
+        _kill_unplaced_replicas(app_name)
+        time.sleep(0.2)
+
+
+def _kill_unplaced_replicas(app_name: str) -> None:
+    """End the application's replica actors that Ray has not created yet (see ``_delete_app``)."""
+    import ray
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    prefix = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{app_name}#"  # replica actors: ``SERVE_REPLICA::<app>#<deployment>#<id>``
+    try:
+        actors = list(ray._private.state.actors().values())
+    except Exception as err:  # the GCS's actor table is Ray's own; without it Serve's wait stands
+        logger.debug("actor table unreadable: %s", err)
+        return
+    for actor in actors:
+        name = str(actor.get("Name") or "")
+        if name.startswith(prefix) and actor.get("State") in UNPLACED_ACTOR_STATES:
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
+                logger.info("stopped %s before Ray placed it", name)
 
 
 def _serve_controller() -> Any | None:

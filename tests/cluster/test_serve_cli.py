@@ -50,6 +50,7 @@ UNWANTED_LINES = (
 )
 STARTUP_TIMEOUT_S = 180.0
 SHUTDOWN_TIMEOUT_S = 90.0
+STOP_WHILE_STARTING_S = 15.0
 # Small pools, as the other cluster tests use, so the command starts quickly on a laptop or CI runner.
 SMALL_CONFIG = """\
 model:
@@ -210,14 +211,16 @@ def wait_for(ready: Callable[[], bool], process: subprocess.Popen[bytes], log: P
         time.sleep(0.5)
 
 
-def stop_and_check_nothing_is_left(process: subprocess.Popen[bytes], log: Path) -> None:
+def stop_and_check_nothing_is_left(
+    process: subprocess.Popen[bytes], log: Path, within_s: float = SHUTDOWN_TIMEOUT_S
+) -> None:
     started = descendants(process.pid)  # Ray's GCS, raylet and every worker (the replicas among them)
     assert len(started) >= 2
     process.send_signal(signal.SIGTERM)
     try:
-        returncode = process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        returncode = process.wait(timeout=within_s)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"rayturn serve still runs {SHUTDOWN_TIMEOUT_S:.0f} s after SIGTERM:\n{log.read_text()}")
+        pytest.fail(f"rayturn serve still runs {within_s:.0f} s after SIGTERM:\n{log.read_text()}")
     assert returncode == 0, log.read_text()
     assert "rayturn stopped" in log.read_text()
 
@@ -268,8 +271,11 @@ def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
     # (and cannot come up: the decode replica waits for a resource nobody has).
     wait_for(lambda: "Started Serve" in log.read_text(), process, log, "Serve start")
     assert "rayturn is serving" not in log.read_text()
-    stop_and_check_nothing_is_left(process, log)
+    # The decode replica that waits for a node has nothing to drain: the stop does not wait out Serve's
+    # 20 s grace period for its answer (a pod told to stop while it starts is gone well within Kubernetes' 30 s).
+    stop_and_check_nothing_is_left(process, log, within_s=STOP_WHILE_STARTING_S)
     assert "rayturn is serving" not in log.read_text()
+    assert "stopped SERVE_REPLICA::rayturn#decode#" in log.read_text()
 
 
 def run_rayturn(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
