@@ -36,6 +36,7 @@ import os
 import struct
 import subprocess
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -323,13 +324,16 @@ class NativeReads:
         if client is None:
             return False
         address, port = connection.address, connection.fast_port
+        started = time.monotonic()
         try:
             client.read(address[0], port, ranges, grant, views, timeout_s)
         except NativeReadFailed as error:
             if error.kind == "refused":
                 raise TransportError(f"read {address} refused by the server: {error}") from None
-            if error.kind == "timeout":
-                raise PeerTimedOut(f"read {address} timed out after {timeout_s} s") from None
+            # A server that did not even answer the handshake within the read's time (a stopped process) has
+            # left none for the ucxx path: trying there would make the caller wait the timeout twice.
+            if error.kind == "timeout" or time.monotonic() - started >= timeout_s:
+                raise PeerTimedOut(f"read {address} timed out after {timeout_s} s: {error}") from None
             if error.kind == "busy":
                 return False
             logger.info("native read from %s:%d failed, back to the ucxx path: %s", address[0], port, error)

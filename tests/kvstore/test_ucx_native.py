@@ -36,7 +36,7 @@ from rayturn.kvstore.ucx_native import (
     NativeReadFailed,
     NativeServer,
 )
-from rayturn.kvstore.ucx_transport import TransportError, UcxClient, UcxServer
+from rayturn.kvstore.ucx_transport import PeerTimedOut, TransportError, UcxClient, UcxServer
 
 SECRET = b"test-store-secret-of-32-bytes..."
 SEGMENT_ID = "native-segment"
@@ -379,6 +379,55 @@ def test_an_owner_that_stops_answering_times_the_read_out_and_recovers(auth: Sto
         into = bytearray(64)  # the timed-out connection was dropped: this one connects again
         client.read("127.0.0.1", port, ranges, grant_for(auth, ranges), [memoryview(into)], TIMEOUT_S)
         assert bytes(into) == expected
+        process.stdin.close()
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+SERVE_UCX = f"""
+import sys
+import numpy as np
+from rayturn.kvstore.access import SegmentGate, StoreAuth
+from rayturn.kvstore.ucx_transport import UcxServer
+segment = (np.arange({SEGMENT_BYTES}) % 251).astype(np.uint8)
+with UcxServer(segment.data, gate=SegmentGate(StoreAuth({SECRET!r}), {SEGMENT_ID!r}, {EPOCH!r})) as server:
+    assert server.fast_port is not None
+    print(server.address[1], flush=True)
+    sys.stdin.read()
+"""
+"""A segment's UcxServer, its native reader beside it, in a process of its own (for SIGSTOP); stops at EOF."""
+
+
+def test_a_stopped_owner_costs_a_ucx_client_one_timeout_not_two(auth: StoreAuth) -> None:
+    """The client knows the owner's native port but has no native connection yet when the owner stops: the
+    native handshake gets no answer within the read's time, and the read ends there, a timeout, instead of
+    trying the ucxx path for as long again."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE_UCX], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdin is not None
+        address = ("127.0.0.1", int(process.stdout.readline()))
+        ranges = [(1000, 64)]
+        expected = (np.arange(1000, 1064) % 251).astype(np.uint8).tobytes()
+        with UcxClient(auth=auth, timeout_s=TIMEOUT_S) as client:
+            into = bytearray(64)
+            client.read(address, ranges, [into], grant_for(auth, ranges))  # over ucxx: learns the native port
+            assert bytes(into) == expected
+            stop_process(process.pid)
+            try:
+                start = time.monotonic()
+                with pytest.raises(PeerTimedOut):
+                    client.read(address, ranges, [bytearray(64)], grant_for(auth, ranges), timeout_s=2.0)
+                assert time.monotonic() - start < 3.5  # one 2 s timeout (the two in a row took 4 s)
+            finally:
+                process.send_signal(signal.SIGCONT)
+            into = bytearray(64)
+            client.read(address, ranges, [into], grant_for(auth, ranges))  # back, and read again
+            assert bytes(into) == expected
         process.stdin.close()
         assert process.wait(30) == 0
     finally:
