@@ -76,11 +76,14 @@ class AutoscalingSpec:
     target_ongoing_requests: float = 8.0
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
+    # The window each decision averages the pool's ongoing requests over (Ray Serve's own default).
+    look_back_period_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_above("target_ongoing_requests", self.target_ongoing_requests, 0)
         check_at_least("upscale_delay_s", self.upscale_delay_s, 0)
         check_at_least("downscale_delay_s", self.downscale_delay_s, 0)
+        check_above("look_back_period_s", self.look_back_period_s, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,7 @@ class PoolSpec:
             "target_ongoing_requests": self.autoscaling.target_ongoing_requests,
             "upscale_delay_s": self.autoscaling.upscale_delay_s,
             "downscale_delay_s": self.autoscaling.downscale_delay_s,
+            "look_back_period_s": self.autoscaling.look_back_period_s,
         }
         return options
 

@@ -40,7 +40,7 @@ def test_defaults() -> None:
     assert (config.decode.min_replicas, config.decode.max_replicas, config.decode.initial_replicas) == (1, 1, None)
     assert (config.decode.num_cpus, config.decode.num_gpus, dict(config.decode.resources)) == (0.5, 0.0, {})
     assert config.decode.max_ongoing_requests == 64
-    assert dataclasses.astuple(config.decode.autoscaling) == (8.0, 10.0, 60.0)
+    assert dataclasses.astuple(config.decode.autoscaling) == (8.0, 10.0, 60.0, 30.0)
     assert config.kvstore.segment_bytes == 256 << 20
     assert config.kvstore.store_node_bytes == 1 << 30
     assert (config.kvstore.store_nodes, config.kvstore.replicas, config.kvstore.transport) == (0, 1, "auto")
@@ -138,6 +138,10 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"decode": {"autoscaling": {"target_ongoing_requests": 0}}}, r"decode\.autoscaling\.target_ongoing_requests"),
         ({"prefill": {"autoscaling": {"upscale_delay_s": -1}}}, r"prefill\.autoscaling\.upscale_delay_s must be >= 0"),
         ({"prefill": {"autoscaling": {"downscale_delay_s": -1}}}, r"prefill\.autoscaling\.downscale_delay_s"),
+        (
+            {"decode": {"autoscaling": {"look_back_period_s": 0}}},
+            r"decode\.autoscaling\.look_back_period_s must be > 0",
+        ),
         # kv store
         ({"kvstore": {"master_name": ""}}, r"kvstore\.master_name must not be empty"),
         ({"kvstore": {"segment_bytes": 0}}, r"kvstore\.segment_bytes must be >= 1"),
@@ -393,7 +397,12 @@ def test_serve_options_for_an_autoscaled_pool() -> None:
                 "min_replicas": 1,
                 "max_replicas": 8,
                 "num_gpus": 1,
-                "autoscaling": {"target_ongoing_requests": 4, "upscale_delay_s": 5, "downscale_delay_s": 120},
+                "autoscaling": {
+                    "target_ongoing_requests": 4,
+                    "upscale_delay_s": 5,
+                    "downscale_delay_s": 120,
+                    "look_back_period_s": 10,
+                },
             }
         }
     ).decode
@@ -405,6 +414,7 @@ def test_serve_options_for_an_autoscaled_pool() -> None:
             "target_ongoing_requests": 4.0,
             "upscale_delay_s": 5.0,
             "downscale_delay_s": 120.0,
+            "look_back_period_s": 10.0,
         },
         "max_ongoing_requests": 64,
         "max_queued_requests": 256,

@@ -44,6 +44,9 @@ RAY_PORT = 26671  # and the Ray client server on the next port
 POOLS = ("prefill", "decode")
 NODES_PER_GROUP = 2  # a 2-core host: each group grows from one node to at most two
 IDLE_TIMEOUT_S = 3.0  # an idle node above its group's minimum goes after this long
+# Serve averages each pool's load over this long: its default, 30 s, holds a replica on for half a minute after
+# the load stops. (Below Serve's 10 s metrics interval, each push carries the last 3 s: coarse, and quick.)
+LOOK_BACK_S = 3.0
 THRESHOLD = 64  # prompt tokens from which the prefill pool computes a prompt
 # Decode scales past this many calls in flight per replica, prefill past one: the prefill load (fewer calls
 # than the decode target) grows only the prefill pool, the decode load (never touching prefill) only decode.
@@ -65,7 +68,7 @@ def group_bounds(shape: ClusterShape) -> ClusterShape:
 
 def app_config(config_path: Path) -> ClusterConfig:
     """The pods' config with this host's ports, small caches and short autoscaling delays."""
-    autoscaling = {"upscale_delay_s": 1.0, "downscale_delay_s": 2.0}
+    autoscaling = {"upscale_delay_s": 1.0, "downscale_delay_s": 2.0, "look_back_period_s": LOOK_BACK_S}
     overrides: dict[str, Any] = {
         "server.host": "127.0.0.1",
         "server.http_port": HTTP_PORT,
