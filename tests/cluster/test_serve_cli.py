@@ -108,6 +108,19 @@ def environment(pid: int) -> bytes:
         return b""
 
 
+def replica_processes(root: int, deployment: str) -> list[int]:
+    """The pids under ``root`` that Ray runs a replica of the deployment in (by the process title Ray gives it)."""
+    title = f"ServeReplica:rayturn:{deployment}".encode()
+    pids = []
+    for pid, _ in descendants(root):
+        try:
+            if title in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return pids
+
+
 def kv_segments(processes: set[Process]) -> list[str]:
     """KV store segments in /dev/shm created by these processes (named ``rayturn-kv-<pid>-<hex>``)."""
     shm = Path("/dev/shm")
@@ -270,6 +283,8 @@ def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
     # Serve is starting the deployments: Ray and its workers run, the application is not up yet
     # (and cannot come up: the decode replica waits for a resource nobody has).
     wait_for(lambda: "Started Serve" in log.read_text(), process, log, "Serve start")
+    # Serve asks for every replica at once: the prefill replica's process means the decode one waits for a node.
+    wait_for(lambda: replica_processes(process.pid, "prefill") != [], process, log, "a prefill replica")
     assert "rayturn is serving" not in log.read_text()
     # The decode replica that waits for a node has nothing to drain: the stop does not wait out Serve's
     # 20 s grace period for its answer (a pod told to stop while it starts is gone well within Kubernetes' 30 s).
