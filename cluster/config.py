@@ -69,6 +69,8 @@ _SIZE_PATTERN = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 _Spec = TypeVar("_Spec")
 
 API_KEYS_ENV = "RAYTURN_API_KEYS"
+# How often Serve's replicas and handles report their load for autoscaling (its ``metrics_interval_s``).
+SERVE_METRICS_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +78,15 @@ class AutoscalingSpec:
     target_ongoing_requests: float = 8.0
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
-    # The window each decision averages the pool's ongoing requests over (Ray Serve's own default).
+    # The window each decision averages the pool's ongoing requests over (Ray Serve's own default); Serve
+    # wants it longer than the interval its replicas and handles report load at.
     look_back_period_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_above("target_ongoing_requests", self.target_ongoing_requests, 0)
         check_at_least("upscale_delay_s", self.upscale_delay_s, 0)
         check_at_least("downscale_delay_s", self.downscale_delay_s, 0)
-        check_above("look_back_period_s", self.look_back_period_s, 0)
+        check_above("look_back_period_s", self.look_back_period_s, SERVE_METRICS_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,8 +45,8 @@ POOLS = ("prefill", "decode")
 NODES_PER_GROUP = 2  # a 2-core host: each group grows from one node to at most two
 IDLE_TIMEOUT_S = 3.0  # an idle node above its group's minimum goes after this long
 # Serve averages each pool's load over this long: its default, 30 s, holds a replica on for half a minute after
-# the load stops. (Below Serve's 10 s metrics interval, each push carries the last 3 s: coarse, and quick.)
-LOOK_BACK_S = 3.0
+# the load stops; the shortest it takes is just over the 10 s its replicas and handles report load at.
+LOOK_BACK_S = 11.0
 THRESHOLD = 64  # prompt tokens from which the prefill pool computes a prompt
 # Decode scales past this many calls in flight per replica, prefill past one: the prefill load (fewer calls
 # than the decode target) grows only the prefill pool, the decode load (never touching prefill) only decode.
