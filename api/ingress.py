@@ -34,6 +34,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayturn import __version__
+from rayturn.router.replica_logs import follow_serve_logging
 
 from .anthropic_bodies import anthropic_status, error_body
 from .bodies import model_card, models_list
@@ -76,6 +77,7 @@ class Ingress:
     ) -> None:
         """``responses``: the ``responses`` deployment every ingress replica keeps its responses in (several
         replicas: ``shared_responses``), else None (this replica keeps its own)."""
+        follow_serve_logging()
         self.pipeline = CallPipeline(decode, prefill, store_nodes, settings)
         self.pipeline.telemetry.keep_up()  # counted live in Ray's metrics as long as this replica runs
         self.pipeline.energy.keeper = responses  # several ingress replicas: sessions' joules counted there

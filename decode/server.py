@@ -56,6 +56,7 @@ from rayturn.engine.tool_calls import parser_for_chat_template
 from rayturn.kvstore import KVStoreClient, join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer, PrefillPath, PrewarmAnswer, RefusalLog, SessionAnnouncement, Step
+from rayturn.router.replica_logs import follow_serve_logging
 from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
@@ -185,14 +186,14 @@ class DecodeServer:
         tool_call_parser: str | None = None,
         admission: AdmissionLimits | None = None,
     ) -> None:
+        follow_serve_logging()  # first: the engine says at start which backend it chose
         settings = lifecycle or LifecycleSettings()
         self.replica_id = serve_replica_id()
         RefusalLog.install()  # a refused call is a line in the log, not a traceback
         self.metrics = ReplicaMetrics("decode", self.replica_id)
         self.admission = Admission(admission or AdmissionLimits(), self.replica_id)
         self.engine, self.kv_client = connect_engine(model, engine_kwargs, kvstore)
-        # None: the format the model's chat template teaches, read once here.
-        template = self.engine.tokenizer.chat_template
+        template = self.engine.tokenizer.chat_template  # read once: the tool-call format it teaches, unless set
         self.tool_call_parser = tool_call_parser or parser_for_chat_template(template.source if template else "")
         self.planner = (
             SessionPlanner(

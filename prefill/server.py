@@ -28,6 +28,7 @@ from rayturn.engine.kv_connector import StoreConnector
 from rayturn.kvstore import join_store
 from rayturn.kvstore.settings import StoreMembership
 from rayturn.messages import Call, PrefillAnswer, RefusalLog
+from rayturn.router.replica_logs import follow_serve_logging
 from rayturn.router.replica_metrics import CallClock, PromptSources, ReplicaMetrics
 from rayturn.router.replica_stats import routing_report
 from rayturn.router.request_router import serve_replica_id
@@ -39,6 +40,7 @@ class PrefillServer:
     """Ray Serve deployment body for the prefill pool (the cluster wraps it with pool options)."""
 
     def __init__(self, model: str, engine_kwargs: Mapping[str, Any], kvstore: StoreMembership | None) -> None:
+        follow_serve_logging()  # first: the engine says at start which backend it chose
         if kvstore is None:
             raise ValueError("a prefill server needs the KV store: its pages are its only output")
         self.kv_client = join_store(kvstore)

@@ -14,11 +14,13 @@ it interrupts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Self
 
 import pytest
@@ -40,6 +42,7 @@ THRESHOLD = 48  # uncached prompt tokens from which the prefill pool computes th
 CALL_TIMEOUT_S = 120.0  # a call still running after this is hung
 SETTLE_TIMEOUT_S = 240.0  # a replacement replica starts slowly on a busy 2-core host
 STREAM_TOKENS = 64
+HANDED = re.compile(r"handed (\d+) session pages to the KV store")  # a retiring decode replica's last line
 OVERRIDES = small_cluster(HTTP_PORT, GRPC_PORT, THRESHOLD)
 
 
@@ -76,6 +79,18 @@ def replica_pids(deployment: str) -> dict[str, int]:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             continue  # dying or gone
     return pids
+
+
+def replica_log(replica: str, word: str) -> list[str]:
+    """The lines of a decode replica's Serve log (its id as ``replica_pids`` names it) that hold ``word``: what a
+    failing assertion shows of what the replica said."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return [
+        line.strip()
+        for path in sorted(logs.glob(f"replica_{APP_NAME}_decode_{replica}*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if word in line
+    ]
 
 
 def kill(pid: int) -> None:
@@ -369,10 +384,17 @@ def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai
     assert len(moved) == 2
     # Serve counts a replica gone once it stops answering; it hands its sessions' pages over in its last moments
     # (``decode.server.shut_down_replica``), and its process ends only after that.
-    wait_exited(pids[next(name for name in replicas if name != kept)])
+    retired = next(name for name in replicas if name != kept)
+    wait_exited(pids[retired])
+
+    # What each replica said, in its Serve log: the one that stayed, which backend it started on; the retired
+    # one, how many of its sessions' pages it handed over.
+    assert any("decode replica ready: backend" in line for line in replica_log(kept, "ready")), replica_log(kept, "")
+    handed = [int(found) for line in replica_log(retired, "handed") for found in HANDED.findall(line)]
+    assert handed and handed[-1] > 0, replica_log(retired, "")[-20:]
 
     answers = {session: chat(client, session, conversations[session], 4) for session in sessions}
     expected = expected_texts(reference, [(conversations[session], 4) for session in sessions])
     assert [(answers[s].text, answers[s].finish_reason) for s in sessions] == expected
     for session in moved:  # served from the pages the retired replica handed over, not recomputed
-        assert answers[session].kv_store_tokens > 0, (session, answers[session])
+        assert answers[session].kv_store_tokens > 0, (session, answers[session], replica_log(retired, "hand"))
