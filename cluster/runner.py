@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 SERVE_SHUTDOWN_TIMEOUT_S = 30.0
 # ``serve.delete`` waits as long for the application to go.
 APP_DELETE_TIMEOUT_S = 60.0
+# While the application starts, a line says how far its replicas are this often.
+START_REPORT_EVERY_S = 10.0
+START_POLL_S = 0.5  # Serve's own wait asks every second
 # An actor in these states has no process running its code yet (no node has taken it, or its
 # dependencies are not ready).
 UNPLACED_ACTOR_STATES = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION"})
@@ -86,7 +89,10 @@ def running_cluster(
         if not serve_was_running:
             serve.start(**serve_start_options(config, log_level))
         with _without_serve_restart_notice(drop=not serve_was_running):
-            serve.run(app, name=APP_NAME, route_prefix="/", logging_config=serve_logging_config(log_level))
+            serve._run(
+                app, _blocking=False, name=APP_NAME, route_prefix="/", logging_config=serve_logging_config(log_level)
+            )
+        _wait_until_running(APP_NAME)
         check_listening_only_at(server.host, ray.util.get_node_ip_address(), ports.items())
         yield Endpoints(http=f"http://{server.host}:{server.http_port}", grpc=f"{server.host}:{server.grpc_port}")
     finally:
@@ -100,6 +106,44 @@ def running_cluster(
             ray.kill(ray.get_actor(config.kvstore.master_name, namespace=KV_NAMESPACE))
         if started_ray:
             ray.shutdown()
+
+
+def _wait_until_running(app_name: str) -> None:
+    """Wait for the application to run, as ``serve.run`` does, saying every ``START_REPORT_EVERY_S`` how far its
+    replicas are (a replica may wait a long time: a model to load, a node to join, a resource nobody offers);
+    RuntimeError if Serve gives the deployment up."""
+    from ray import serve
+
+    started = time.monotonic()
+    report_at = started + START_REPORT_EVERY_S
+    while True:
+        status = serve.status().applications.get(app_name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"Deploying application {app_name} failed: {status.message}")
+        if time.monotonic() >= report_at:
+            logger.info("still starting after %.0f s: %s", time.monotonic() - started, _replicas_so_far(status))
+            report_at += START_REPORT_EVERY_S
+        time.sleep(START_POLL_S)
+
+
+def _replicas_so_far(status: Any) -> str:
+    """Each deployment's replicas by state (``decode: 0 running, 1 starting``), and what Serve says of one that
+    is not healthy (a replica it cannot place names the resources it asks for)."""
+    if status is None:
+        return "the application is not deployed yet"
+    parts = []
+    for name, deployment in sorted(status.deployments.items()):
+        states = {
+            str(getattr(state, "value", state)).lower(): count for state, count in deployment.replica_states.items()
+        }
+        counts = [f"{states.pop('running', 0)} running"] + [
+            f"{count} {state}" for state, count in sorted(states.items())
+        ]
+        said = f" ({deployment.message})" if deployment.message and deployment.status != "HEALTHY" else ""
+        parts.append(f"{name}: {', '.join(counts)}{said}")
+    return "; ".join(parts)
 
 
 def _delete_app(app_name: str) -> None:

@@ -17,6 +17,7 @@ what is wrong.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -106,19 +107,6 @@ def environment(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return b""
-
-
-def replica_processes(root: int, deployment: str) -> list[int]:
-    """The pids under ``root`` that Ray runs a replica of the deployment in (by the process title Ray gives it)."""
-    title = f"ServeReplica:rayturn:{deployment}".encode()
-    pids = []
-    for pid, _ in descendants(root):
-        try:
-            if title in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return pids
 
 
 def kv_segments(processes: set[Process]) -> list[str]:
@@ -283,8 +271,9 @@ def test_sigterm_during_startup_abandons_it_and_stops_cleanly(
     # Serve is starting the deployments: Ray and its workers run, the application is not up yet
     # (and cannot come up: the decode replica waits for a resource nobody has).
     wait_for(lambda: "Started Serve" in log.read_text(), process, log, "Serve start")
-    # Serve asks for every replica at once: the prefill replica's process means the decode one waits for a node.
-    wait_for(lambda: replica_processes(process.pid, "prefill") != [], process, log, "a prefill replica")
+    # The command says how far the replicas are while it waits: the decode replica is asked for, and waits.
+    waiting = re.compile(r"still starting after \d+ s: decode: 0 running, 1 starting")
+    wait_for(lambda: waiting.search(log.read_text()) is not None, process, log, "progress")
     assert "rayturn is serving" not in log.read_text()
     # The decode replica that waits for a node has nothing to drain: the stop does not wait out Serve's
     # 20 s grace period for its answer (a pod told to stop while it starts is gone well within Kubernetes' 30 s).
