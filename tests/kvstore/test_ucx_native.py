@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -356,13 +357,24 @@ served.stop()
 """A native reader in a process of its own (for SIGSTOP): a segment of byte i % 251 at offset i; stops at EOF."""
 
 
-def test_an_owner_that_stops_answering_times_the_read_out_and_recovers(auth: StoreAuth, client: NativeClient) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE_NATIVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+@contextmanager
+def owner_process(script: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """``script`` (``SERVE_NATIVE`` or ``SERVE_UCX``) in a process of its own, and the port it printed; once the
+    ``with`` block is done, told to stop (EOF) and checked to have ended cleanly, killed if it did not."""
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stdin is not None
-        port = int(process.stdout.readline())
+        yield process, int(process.stdout.readline())
+        process.stdin.close()
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_an_owner_that_stops_answering_times_the_read_out_and_recovers(auth: StoreAuth, client: NativeClient) -> None:
+    with owner_process(SERVE_NATIVE) as (process, port):
         ranges = [(1000, 64)]
         expected = (np.arange(1000, 1064) % 251).astype(np.uint8).tobytes()
         into = bytearray(64)
@@ -379,12 +391,6 @@ def test_an_owner_that_stops_answering_times_the_read_out_and_recovers(auth: Sto
         into = bytearray(64)  # the timed-out connection was dropped: this one connects again
         client.read("127.0.0.1", port, ranges, grant_for(auth, ranges), [memoryview(into)], TIMEOUT_S)
         assert bytes(into) == expected
-        process.stdin.close()
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 SERVE_UCX = f"""
@@ -405,12 +411,8 @@ def test_a_stopped_owner_costs_a_ucx_client_one_timeout_not_two(auth: StoreAuth)
     """The client knows the owner's native port but has no native connection yet when the owner stops: the
     native handshake gets no answer within the read's time, and the read ends there, a timeout, instead of
     trying the ucxx path for as long again."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE_UCX], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None and process.stdin is not None
-        address = ("127.0.0.1", int(process.stdout.readline()))
+    with owner_process(SERVE_UCX) as (process, port):
+        address = ("127.0.0.1", port)
         ranges = [(1000, 64)]
         expected = (np.arange(1000, 1064) % 251).astype(np.uint8).tobytes()
         with UcxClient(auth=auth, timeout_s=TIMEOUT_S) as client:
@@ -428,9 +430,3 @@ def test_a_stopped_owner_costs_a_ucx_client_one_timeout_not_two(auth: StoreAuth)
             into = bytearray(64)
             client.read(address, ranges, [into], grant_for(auth, ranges))  # back, and read again
             assert bytes(into) == expected
-        process.stdin.close()
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
