@@ -20,13 +20,12 @@ It imports only the store, so its replica starts without the model's libraries.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .response_store import RUNNING, ResponseStore, StoredResponse
+from .response_store import RUNNING, ResponseStore, StoredResponse, json_size
 from .session_energy import SessionEnergy
 
 if TYPE_CHECKING:
@@ -126,7 +125,7 @@ class ResponseKeeper:
             return True  # ended already: nothing to add
         if current is None or len(current.events) != start or body["status"] not in RUNNING:
             return False
-        num_bytes = current.num_bytes + len(json.dumps(list(events), ensure_ascii=False))
+        num_bytes = current.num_bytes + json_size(list(events))
         self.store.put(replace(current, body=body, events=(*current.events, *events), num_bytes=num_bytes))
         self._heard[key] = time.monotonic()
         return True

@@ -22,6 +22,7 @@ expired entries are always found at the front.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -36,6 +37,11 @@ DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_TTL_S = 3600.0
 # The statuses of a response that is still being computed (a background one).
 RUNNING = ("queued", "in_progress")
+
+
+def json_size(value: object) -> int:
+    """What ``value`` counts towards a stored entry's ``num_bytes``: the length of its JSON text."""
+    return len(json.dumps(value, ensure_ascii=False))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from .call_result import CompletionState
 from .errors import APIError, client_error, invalid_request, outcome
 from .pipeline import CallPipeline, CallResult, Steps, chain_steps
 from .protocol import JSON, ChatRequest
-from .response_store import StoredResponse
+from .response_store import StoredResponse, json_size
 from .responses_bodies import (
     ResponseFrame,
     assistant_message,
@@ -335,8 +334,8 @@ class ServingResponses(HTTPServing):
         messages = (*history, *turn.request.input_messages, assistant_message(answer["output"]))
         # The request body bounds the echoed settings, the input items (references resolved) the input, held
         # twice (messages, items); the output is held twice too (body, messages).
-        num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * _size(turn.inputs)
-        num_bytes += 2 * _size(answer["output"]) + (_size(events) if events else 0)
+        num_bytes = (previous.num_bytes if previous is not None else 0) + turn.num_bytes + 2 * json_size(turn.inputs)
+        num_bytes += 2 * json_size(answer["output"]) + (json_size(events) if events else 0)
         streamed = turn.request.background and turn.request.stream
         stored = StoredResponse(
             turn.frame.response_id, turn.tenant, answer, messages, num_bytes, tuple(events), turn.items(), streamed
@@ -389,7 +388,3 @@ class ServingResponses(HTTPServing):
         for event in events:
             yield event
         self.succeeded(API)
-
-
-def _size(value: object) -> int:
-    return len(json.dumps(value, ensure_ascii=False))
