@@ -15,10 +15,10 @@ from .protocol import (
     ChatRequest,
     SamplingSpec,
     ToolChoice,
-    include_usage,
     model_field,
     prompt_cache_points,
     sampling_spec,
+    stream_usage,
 )
 from .sampling_fields import reject_unsupported
 from .tenants import body_cache_salt
@@ -48,6 +48,7 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
     max_tokens = fields.integer("max_tokens", minimum=1)
     max_completion_tokens = fields.integer("max_completion_tokens", minimum=1)
     stream = fields.boolean("stream") or False
+    include_usage, continuous_usage = stream_usage(fields, stream)
     parallel_tool_calls = fields.boolean("parallel_tool_calls")
     sampling = sampling_spec(
         fields,
@@ -65,7 +66,8 @@ def parse_chat_request(body: object, served_model: str) -> ChatRequest:
         tool_choice=tool_choice,
         sampling=sampling,
         stream=stream,
-        include_usage=include_usage(fields, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=fields.string("user"),
         parallel_tool_calls=True if parallel_tool_calls is None else parallel_tool_calls,
         cache_points=prompt_cache_points(fields, len(messages)),

@@ -18,7 +18,7 @@ from .chat_request import unfiltered_guide
 from .errors import invalid_request, unsupported
 from .json_fields import Fields, body_fields, is_integer, range_error, type_error
 from .priority import body_priority
-from .protocol import SamplingSpec, include_usage, model_field, sampling_spec
+from .protocol import SamplingSpec, model_field, sampling_spec, stream_usage
 from .tenants import body_cache_salt
 
 # A batch this long is already a job for many requests; each prompt is a call of its own.
@@ -36,6 +36,7 @@ class CompletionRequest:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's ``stream_options.continuous_usage_stats``: usage so far in every chunk
     user: str | None = None
     echo: bool = False
     return_tokens_as_token_ids: bool = False
@@ -89,12 +90,14 @@ def parse_completion_request(body: object, served_model: str) -> CompletionReque
     if best_of is not None and best_of != sampling.n:
         raise unsupported(f"Unsupported 'best_of': only best_of == n ({sampling.n}) is supported.", param="best_of")
     stream = fields.boolean("stream") or False
+    include_usage, continuous_usage = stream_usage(fields, stream)
     return CompletionRequest(
         model=model,
         prompts=prompts,
         sampling=sampling,
         stream=stream,
-        include_usage=include_usage(fields, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=fields.string("user"),
         echo=echo,
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids") or False,

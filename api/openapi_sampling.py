@@ -47,7 +47,15 @@ def sampling_properties(vocab_size: int, max_model_len: int = INT64_MAX) -> JSON
         },
         "seed": integer(),
         "stream": BOOLEAN,
-        "stream_options": object_of({"include_usage": BOOLEAN}),
+        "stream_options": object_of(
+            {
+                "include_usage": BOOLEAN,
+                "continuous_usage_stats": {
+                    **BOOLEAN,
+                    "description": "With include_usage: every chunk carries the usage so far (vLLM's extension).",
+                },
+            }
+        ),
         "user": SESSION_ID,
         "frequency_penalty": number(-MAX_PENALTY, MAX_PENALTY),
         "presence_penalty": number(-MAX_PENALTY, MAX_PENALTY),

@@ -12,7 +12,7 @@ clients routinely send extras such as ``metadata`` or ``store``):
 * chat completions and completions: ``model`` (missing or empty: the served
   model; the other APIs too),
   ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
-  ``stream``, ``stream_options.include_usage``, ``user``;
+  ``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``), ``user``;
   ``frequency_penalty``, ``presence_penalty`` (in [-2, 2]) and ``logit_bias``
   (token ids, as strings, to numbers in [-100, 100]; at most 1,024); vLLM's
   extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
@@ -180,6 +180,7 @@ class ChatRequest:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's ``stream_options.continuous_usage_stats``: usage so far in every chunk
     user: str | None = None
     parallel_tool_calls: bool = True
     # ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``: the answer's required form.
@@ -385,11 +386,14 @@ def vllm_sampling(fields: Fields, max_tokens: int | None, max_tokens_param: str 
     }
 
 
-def include_usage(fields: Fields, stream: bool) -> bool:
+def stream_usage(fields: Fields, stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: the final usage chunk, and usage so far in every chunk (vLLM's
+    ``continuous_usage_stats``, which, as in vLLM, takes effect only with ``include_usage``)."""
     options = fields.nested("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         message = "Invalid 'stream_options': only allowed when 'stream' is true."
         raise invalid_request(message, param="stream_options")
-    return options.boolean("include_usage") or False
+    include, continuous = options.boolean("include_usage") or False, options.boolean("continuous_usage_stats")
+    return include, include and bool(continuous)

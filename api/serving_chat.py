@@ -22,6 +22,7 @@ from .bodies import (
     chat_completion_id,
     chat_logprobs,
     chat_usage_chunk,
+    usage,
 )
 from .chat_request import parse_chat_request
 from .pipeline import CallResult, Steps, chain_steps
@@ -93,17 +94,19 @@ class ServingChat(HTTPServing):
             for index in range(chat.sampling.n)
         }
 
+        answered = 0  # the answers' tokens so far, for vLLM's ``continuous_usage_stats``
+
         def chunk(choices: list[JSON], **extra: Any) -> str:
-            return sse(
-                chat_chunk(
-                    response_id=response_id,
-                    model=self.served_model,
-                    created=created,
-                    choices=choices,
-                    include_usage=chat.include_usage,
-                )
-                | extra
+            body = chat_chunk(
+                response_id=response_id,
+                model=self.served_model,
+                created=created,
+                choices=choices,
+                include_usage=chat.include_usage,
             )
+            if chat.continuous_usage:
+                body["usage"] = usage(result.prompt_tokens, answered, result.cached_tokens, result.loaded_tokens)
+            return sse(body | extra)
 
         prompt_ids = {"prompt_token_ids": list(result.prompt_token_ids)} if chat.return_token_ids else {}
         yield chunk([state.start() for state in states.values()], **prompt_ids)
@@ -111,6 +114,7 @@ class ServingChat(HTTPServing):
             async for deltas in chain_steps(first, steps):
                 texts, endings = [], []  # one choice per index per chunk: text first, then the finish
                 for delta in deltas:
+                    answered += len(delta.token_ids)
                     state = states[delta.index]
                     state.hold_token_ids(delta.token_ids)
                     logprobs = (
@@ -134,7 +138,9 @@ class ServingChat(HTTPServing):
             yield SSE_DONE
             return
         if chat.include_usage:
-            usage = result.usage()
-            yield sse(chat_usage_chunk(response_id=response_id, model=self.served_model, created=created, usage=usage))
+            body = chat_usage_chunk(
+                response_id=response_id, model=self.served_model, created=created, usage=result.usage()
+            )
+            yield sse(body)
         self.succeeded(API)
         yield SSE_DONE

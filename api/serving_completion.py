@@ -233,6 +233,7 @@ class ServingCompletion(HTTPServing):
         response_id, created = completion_id(), int(time.time())
         names = self.token_names.with_token_ids(spec.return_tokens_as_token_ids)
         offsets: dict[int, int] = {}  # characters sent per choice
+        answered = 0  # the answers' tokens so far, for vLLM's ``continuous_usage_stats``
         event: _Event | None = first
         try:
             while event is not None:
@@ -240,6 +241,7 @@ class ServingCompletion(HTTPServing):
                     raise event.error
                 if event.result is not None:
                     results[event.prompt] = event.result
+                answered += sum(len(delta.token_ids) for delta in event.deltas)
                 choices = [
                     choice
                     for delta in event.deltas
@@ -253,6 +255,8 @@ class ServingCompletion(HTTPServing):
                         choices=choices,
                         include_usage=spec.include_usage,
                     )
+                    if spec.continuous_usage:  # the prompts begun so far, and every answer's tokens
+                        chunk["usage"] = _usage(spec, results.values(), answered, energy=False)
                     yield sse(chunk)
                 event = await anext(events, None)
         except Exception as err:
@@ -332,14 +336,18 @@ def _prompt_entries(prompt: _Prompt, result: CallResult, num_top: int) -> tuple[
     return prompt.token_ids[0], entries
 
 
-def _usage(spec: CompletionRequest, results: Iterable[CallResult]) -> JSON:
-    """The whole request's usage: every prompt's call added up (a scored-only prompt generated nothing)."""
+def _usage(
+    spec: CompletionRequest, results: Iterable[CallResult], answered: int | None = None, *, energy: bool = True
+) -> JSON:
+    """The whole request's usage: every prompt's call added up (a scored-only prompt generated nothing);
+    ``answered``: the answers' tokens streamed so far, instead of the calls' whole count."""
     calls = list(results)
-    completion_tokens = sum(result.completion_tokens for result in calls) if spec.generates else 0
+    if answered is None:
+        answered = sum(result.completion_tokens for result in calls)
     tokens = usage(
         sum(result.prompt_tokens for result in calls),
-        completion_tokens,
+        answered if spec.generates else 0,
         sum(result.cached_tokens for result in calls),
         sum(result.loaded_tokens for result in calls),
     )
-    return {**tokens, "energy": summed_energy_usage(calls)}
+    return {**tokens, "energy": summed_energy_usage(calls)} if energy else tokens

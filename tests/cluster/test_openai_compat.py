@@ -573,6 +573,42 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(
         assert not any(reply.prompt_token_ids for reply in plain)
 
 
+def test_continuous_usage_stats_count_every_chunks_tokens(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    """vLLM's ``continuous_usage_stats``: each chunk's usage counts the ids sent up to it (``return_token_ids``), a
+    chat's long prompt (the prefill pool's) and a completion's alike, and the final usage chunk ends the stream."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    extra_body = {"return_token_ids": True, "ignore_eos": True}
+    chat = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny",
+        messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options=options,
+        extra_body=extra_body,
+    )
+    completion = client.completions.create(  # type: ignore[call-overload]
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options=options,
+        extra_body=extra_body,
+    )
+    for chunks in (list(chat), list(completion)):
+        *streamed, final = chunks
+        assert final.choices == [] and final.usage is not None and final.usage.completion_tokens == 10
+        sent = 0
+        for chunk in streamed:
+            sent += sum(len(_extra(choice, "token_ids") or []) for choice in chunk.choices)
+            assert chunk.usage is not None and chunk.usage.completion_tokens == sent
+            assert chunk.usage.prompt_tokens == final.usage.prompt_tokens
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + sent
+        assert sent == 10
+    assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+
+
 def test_chat_logit_bias_forces_a_token_and_names_one_outside_the_vocabulary(
     client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:
