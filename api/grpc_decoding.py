@@ -85,6 +85,11 @@ def add_servicer(servicer: Any, server: Any) -> None:
             request_deserializer=lenient_decoder(pb.PrewarmRequest),
             response_serializer=pb.PrewarmResponse.SerializeToString,
         ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize,
+            request_deserializer=lenient_decoder(pb.GenerateRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -1,6 +1,6 @@
 """rayturn's gRPC API (``protos/rayturn.proto``) on the shared call pipeline.
 
-Serve's gRPC proxy calls the ingress deployment's ``Generate``, ``Prewarm``
+Serve's gRPC proxy calls the ingress deployment's ``Generate``, ``Prewarm``, ``Tokenize``
 and ``Health``, which hand over to ``GrpcService``. Every method checks the
 caller's key first (``authorization: Bearer <key>`` or ``x-api-key``
 metadata) when keys are set: UNAUTHENTICATED otherwise; then that its
@@ -188,6 +188,24 @@ class GrpcService:
             raise self._fail(grpc_context, "grpc_prewarm", client_error(err, request_id)) from None
         self.pipeline.telemetry.requests.labels("grpc_prewarm", "ok").inc()
         return pb.PrewarmResponse(state=answer.state, replica_id=answer.replica_id or "")
+
+    async def tokenize(self, request: pb.GenerateRequest | UndecodableRequest, grpc_context: Any) -> Any:
+        """The prompt ids ``Generate`` would compute for ``request``: the same parse, template and cut; not run."""
+        pipeline = self.pipeline
+        request_id = new_request_id()
+        try:
+            self._tenant(grpc_context)
+            request = decoded(request)
+            parsed = parse_generate_request(request, pipeline.served_model)
+            if isinstance(parsed, ChatRequest):
+                prompt_ids = await pipeline.chat_prompt(parsed, request.ByteSize())
+            else:
+                prompt_ids = await pipeline.raw_prompt_ids(parsed.prompt, parsed.sampling, param=parsed.param)
+                pipeline.check_vocabulary(prompt_ids, parsed.param)
+        except Exception as err:
+            raise self._fail(grpc_context, "grpc_tokenize", client_error(err, request_id)) from None
+        pipeline.telemetry.requests.labels("grpc_tokenize", "ok").inc()
+        return pb.TokenizeResponse(token_ids=prompt_ids, max_model_len=pipeline.max_model_len)
 
     async def health(self, request: pb.HealthRequest | UndecodableRequest, grpc_context: Any) -> Any:
         try:

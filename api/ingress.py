@@ -107,6 +107,9 @@ class Ingress:
     async def Health(self, request: Any, grpc_context: Any = None) -> Any:
         return await self.grpc.health(request, grpc_context)
 
+    async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.grpc.tokenize(request, grpc_context)
+
     # -- HTTP -------------------------------------------------------------
 
     @app.post("/v1/chat/completions")

@@ -174,13 +174,7 @@ class CallPipeline:
     ) -> tuple[list[int], SamplingParams]:
         """A text or token-id prompt (no chat template), cut as its ``truncation`` asks: its ids and sampling; a 400
         naming ``param`` if unusable."""
-        cut = sampling.truncation
-        if isinstance(prompt, str):
-            prompt_ids = await self.text_prompt(prompt, param=param, checked=cut is None)
-        else:
-            prompt_ids = list(prompt)
-        if cut is not None:
-            prompt_ids = cut.tokens(prompt_ids, cut.limit(self.max_model_len, sampling.max_tokens))
+        prompt_ids = await self.raw_prompt_ids(prompt, sampling, param=param)
         # The length first: a prompt of a million ids is refused without walking them.
         params = to_sampling_params(
             sampling,
@@ -192,11 +186,24 @@ class CallPipeline:
             vocab_size=self.vocab_size,
             encode=partial(self.tokenizer.encode, add_special_tokens=False),
         )
+        self.check_vocabulary(prompt_ids, param)
+        return prompt_ids, params
+
+    async def raw_prompt_ids(self, prompt: str | Sequence[int], sampling: SamplingSpec, *, param: str) -> list[int]:
+        """A text or token-id prompt's ids (no chat template), cut as its ``truncation`` asks."""
+        cut = sampling.truncation
+        if isinstance(prompt, str):
+            prompt_ids = await self.text_prompt(prompt, param=param, checked=cut is None)
+        else:
+            prompt_ids = list(prompt)
+        return prompt_ids if cut is None else cut.tokens(prompt_ids, cut.limit(self.max_model_len, sampling.max_tokens))
+
+    def check_vocabulary(self, prompt_ids: Sequence[int], param: str) -> None:
+        """A 400 naming ``param`` when the prompt is empty or holds ids outside the vocabulary."""
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if not prompt_ids or bad:
             problem = f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}" if bad else "it is empty"
             raise invalid_request(f"Invalid '{param}': {problem}.", param=param)
-        return prompt_ids, params
 
     # -- the call ---------------------------------------------------------
 

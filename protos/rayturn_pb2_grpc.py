@@ -50,6 +50,11 @@ class RayTurnStub:
                 request_serializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.SerializeToString,
                 response_deserializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/rayturn.v1.RayTurn/Tokenize',
+                request_serializer=rayturn_dot_protos_dot_rayturn__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rayturn_dot_protos_dot_rayturn__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RayTurnServicer:
@@ -80,6 +85,18 @@ class RayTurnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt token ids a Generate call with this request would compute
+        (a chat through the model's chat template with its tools; text
+        tokenized; truncate_prompt_tokens applied), without running the call,
+        with the context's length: whether a conversation still fits, and how
+        many tokens it holds. The request is checked as Generate checks it,
+        except for the room left for max_tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RayTurnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +114,11 @@ def add_RayTurnServicer_to_server(servicer, server):
                     servicer.Prewarm,
                     request_deserializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.FromString,
                     response_serializer=rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=rayturn_dot_protos_dot_rayturn__pb2.GenerateRequest.FromString,
+                    response_serializer=rayturn_dot_protos_dot_rayturn__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +203,33 @@ class RayTurn:
             '/rayturn.v1.RayTurn/Prewarm',
             rayturn_dot_protos_dot_rayturn__pb2.PrewarmRequest.SerializeToString,
             rayturn_dot_protos_dot_rayturn__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rayturn.v1.RayTurn/Tokenize',
+            rayturn_dot_protos_dot_rayturn__pb2.GenerateRequest.SerializeToString,
+            rayturn_dot_protos_dot_rayturn__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -197,7 +197,7 @@ class _Server:
 
 
 class _Servicer:
-    Generate = Health = Prewarm = staticmethod(lambda request, context: None)
+    Generate = Health = Prewarm = Tokenize = staticmethod(lambda request, context: None)
 
 
 def test_the_servicer_function_registers_every_method_with_the_lenient_decoder() -> None:

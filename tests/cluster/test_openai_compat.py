@@ -564,6 +564,9 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(
         )
         replies = list(stub.Generate(chat_request, timeout=120))
         assert list(replies[0].prompt_token_ids) == _hf_chat_ids(hf_tokenizer, question, add_generation_prompt=True)
+        # Tokenize: the same ids without the call, and the context's length.
+        counted = stub.Tokenize(chat_request, timeout=120)
+        assert list(counted.token_ids) == list(replies[0].prompt_token_ids) and counted.max_model_len == 4096
         assert len(replies) > 1 and not any(reply.prompt_token_ids for reply in replies[1:])
         cut = pb.SamplingOptions(max_tokens=2, temperature=0, truncate_prompt_tokens=20)
         asked = pb.GenerateRequest(text=LONG_PROMPT, sampling=cut, return_prompt_token_ids=True)

@@ -108,6 +108,7 @@ def test_every_grpc_method_refuses_a_missing_or_wrong_key(
             lambda: list(stub.Generate(pb.GenerateRequest(text="hi"), metadata=grpc_metadata(*credentials))),
             lambda: stub.Prewarm(pb.PrewarmRequest(session_id="s"), metadata=grpc_metadata(*credentials)),
             lambda: stub.Health(pb.HealthRequest(), metadata=grpc_metadata(*credentials)),
+            lambda: stub.Tokenize(pb.GenerateRequest(text="hi"), metadata=grpc_metadata(*credentials)),
         ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

@@ -130,6 +130,7 @@ def test_service_entry_points_exist() -> None:
     assert hasattr(rayturn_pb2_grpc.RayTurnServicer, "Generate")
     assert hasattr(rayturn_pb2_grpc.RayTurnServicer, "Health")
     assert hasattr(rayturn_pb2_grpc.RayTurnServicer, "Prewarm")
+    assert hasattr(rayturn_pb2_grpc.RayTurnServicer, "Tokenize")
     module_name, _, function_name = SERVICER_FUNCTION.rpartition(".")
     assert module_name == rayturn_pb2_grpc.__name__
     assert getattr(rayturn_pb2_grpc, function_name) is rayturn_pb2_grpc.add_RayTurnServicer_to_server
