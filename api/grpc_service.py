@@ -36,7 +36,7 @@ from .errors import APIError, authentication_failed, client_error, invalid_reque
 from .grpc_decoding import SERVICER_FUNCTION, UndecodableRequest, decoded
 from .grpc_request import RawPrompt, parse_generate_request
 from .grpc_stream import GrpcStream
-from .pipeline import CallPipeline, chain_steps, new_request_id
+from .pipeline import CallPipeline, chain_steps, check_vocabulary, new_request_id
 from .priority import grpc_priority
 from .protocol import ChatRequest
 from .session import (
@@ -201,7 +201,7 @@ class GrpcService:
                 prompt_ids = await pipeline.chat_prompt(parsed, request.ByteSize())
             else:
                 prompt_ids = await pipeline.raw_prompt_ids(parsed.prompt, parsed.sampling, param=parsed.param)
-                pipeline.check_vocabulary(prompt_ids, parsed.param)
+                check_vocabulary(prompt_ids, pipeline.vocab_size, parsed.param)
         except Exception as err:
             raise self._fail(grpc_context, "grpc_tokenize", client_error(err, request_id)) from None
         pipeline.telemetry.requests.labels("grpc_tokenize", "ok").inc()

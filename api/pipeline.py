@@ -83,6 +83,14 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def check_vocabulary(prompt_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """A 400 naming ``param`` when the prompt is empty or holds ids outside the vocabulary."""
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if not prompt_ids or bad:
+        problem = f"token ids out of vocabulary [0, {vocab_size}): {bad[:5]}" if bad else "it is empty"
+        raise invalid_request(f"Invalid '{param}': {problem}.", param=param)
+
+
 async def chain_steps(first: Any, steps: Steps) -> Steps:
     if first is not NO_STEP:
         yield first
@@ -186,7 +194,7 @@ class CallPipeline:
             vocab_size=self.vocab_size,
             encode=partial(self.tokenizer.encode, add_special_tokens=False),
         )
-        self.check_vocabulary(prompt_ids, param)
+        check_vocabulary(prompt_ids, self.vocab_size, param)
         return prompt_ids, params
 
     async def raw_prompt_ids(self, prompt: str | Sequence[int], sampling: SamplingSpec, *, param: str) -> list[int]:
@@ -197,13 +205,6 @@ class CallPipeline:
         else:
             prompt_ids = list(prompt)
         return prompt_ids if cut is None else cut.tokens(prompt_ids, cut.limit(self.max_model_len, sampling.max_tokens))
-
-    def check_vocabulary(self, prompt_ids: Sequence[int], param: str) -> None:
-        """A 400 naming ``param`` when the prompt is empty or holds ids outside the vocabulary."""
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if not prompt_ids or bad:
-            problem = f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}" if bad else "it is empty"
-            raise invalid_request(f"Invalid '{param}': {problem}.", param=param)
 
     # -- the call ---------------------------------------------------------
 

@@ -201,6 +201,7 @@ def build_app(config: ClusterConfig) -> Application:
         config.lifecycle,
         config.model.tool_call_parser,
         config.decode.admission_limits(),
+        config.router.balance_prefill,
     )
     store_nodes = None
     if kvstore is not None and "kv-store" in options:

@@ -12,11 +12,12 @@ prompt's KV (conditional disaggregation):
   the store and returns the first token; this replica loads the pages
   straight into its cache and decodes on from that token (``n`` > 1 and
   seeded calls take only the pages and sample every first token here,
-  after forking: ``continues_first``).
+  after forking: ``continues_first``); unless the pool is busier than this
+  replica, or failing (``remote_prefill``): then it computes the prompt itself.
 
 Failures around a call::
 
-    remote prefill --fails or times out--> prefilled here; the pool is left alone for PREFILL_BACKOFF_S
+    remote prefill --fails or times out--> prefilled here; the pool is left alone for a while (``remote_prefill``)
     a call resumed after its replica died (``Call.resume``) --> prefilled here from the store's pages,
         decoding on after the tokens already streamed (``rayturn.api.resume`` decides when)
     Serve retires this replica --> ``__del__``: engine stopped, sessions' pages handed to other segments
@@ -40,7 +41,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -66,6 +67,7 @@ from .answers import AnswerTracker
 from .idle_work import DeferredJob, IdleWork
 from .lifecycle.planner import SessionPlanner
 from .lifecycle.settings import LifecycleSettings
+from .remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +85,6 @@ SNAPSHOT_MIN_INTERVAL_S = 2.0
 # A retiring replica hands its sessions' pages to the store for at most this long (Serve's
 # ``graceful_shutdown_timeout_s``, 20 s by default, bounds the whole shutdown).
 HAND_OFF_TIMEOUT_S = 10.0
-# A remote prefill gets this long plus PREFILL_TIMEOUT_S_PER_TOKEN for each token it computes; then it is
-# abandoned and the prompt prefilled here. A dead prefill replica fails its calls at once, but calls sent
-# while the pool has no live replica wait for a replacement, and a stuck replica never answers.
-PREFILL_TIMEOUT_S = 5.0
-PREFILL_TIMEOUT_S_PER_TOKEN = 1 / 2000
-# After a remote prefill failed, this replica prefills locally for this long before asking the pool again.
-PREFILL_BACKOFF_S = 5.0
 
 
 def connect_engine(
@@ -145,6 +140,10 @@ def _prompt_sources(output: RequestOutput | None) -> PromptSources | None:
     return PromptSources(len(output.prompt_token_ids), output.num_cached_prompt_tokens, output.num_loaded_prompt_tokens)
 
 
+def _counted(answered: bool = True) -> None:
+    """A prompt this replica did not count as a long one prefilled here."""
+
+
 def shut_down_replica(engine: AsyncEngine | None, kv_client: KVStoreClient | None) -> None:
     """Stop the engine thread, hand the sessions' pages to the rest of the KV store, then leave it.
 
@@ -185,6 +184,7 @@ class DecodeServer:
         lifecycle: LifecycleSettings | None = None,
         tool_call_parser: str | None = None,
         admission: AdmissionLimits | None = None,
+        balance_prefill: bool = True,
     ) -> None:
         follow_serve_logging()  # first: the engine says at start which backend it chose
         settings = lifecycle or LifecycleSettings()
@@ -214,11 +214,11 @@ class DecodeServer:
                     "kv-snapshot", self._snapshot_store, IDLE_SNAPSHOT_EVERY_S, duration_s=0.1, max_delay_s=60.0
                 )
             )
-        self.prefill = prefill  # a Serve handle to the prefill pool, or None
         self.threshold = disaggregation_threshold_tokens
-        self._prefill_again_at = 0.0  # time.monotonic() from which the prefill pool is asked again
         self.started_at = time.time()
         self.counters = {"requests": 0, "disaggregated": 0, "local_prefill": 0, "failed_prefill": 0, "resumed": 0}
+        # The prefill pool (a Serve handle), or None.
+        self.remote = RemotePrefill(prefill, self.counters, balance=balance_prefill) if prefill is not None else None
         logger.info("decode replica ready: backend %s, tool calls %s", self.engine.backend_name, self.tool_call_parser)
 
     async def _uncached_tokens(self, call: Call) -> int:
@@ -244,7 +244,7 @@ class DecodeServer:
 
     def _can_disaggregate(self, params: SamplingParams) -> bool:
         # Prompt logprobs come from computing every prompt position here.
-        return self.prefill is not None and params.prompt_logprobs is None
+        return self.remote is not None and self.remote.open and params.prompt_logprobs is None
 
     async def _snapshot_store(self) -> None:
         assert self.kv_client is not None
@@ -271,8 +271,9 @@ class DecodeServer:
         last: RequestOutput | None = None
         prompt_logprobs_sent = False
         clock = CallClock()
+        here: Callable[[bool], None] = _counted  # ends the count of a long prompt prefilled here
         try:
-            first = await self._prefill(call)
+            first, here = await self._prefill(call)
             path: PrefillPath = "local" if first is None else "disaggregated"
             output_prefix, output_prefix_logprobs = output_prefix_of(call, first if continues_first(call) else None)
             async for output in self.engine.generate(
@@ -289,6 +290,7 @@ class DecodeServer:
                 priority=call.priority,
             ):
                 last = output
+                here(True)  # a long prompt prefilled here has its first token: out of this replica's queue
                 deltas = answers.deltas(output)
                 if deltas:
                     clock.step()
@@ -315,28 +317,26 @@ class DecodeServer:
                     report = None
                     prompt_logprobs_sent = prompt_logprobs_sent or output.prompt_logprobs is not None
         finally:
+            here(False)
             self.metrics.finish_call(clock, _prompt_sources(last))
             if self.planner is not None and session_id:
                 self._finish_session(session_id, call, last, answers)
 
-    async def _prefill(self, call: Call) -> PrefillAnswer | None:
-        """Conditional disaggregation: the prefill replica's answer when the prefill pool computed the prompt;
-        None when this replica prefills it itself (always for a resumed call: its output has begun; and for
-        ``PREFILL_BACKOFF_S`` after a remote prefill failed)."""
-        if call.resume is None and self._can_disaggregate(call.params) and time.monotonic() >= self._prefill_again_at:
+    async def _prefill(self, call: Call) -> tuple[PrefillAnswer | None, Callable[[bool], None]]:
+        """Conditional disaggregation (``remote_prefill``): the prefill replica's answer when the prefill pool computed
+        the prompt, else None (always for a resumed call: its output has begun); and what ends the count of a long
+        prompt this replica prefills itself."""
+        remote = self.remote
+        if call.resume is None and remote is not None and self._can_disaggregate(call.params):
             uncached = await self._uncached_tokens(call)
             if uncached >= self.threshold:
-                timeout_s = PREFILL_TIMEOUT_S + uncached * PREFILL_TIMEOUT_S_PER_TOKEN
-                try:
-                    answer: PrefillAnswer = await asyncio.wait_for(self.prefill.prefill.remote(call), timeout_s)
-                    self.counters["disaggregated"] += 1
-                    return answer
-                except Exception as err:  # the prefill pool failing must not fail the call
-                    self.counters["failed_prefill"] += 1
-                    self._prefill_again_at = time.monotonic() + PREFILL_BACKOFF_S
-                    logger.warning("remote prefill failed, prefilling locally: %s: %s", type(err).__name__, err)
+                answer = await remote.prefill(call, uncached)
+                if answer is not None:
+                    return answer, _counted
+                self.counters["local_prefill"] += 1
+                return None, remote.started_here(uncached)
         self.counters["local_prefill"] += 1
-        return None
+        return None, _counted
 
     def _finish_session(self, session_id: str, call: Call, last: RequestOutput | None, answers: AnswerTracker) -> None:
         assert self.planner is not None

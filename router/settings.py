@@ -22,6 +22,9 @@ class RouterSettings:
     load_weight: float = 1.0
     affinity_weight: float = 0.5
     disaggregation_threshold_tokens: int = 512
+    # A long prompt is computed by its decode replica instead when the replica's remote prefills still waiting
+    # hold more tokens than its own (``rayturn.decode.remote_prefill``); false: the prefill pool always gets it.
+    balance_prefill: bool = True
     stats_period_s: float = 1.0
 
     def __post_init__(self) -> None:

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve.deployment import Application
 
 from rayturn.api.settings import ServerSettings
 from rayturn.cluster import config as config_module
+from rayturn.cluster.app import build_app
 from rayturn.cluster.config import (
     ClusterConfig,
     PoolSpec,
@@ -46,7 +48,7 @@ def test_defaults() -> None:
     assert (config.kvstore.store_nodes, config.kvstore.replicas, config.kvstore.transport) == (0, 1, "auto")
     assert (config.kvstore.high_watermark, config.kvstore.low_watermark) == (0.90, 0.80)
     assert config.kvstore.ucx == UCXSettings(None, None, 0)
-    assert dataclasses.astuple(config.router) == ("kv_aware", 1.0, 1.0, 0.5, 512, 1.0)
+    assert dataclasses.astuple(config.router) == ("kv_aware", 1.0, 1.0, 0.5, 512, True, 1.0)
     assert config.server == ServerSettings("127.0.0.1", 8000, 9000, (), {}, 8 << 20, 1, 0.25)
     assert config.tenant == "default"
     assert load_config() == ClusterConfig.from_dict({}) == config
@@ -163,6 +165,7 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"router": {"affinity_weight": -1}}, r"router\.affinity_weight must be >= 0"),
         ({"router": {"disaggregation_threshold_tokens": -1}}, r"router\.disaggregation_threshold_tokens must be >= 0"),
         ({"router": {"stats_period_s": 0}}, r"router\.stats_period_s must be > 0"),
+        ({"router": {"balance_prefill": "maybe"}}, r"router\.balance_prefill must be true or false, got 'maybe'"),
         # server
         ({"server": {"http_port": -1}}, r"server\.http_port must be a port number in 0-65535, got -1"),
         ({"server": {"grpc_port": 65536}}, r"server\.grpc_port must be a port number"),
@@ -423,6 +426,20 @@ def test_serve_options_for_an_autoscaled_pool() -> None:
     started_at_two = PoolSpec(min_replicas=0, max_replicas=4, initial_replicas=2)
     assert started_at_two.serve_options()["autoscaling_config"]["initial_replicas"] == 2
     assert "num_replicas" not in started_at_two.serve_options()
+
+
+def test_balance_prefill_is_on_unless_turned_off_and_reaches_the_decode_replicas() -> None:
+    assert ClusterConfig.from_dict({}).router.balance_prefill is True
+    assert ClusterConfig.from_dict({"router": {"balance_prefill": False}}).router.balance_prefill is False
+    for balance in (True, False):
+        config = ClusterConfig.from_dict({"router": {"balance_prefill": balance}})
+        ingress = build_app(config)._bound_deployment
+        pools = {
+            app._bound_deployment.name: app._bound_deployment
+            for app in ingress.init_args
+            if isinstance(app, Application)
+        }
+        assert pools["decode"].init_args[-1] is balance
 
 
 def test_ray_actor_options_with_custom_resources() -> None:

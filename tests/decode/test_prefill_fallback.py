@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from rayturn.decode import server as decode_server
+from rayturn.decode import remote_prefill
 from rayturn.decode.server import DecodeServer
 from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.messages import Call, ResumePoint, Step
@@ -88,8 +88,8 @@ def test_a_prefill_pool_that_never_answers_is_abandoned_after_the_timeout(
     replica: tuple[DecodeServer, PrefillPool], reference: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, pool = replica
-    monkeypatch.setattr(decode_server, "PREFILL_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(decode_server, "PREFILL_TIMEOUT_S_PER_TOKEN", 0.0)
+    monkeypatch.setattr(remote_prefill, "PREFILL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(remote_prefill, "PREFILL_TIMEOUT_S_PER_TOKEN", 0.0)
     answer = steps(server, Call("stuck", PROMPT, GREEDY))
     assert tokens_of(answer) == reference and pool.num_calls == 1
     assert server.counters["failed_prefill"] == 1
