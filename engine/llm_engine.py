@@ -291,7 +291,7 @@ class LLMEngine:
         if self.kv_transfer is not None:
             self.kv_transfer.release_saved()
         self.expire_holds()
-        arrived = self.requests.take_arrived()
+        arrived = self.energy.annotate(self.requests.take_arrived())
         chunks = self.scheduler.schedule().chunks
         if not chunks:
             return arrived
@@ -301,12 +301,13 @@ class LLMEngine:
         if self.kv_transfer is not None:
             self.kv_transfer.save_prompts(sampled)
         sampled, logits, verified = split_verified(sampled, logits)  # decodes that ran a draft: verified apart
-        arrived += verify_drafts(verified, self.drafter, self.requests, self.kv_cache, self._on_stop)
+        verified_outputs = verify_drafts(verified, self.drafter, self.requests, self.kv_cache, self._on_stop)
         seqs, rows = self.requests.fork_fresh([chunk.seq for chunk in sampled], self._start_fork)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample_sequences(logits, seqs, self.eos_token_ids)
-        return self.energy.annotate(arrived + self.requests.append_samples(seqs, tokens, logprobs, self._on_stop))
+        sampled_outputs = verified_outputs + self.requests.append_samples(seqs, tokens, logprobs, self._on_stop)
+        return arrived + self.energy.annotate(sampled_outputs)
 
     def _run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run the model over the scheduled chunks; returns those that sample, and their logits."""

@@ -110,7 +110,8 @@ class RequestTable:
         self.guides = guides or GuideCompiler(tokenizer, limits.vocab_size, eos_token_ids)
         self.max_model_len = limits.max_model_len
         self._requests: dict[str, Request] = {}
-        self._finished_on_arrival: list[Request] = []
+        # Requests whose output began on arrival (an output prefix made elsewhere), finished by it or not.
+        self._arrived: list[Request] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -130,9 +131,11 @@ class RequestTable:
     ) -> Request:
         """A new request with its first sequence, checked against the limits (see ``LLMEngine.add_request``).
 
-        ``request_id`` None: the next free number. When the output prefix
-        already finishes the request, it is ``finished`` and the next
-        ``take_arrived`` reports it; otherwise its sequence is the caller's to schedule.
+        ``request_id`` None: the next free number. A request with an output
+        prefix is reported by the next ``take_arrived``, so the tokens made
+        elsewhere (a prefill replica's first token) stream before the request
+        is scheduled; when the prefix finishes it, it is ``finished``,
+        otherwise its sequence is the caller's to schedule.
         """
         self.limits.check_request(len(token_ids), params, output_prefix, output_prefix_logprobs, page_hashes)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
@@ -164,21 +167,22 @@ class RequestTable:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason, seq.stop_reason = verdict
                 seq.num_cached_prompt_tokens = 0
-                self._finished_on_arrival.append(request)
-                return
+                break
+        if prefix:
+            self._arrived.append(request)
 
     def pop(self, request_id: str) -> Request | None:
         """Forget a request (an abort); its unfinished sequences are the caller's to finish."""
         request = self._requests.pop(request_id, None)
         if request is not None:
-            # Finished before any step: nothing left to report.
-            self._finished_on_arrival = [r for r in self._finished_on_arrival if r is not request]
+            # Gone before any step: nothing left to report.
+            self._arrived = [r for r in self._arrived if r is not request]
         return request
 
     def take_arrived(self) -> list[RequestOutput]:
-        """The outputs of requests that finished on arrival since the last call."""
-        outputs = self._report(self._finished_on_arrival)
-        self._finished_on_arrival = []
+        """The outputs of requests that arrived with an output prefix since the last call (finished by it or not)."""
+        outputs = self._report(self._arrived)
+        self._arrived = []
         return outputs
 
     def fork_fresh(self, seqs: list[Sequence], on_fork: OnFork) -> tuple[list[Sequence], list[int]]:

@@ -41,3 +41,27 @@ def test_a_continuation_from_any_point_is_the_uninterrupted_answer(engine: LLMEn
         whole = run(engine, prompt, [])
         for k in RESUME_AT:
             assert run(engine, prompt, whole[:k]) == whole, (thread, call, k)
+
+
+def test_an_output_prefix_is_reported_on_arrival_before_its_request_is_scheduled() -> None:
+    """A prefill replica's first token streams from the decode replica's next step, even while a long prompt
+    there takes every step's budget: the request's first output is the prefix alone, unfinished; its answer
+    then goes on as before."""
+    engine = LLMEngine.from_pretrained("tiny", enable_prefix_caching=False, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(3, 203)), params)  # 200 tokens: seven steps of prefill
+    engine.step()
+    prompt = engine.tokenizer.encode(LONG_TEXT)
+    alone = run(engine, prompt, [])
+    busy_id = engine.add_request(list(range(3, 203)), params)
+    engine.step()
+    request_id = engine.add_request(prompt, params, output_prefix=alone[:1])
+    (first,) = [output for output in engine.step() if output.request_id == request_id]
+    assert (first.token_ids, first.finished) == (alone[:1], False)
+    assert request_id in {seq.request_id for seq in engine.scheduler.waiting}  # not scheduled yet
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.token_ids
+    assert finished[request_id] == alone[:4] and busy_id in finished
