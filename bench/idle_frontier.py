@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from rayturn.decode.lifecycle.predictors import IdleModelConfig
-from rayturn.replay.harness import Progress, emit
+from rayturn.replay.harness import Progress, emit, pyplot, save_figure
 from rayturn.replay.idle_eval import cross_validate, keep_or_offload_capture, keep_or_offload_kept
 from rayturn.replay.idle_fit import turn_end_samples
 from rayturn.replay.paths import DEFAULT_TRACES, RESULTS_DIR
@@ -114,12 +114,8 @@ def meets(point: dict[str, float]) -> bool:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
     curves = (
@@ -143,9 +139,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes.set_xlim(0.6, 1.01)
     axes.set_ylim(0.0, 1.01)
     axes.legend(loc="lower left")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(plt, figure, path, dpi=120)
     return True
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from _common import load_average
 
-from rayturn.replay.harness import Progress, add_out_argument, emit, machine, percentile
+from rayturn.replay.harness import Progress, add_out_argument, emit, machine, percentile, pyplot, save_figure
 
 ARMS = {"balanced": True, "pool_only": False}
 COUNTED = ("disaggregated", "pool_busy", "pool_full", "failed_prefill", "local_prefill")
@@ -123,12 +123,8 @@ def summary(ttfts: list[float], walls: list[float], counts: dict[str, int]) -> d
 
 
 def write_plot(per_arm: dict[str, list[list[float]]], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(8, 5))
     for arm, rounds in per_arm.items():
@@ -138,10 +134,7 @@ def write_plot(per_arm: dict[str, list[list[float]]], path: Path) -> Path | None
     axes.set_ylabel("time to first token (s)")
     axes.set_title("rayturn: a burst of new sessions, prefill pool balanced with the decode replica or not")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(plt, figure, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -52,7 +52,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]
 
 from rayturn.replay.agent_workload import Call, Shape, default_token_scale, make_session, system_prompt
-from rayturn.replay.harness import SMALL_MACHINE, add_out_argument, emit, machine
+from rayturn.replay.harness import SMALL_MACHINE, add_out_argument, emit, machine, pyplot, save_figure
 
 MAX_ATTEMPTS = 30
 RETRY_KINDS = (429, 503)
@@ -293,12 +293,8 @@ def growth(points: list[tuple[float, float]]) -> dict[str, Any]:
 
 
 def write_plot(samples: list[tuple[float, dict[str, float]]], marks: dict[str, float], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     labels = sorted({label for _, by_label in samples for label in by_label})
     figure, axes = plt.subplots(figsize=(11, 6))
@@ -314,10 +310,7 @@ def write_plot(samples: list[tuple[float, dict[str, float]]], marks: dict[str, f
     axes.set_ylabel("RSS (MB)")
     axes.set_title("rayturn soak: resident memory per process")
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(plt, figure, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

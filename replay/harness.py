@@ -81,6 +81,26 @@ def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot``, drawing to files only (the Agg backend); None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt: Any, figure: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay ``figure`` out, write it to ``path`` (PNG) and close it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
 def emit(result: dict[str, Any]) -> None:
     """Print the result as one JSON object on the last line of stdout."""
     print(json.dumps(result, sort_keys=True), flush=True)

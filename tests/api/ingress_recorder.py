@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from rayturn.api.serving_messages import ServingMessages
 from rayturn.api.serving_responses import ServingResponses
 from rayturn.api.settings import IngressSettings
 from rayturn.api.tenants import KeyTable
-from rayturn.messages import Call
+from rayturn.messages import Call, Step
 from rayturn.protos import rayturn_pb2 as pb
 
 USER = {"role": "user", "content": "hi"}
@@ -51,6 +51,29 @@ class RecordingPipeline(CallPipeline):
 async def _no_steps() -> AsyncIterator[tuple[Any, ...]]:
     return
     yield ()
+
+
+class ScriptedDecode:
+    """A decode pool handle whose every call streams ``steps`` (``generate.options(stream=True).remote(call)``)."""
+
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self.generate = self
+        self.steps = tuple(steps)
+        self.calls: list[Call] = []
+
+    def options(self, stream: bool = False) -> ScriptedDecode:
+        return self
+
+    def remote(self, call: Call) -> ScriptedDecode:
+        self.calls.append(call)
+        return self
+
+    def cancel(self) -> None:
+        pass
+
+    async def __aiter__(self) -> AsyncIterator[Step]:
+        for step in self.steps:
+            yield step
 
 
 def http_request(body: dict[str, Any], headers: dict[str, str] | None = None) -> Request:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ingress_recorder import RecordingPipeline, assert_refused, http_request
+from ingress_recorder import RecordingPipeline, ScriptedDecode, assert_refused, http_request
 from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionChunk
 
@@ -24,7 +23,7 @@ from rayturn.api.pipeline import CallPipeline
 from rayturn.api.serving_chat import ServingChat
 from rayturn.api.serving_completion import ServingCompletion
 from rayturn.api.settings import IngressSettings
-from rayturn.messages import Call, Delta, Step
+from rayturn.messages import Delta, Step
 
 MODEL = "tiny"
 DOCUMENT = openapi_document(MODEL, vocab_size=263, max_model_len=4096)
@@ -38,42 +37,26 @@ STEPS = (
 ANSWER_TOKENS = sum(len(ids) for step in STEPS for _, ids, _, _ in step)
 
 
-class ScriptedDecode:
-    """A decode pool handle whose every call streams ``STEPS`` (``generate.options(stream=True).remote(call)``)."""
-
-    def __init__(self) -> None:
-        self.generate = self
-        self.calls: list[Call] = []
-
-    def options(self, stream: bool = False) -> ScriptedDecode:
-        return self
-
-    def remote(self, call: Call) -> ScriptedDecode:
-        self.calls.append(call)
-        return self
-
-    def cancel(self) -> None:
-        pass
-
-    async def __aiter__(self) -> AsyncIterator[Step]:
-        for i, step in enumerate(STEPS):
-            deltas = tuple(Delta(index, ids, text, None, reason) for index, ids, text, reason in step)
-            yield Step(
-                deltas,
-                PROMPT_TOKENS,
-                CACHED_TOKENS,
-                LOADED_TOKENS,
-                finished=i == len(STEPS) - 1,
-                path="local",
-                replica_id=None,
-            )
+def scripted_steps() -> tuple[Step, ...]:
+    """``STEPS`` as the decode pool streams them (the last ending the call)."""
+    return tuple(
+        Step(
+            tuple(Delta(index, ids, text, None, reason) for index, ids, text, reason in step),
+            PROMPT_TOKENS,
+            CACHED_TOKENS,
+            LOADED_TOKENS,
+            finished=i == len(STEPS) - 1,
+            path="local",
+            replica_id=None,
+        )
+        for i, step in enumerate(STEPS)
+    )
 
 
 def stream(serving_class: type[Any], body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunks of ``body``'s stream (``[DONE]`` left out)."""
-    pipeline = CallPipeline(
-        ScriptedDecode(), None, None, IngressSettings(model=MODEL, served_model_name=MODEL, page_size=16)
-    )
+    settings = IngressSettings(model=MODEL, served_model_name=MODEL, page_size=16)
+    pipeline = CallPipeline(ScriptedDecode(scripted_steps()), None, None, settings)
 
     async def go() -> list[dict[str, Any]]:
         response = await serving_class(pipeline).create(http_request({"stream": True, **body}), "request-1")

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ingress_recorder import RecordingPipeline, assert_refused, http_request, request_schema, send_http
+from ingress_recorder import (
+    RecordingPipeline,
+    ScriptedDecode,
+    assert_refused,
+    http_request,
+    request_schema,
+    send_http,
+)
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -26,7 +32,7 @@ from rayturn.api.serving_responses import ServingResponses
 from rayturn.api.settings import IngressSettings
 from rayturn.engine.sequence import TokenLogprob
 from rayturn.engine.tool_calls import ToolCall, ToolCallDelta
-from rayturn.messages import Call, Delta, Step
+from rayturn.messages import Delta, Step
 
 MODEL = "tiny"
 DOCUMENT = openapi_document(MODEL, vocab_size=263, max_model_len=4096)
@@ -40,28 +46,14 @@ STEPS = (
 )
 
 
-class ScriptedDecode:
-    """A decode pool handle whose every call streams ``STEPS`` (``generate.options(stream=True).remote(call)``)."""
-
-    def __init__(self) -> None:
-        self.generate = self
-        self.calls: list[Call] = []
-
-    def options(self, stream: bool = False) -> ScriptedDecode:
-        return self
-
-    def remote(self, call: Call) -> ScriptedDecode:
-        self.calls.append(call)
-        return self
-
-    def cancel(self) -> None:
-        pass
-
-    async def __aiter__(self) -> AsyncIterator[Step]:
-        for i, (text, scored) in enumerate(STEPS):
-            reason = "stop" if i == len(STEPS) - 1 else None
-            delta = Delta(0, (scored.token_id,), text, (scored,), reason)
-            yield Step((delta,), 9, 0, 0, finished=reason is not None, path="local", replica_id="decode-1")
+def scripted_steps() -> tuple[Step, ...]:
+    """``STEPS`` as the decode pool streams them: one token per step, the last ending the answer."""
+    steps = []
+    for i, (text, scored) in enumerate(STEPS):
+        reason = "stop" if i == len(STEPS) - 1 else None
+        delta = Delta(0, (scored.token_id,), text, (scored,), reason)
+        steps.append(Step((delta,), 9, 0, 0, finished=reason is not None, path="local", replica_id="decode-1"))
+    return tuple(steps)
 
 
 def post(serving: Any, body: dict[str, Any]) -> Any:
@@ -79,7 +71,7 @@ def post(serving: Any, body: dict[str, Any]) -> Any:
 
 
 def servings() -> tuple[ServingResponses, ServingChat, ScriptedDecode]:
-    decode = ScriptedDecode()
+    decode = ScriptedDecode(scripted_steps())
     pipeline = CallPipeline(decode, None, None, IngressSettings(model=MODEL, served_model_name=MODEL, page_size=16))
     return ServingResponses(pipeline), ServingChat(pipeline), decode
 
