@@ -208,11 +208,12 @@ class Answer:
     finish_reason: str
     cached_tokens: int  # prompt tokens served from cache: the replica's device or the KV store
     kv_store_tokens: int  # of those, loaded from the KV store
+    replica: str | None = None  # the decode replica that served it (``x-rayturn-replica``)
 
 
 def chat(client: openai.OpenAI, session_id: str, messages: list[dict[str, str]], max_tokens: int, n: int = 1) -> Answer:
     """A non-streamed greedy call (its first choice)."""
-    response = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model="tiny",
         messages=messages,  # type: ignore[arg-type]
         max_tokens=max_tokens,
@@ -220,6 +221,7 @@ def chat(client: openai.OpenAI, session_id: str, messages: list[dict[str, str]],
         n=n,
         extra_headers={"x-session-id": session_id},
     )
+    response = raw.parse()
     assert response.usage is not None and response.usage.prompt_tokens_details is not None
     details = response.usage.prompt_tokens_details
     choice = response.choices[0]
@@ -228,6 +230,7 @@ def chat(client: openai.OpenAI, session_id: str, messages: list[dict[str, str]],
         choice.finish_reason,
         details.cached_tokens or 0,
         getattr(details, "kv_store_tokens", 0),
+        raw.headers.get("x-rayturn-replica"),
     )
 
 
@@ -369,18 +372,27 @@ def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai
     wait_settled(decode_replicas=2)
     pids = replica_pids("decode")
     replicas = set(pids)
-    sessions = [session for replica in sorted(replicas) for session in sessions_on(replica, replicas, 2, "moved")]
     # Prompts under the threshold (< 48 tokens) do not go through the prefill pool: each session's pages exist
-    # only in its decode replica's segment.
-    conversations = {session: [{"role": "user", "content": f"[{session}] {SHORT_TEXT}"}] for session in sessions}
-    for session, messages in conversations.items():
+    # only in its decode replica's segment. New sessions until each replica serves two: the router places a
+    # session nobody has seen by load as well as by its id's hash, so where each landed is read from its answer.
+    conversations: dict[str, list[dict[str, str]]] = {}
+    served: dict[str, str | None] = {}
+    for i in range(60):
+        if all(list(served.values()).count(replica) >= 2 for replica in replicas):
+            break
+        session = f"moved-{i}"
+        messages = [{"role": "user", "content": f"[{session}] {SHORT_TEXT}"}]
         answer = chat(client, session, messages, 6)
-        conversations[session] = follow_up(messages, answer.text)
+        assert answer.replica in replicas, (answer.replica, replicas)
+        if list(served.values()).count(answer.replica) < 2:
+            conversations[session], served[session] = follow_up(messages, answer.text), answer.replica
+    sessions = list(conversations)
+    assert sorted(served.values()) == sorted(list(replicas) * 2), served
 
     serve.run(build_app(pool_config(decode_replicas=1)), name=APP_NAME, route_prefix="/")
     wait_settled(decode_replicas=1)
     (kept,) = replica_pids("decode")
-    moved = [session for session in sessions if preferred_replica(session, replicas) != kept]
+    moved = [session for session in sessions if served[session] != kept]
     assert len(moved) == 2
     # Serve counts a replica gone once it stops answering; it hands its sessions' pages over in its last moments
     # (``decode.server.shut_down_replica``), and its process ends only after that.
