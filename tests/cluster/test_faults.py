@@ -402,8 +402,11 @@ def test_a_retired_decode_replica_hands_its_sessions_to_the_store(client: openai
     # What each replica said, in its Serve log: the one that stayed, which backend it started on; the retired
     # one, how many of its sessions' pages it handed over.
     assert any("decode replica ready: backend" in line for line in replica_log(kept, "ready")), replica_log(kept, "")
+    # The hand-off ran; it writes only the pages the store lacks (a session's pages are published at each answer's
+    # end, and may already live on a segment that stays), so its count may be 0: whether the sessions' pages
+    # survived is what their next calls below show.
     handed = [int(found) for line in replica_log(retired, "handed") for found in HANDED.findall(line)]
-    assert handed and handed[-1] > 0, replica_log(retired, "")[-20:]
+    assert handed, replica_log(retired, "")[-20:]
 
     answers = {session: chat(client, session, conversations[session], 4) for session in sessions}
     expected = expected_texts(reference, [(conversations[session], 4) for session in sessions])
