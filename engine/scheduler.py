@@ -1,29 +1,38 @@
 """Decides what runs each step: continuous batching with chunked prefill.
 
 Each step has a token budget (``max_num_batched_tokens``). Running sequences
-go first, by class (``priority.py``: continuations, interactive, background)
-and in admission order within one: a decode costs one token, an unfinished
-prompt gets the next chunk that fits (never past the prompt's end: output
-tokens made elsewhere, such as a prefill server's first token, are computed
-one per step, as decodes, ``next_chunk_tokens``). When pages run out, the last running
-sequence (the newest of the lowest class) is preempted (its pages freed, to
-be recomputed later — cheaply, since its full pages stay in the prefix cache
-until evicted) until the earlier one fits. Waiting sequences are admitted in
-queue order with whatever budget, sequence slots and pages remain; none are
-admitted in a step that had to preempt. The queue goes by class too, so
-under load the agents already working keep going (a tool's result coming
-back continues a turn) while new turns wait, and background work waits for
-room; a sequence preempted after it ran waits ahead of every new arrival
-but background ones ahead only of background::
+that decode go first, one token each (stall-free batching: a long prompt being
+computed never stalls a stream), then the running prompts' chunks, by class
+(``priority.py``: continuations, interactive, background) and in admission
+order within one: an unfinished prompt gets the next chunk that fits (never
+past the prompt's end: output tokens made elsewhere, such as a prefill
+server's first token, are computed one per step, as decodes,
+``next_chunk_tokens``). A waiting sequence that goes before a running prompt
+is admitted ahead of that prompt's chunk: one of a higher class (a tool's
+result arriving while a new turn's long prompt is computed), or one of the
+same class with at most a page left to compute (a prompt loaded from the KV
+store, a prefill server's answer). Other waiting sequences are admitted in
+queue order with whatever budget, sequence slots and pages remain. When
+pages run out, the last running sequence (the newest of the lowest class) is
+preempted (its pages freed, its chunk of this step dropped, to be recomputed
+later — cheaply, since its full pages stay in the prefix cache until evicted)
+until the earlier one fits; none are admitted in a step that had to preempt.
+The queue goes by class too, so under load the agents already working keep
+going (a tool's result coming back continues a turn) while new turns wait,
+and background work waits for room; a sequence preempted after it ran waits
+ahead of every new arrival but background ones ahead only of background::
 
     waiting = [preempted (last preempted first)] + [continuations] + [interactive]
               + [background: preempted (last first), new], new ones oldest first
+
+``SchedulerConfig.stall_free=False`` keeps the earlier policy (every running
+sequence in class order, then the waiting ones), a benchmark's baseline.
 
 With a drafter (speculative decoding), a running sequence that decodes may
 run a draft after its token (``ScheduledChunk.draft``): its tokens count
 against the budget, all drafts of a step together take at most half of it,
 and each leaves a token of budget and a page for every running sequence
-after it, so prompt chunks still progress and no draft causes a preemption.
+not yet scheduled, so prompt chunks still progress and no draft causes a preemption.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ from .sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Decodes before prompt chunks, and a waiting sequence that goes before a running prompt admitted ahead of it;
+    # False: every running sequence in class order, then the waiting ones (the policy before it).
+    stall_free: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -119,11 +131,13 @@ class Scheduler:
         position = next((index for index, other in enumerate(self.waiting) if goes_before(other)), len(self.waiting))
         self.waiting.insert(position, seq)
 
-    def _run(self, seq: Sequence) -> None:
-        """Add to the running sequences: behind every one of its class or a higher one."""
+    def _run(self, seq: Sequence, ahead_of: Sequence | None = None) -> None:
+        """Add to the running sequences: behind every one of its class or a higher one (but ahead of ``ahead_of``,
+        the running prompt it was admitted before)."""
         rank = seq.priority.rank
         position = next(
-            (index for index, other in enumerate(self.running) if other.priority.rank > rank), len(self.running)
+            (index for index, other in enumerate(self.running) if other.priority.rank > rank or other is ahead_of),
+            len(self.running),
         )
         self.running.insert(position, seq)
 
@@ -138,50 +152,74 @@ class Scheduler:
         self.kv_cache.free(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        draft_budget = budget // 2
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens), budget)
-            while not self.kv_cache.allocate(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                chunk = ScheduledChunk(seq, num_new)
-                num_after = len(self.running) - index - 1
-                if num_new == 1 and self.propose_draft is not None:
-                    self._add_draft(chunk, min(draft_budget, budget - 1 - num_after), num_after)
-                out.chunks.append(chunk)
-                budget -= chunk.num_scheduled_tokens
-                draft_budget -= len(chunk.draft)
-                index += 1
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0:
+        step = _Step(self.config.max_num_batched_tokens)
+        running = list(self.running)
+        if self.config.stall_free:
+            self._schedule_running(step, [seq for seq in running if not _in_prompt(seq)])
+            self._schedule_running(step, [seq for seq in running if _in_prompt(seq)], admit_ahead=True)
+        else:
+            self._schedule_running(step, running)
+        if not step.out.preempted:
+            self._admit(step)
+        return step.out
+
+    def _schedule_running(self, step: _Step, seqs: list[Sequence], admit_ahead: bool = False) -> None:
+        """Give each of ``seqs`` (running, in order) its next chunk while budget lasts; with ``admit_ahead``,
+        first admit the waiting sequences that go before it."""
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one
+            if admit_ahead and not step.out.preempted:
+                self._admit(step, ahead_of=seq)
+            if step.budget <= 0:
+                return
+            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens), step.budget)
+            if not self._allocate(step, seq, num_new):
+                return  # it was the last one left: every later one was preempted first
+            chunk = ScheduledChunk(seq, num_new)
+            if num_new == 1 and self.propose_draft is not None:
+                num_after = len(self.running) - len(step.scheduled) - 1
+                self._add_draft(chunk, min(step.draft_budget, step.budget - 1 - num_after), num_after)
+            step.add(chunk)
+
+    def _allocate(self, step: _Step, seq: Sequence, num_new: int) -> bool:
+        """Pages for ``seq``'s next ``num_new`` tokens, preempting from the end of the running sequences (dropping
+        a chunk this step gave one) until they fit; False when ``seq`` itself had to go."""
+        while not self.kv_cache.allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            step.drop(victim)
+            step.out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, step: _Step, ahead_of: Sequence | None = None) -> None:
+        """Admit waiting sequences in queue order while budget, slots and pages last (with ``ahead_of``, only
+        while the next one goes before that running prompt)."""
+        while self.waiting and step.budget > 0:
             seq = self.waiting[0]
             # A fresh request reserves slots for all n completions it will fork into.
             slots = seq.params.n if seq.num_output_tokens == 0 else 1
             if len(self.running) + slots > self.config.max_num_seqs:
-                break
+                return
+            if ahead_of is not None and seq.priority.rank > ahead_of.priority.rank:
+                return
             hits = self.kv_cache.match_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached = len(hits) * self.kv_cache.page_size
-            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens + num_cached), budget)
+            num_left = seq.num_tokens - seq.num_computed_tokens - num_cached
+            if ahead_of is not None and seq.priority is ahead_of.priority and num_left > self.kv_cache.page_size:
+                return
+            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens + num_cached), step.budget)
             if not self.kv_cache.allocate(seq, num_new, hits):
-                break
+                return
             self.waiting.popleft()
             seq.num_computed_tokens += num_cached
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
-            self._run(seq)
-            out.chunks.append(ScheduledChunk(seq, num_new))
-            budget -= num_new
-        return out
+            self._run(seq, ahead_of)
+            step.add(ScheduledChunk(seq, num_new))
 
     def _add_draft(self, chunk: ScheduledChunk, max_tokens: int, num_pages_spare: int) -> None:
         """Give a decoding chunk a draft of up to ``max_tokens``, with pages that leave ``num_pages_spare`` free."""
@@ -199,6 +237,37 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         key = _queue_key(seq)
         self._enqueue(seq, lambda other: _queue_key(other) >= key)  # ahead of its class's others
+
+
+class _Step:
+    """A step being planned: its chunks and preempted sequences, and the budgets left."""
+
+    def __init__(self, budget: int) -> None:
+        self.out = SchedulerOutput()
+        self.budget = budget
+        self.draft_budget = budget // 2
+        self.scheduled: set[Sequence] = set()
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.out.chunks.append(chunk)
+        self.scheduled.add(chunk.seq)
+        self.budget -= chunk.num_scheduled_tokens
+        self.draft_budget -= len(chunk.draft)
+
+    def drop(self, seq: Sequence) -> None:
+        """Take back the chunk ``seq`` was given this step (it was preempted), if any."""
+        if seq not in self.scheduled:
+            return
+        chunk = next(chunk for chunk in self.out.chunks if chunk.seq is seq)
+        self.out.chunks.remove(chunk)
+        self.scheduled.discard(seq)
+        self.budget += chunk.num_scheduled_tokens
+        self.draft_budget += len(chunk.draft)
+
+
+def _in_prompt(seq: Sequence) -> bool:
+    """Whether the sequence's next chunk is part of its prompt (not a one-token decode)."""
+    return seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:

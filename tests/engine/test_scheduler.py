@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rayturn.engine.kv_cache_manager import KVCacheManager
+from rayturn.engine.priority import Priority
 from rayturn.engine.sampling_params import SamplingParams
 from rayturn.engine.scheduler import Scheduler, SchedulerConfig
 from rayturn.engine.sequence import Sequence, SequenceStatus
@@ -111,3 +112,88 @@ def test_finish_frees_pages_tail_first() -> None:
     scheduler.finish(a, "length")
     assert scheduler.kv_cache.pool.free_queue.page_ids() == [3, 4, 5, 2, 1, 0]
     assert a.finish_reason == "length" and not scheduler.has_work
+
+
+def classed(seq_id: int, num_tokens: int, priority: Priority, first_token: int = 0) -> Sequence:
+    made = seq(seq_id, num_tokens, first_token)
+    made.priority = priority
+    return made
+
+
+def test_a_running_decode_goes_before_a_long_prompt_of_a_higher_class() -> None:
+    """Stall-free batching: the background stream keeps decoding while the new turn's prompt takes the rest."""
+    scheduler = make(num_pages=32, budget=16)
+    scheduler.add(classed(0, 4, Priority.BACKGROUND))
+    assert finish_step(scheduler) == [(0, 4)]
+    scheduler.add(classed(1, 40, Priority.INTERACTIVE, first_token=100))
+    assert finish_step(scheduler) == [(0, 1), (1, 15)]
+    assert [running.seq_id for running in scheduler.running] == [1, 0]  # the class order stands ...
+    assert finish_step(scheduler) == [(0, 1), (1, 15)]  # ... yet the decode is not stalled
+    assert finish_step(scheduler) == [(0, 1), (1, 10)]
+    assert finish_step(scheduler) == [(1, 1), (0, 1)]  # both decode, in class order
+
+
+def test_without_stall_free_the_long_prompt_takes_the_whole_budget() -> None:
+    scheduler = Scheduler(SchedulerConfig(8, 16, stall_free=False), KVCacheManager(32, PAGE, "m", True))
+    scheduler.add(classed(0, 4, Priority.BACKGROUND))
+    assert finish_step(scheduler) == [(0, 4)]
+    scheduler.add(classed(1, 40, Priority.INTERACTIVE, first_token=100))
+    assert finish_step(scheduler) == [(0, 1), (1, 15)]
+    assert finish_step(scheduler) == [(1, 16)]  # the background stream waits for the prompt
+    assert finish_step(scheduler) == [(1, 9), (0, 1)]
+
+
+def test_a_continuation_is_admitted_ahead_of_a_running_long_prompt() -> None:
+    scheduler = make(num_pages=32, budget=16)
+    scheduler.add(classed(0, 40, Priority.INTERACTIVE))
+    assert finish_step(scheduler) == [(0, 16)]
+    scheduler.add(classed(1, 9, Priority.CONTINUATION, first_token=100))  # a tool's result comes back
+    assert finish_step(scheduler) == [(1, 9), (0, 7)]
+    assert finish_step(scheduler) == [(1, 1), (0, 15)]
+
+
+def loaded_arrival(scheduler: Scheduler, seq_id: int) -> Sequence:
+    """A sequence whose prompt's three full pages are cached (as pages loaded from the KV store are) and whose
+    first output token was made elsewhere (a prefill server's): one token left to compute."""
+    cached = seq(90 + seq_id, 12, first_token=200)
+    scheduler.add(cached)
+    assert finish_step(scheduler)[-1] == (90 + seq_id, 12)
+    scheduler.finish(cached, "stop")
+    return Sequence(seq_id, str(seq_id), [*range(200, 212), 7], 12, SamplingParams(max_tokens=100))
+
+
+def test_a_sequence_of_the_same_class_with_at_most_a_page_to_compute_is_admitted_ahead() -> None:
+    scheduler = make(num_pages=32, budget=16)
+    arrival = loaded_arrival(scheduler, 1)
+    scheduler.add(seq(0, 60))
+    assert finish_step(scheduler) == [(0, 16)]
+    scheduler.add(arrival)
+    assert finish_step(scheduler) == [(1, 1), (0, 15)]
+    assert arrival.num_cached_prompt_tokens == 12 and arrival.num_output_tokens == 2
+    assert finish_step(scheduler) == [(1, 1), (0, 15)]
+
+
+def test_a_sequence_of_the_same_class_with_more_to_compute_waits_and_so_does_the_queue_behind_it() -> None:
+    scheduler = make(num_pages=32, budget=16)
+    arrival = loaded_arrival(scheduler, 2)
+    scheduler.add(seq(0, 60))
+    assert finish_step(scheduler) == [(0, 16)]
+    scheduler.add(seq(1, 5, first_token=100))  # five tokens to compute: more than a page
+    assert finish_step(scheduler) == [(0, 16)]
+    scheduler.add(arrival)
+    assert finish_step(scheduler) == [(0, 16)]  # the queue's head does not go ahead: nor does the one behind it
+    assert [waiting.seq_id for waiting in scheduler.waiting] == [1, 2]
+    assert finish_step(scheduler) == [(0, 12), (1, 4)]  # the prompt's last chunk, then the queue in order
+
+
+def test_a_prompt_that_needs_pages_preempts_a_decode_scheduled_before_it_and_takes_back_its_budget() -> None:
+    scheduler = make(num_pages=8, budget=16, caching=False)
+    background = classed(0, 4, Priority.BACKGROUND)
+    scheduler.add(background)
+    assert finish_step(scheduler) == [(0, 4)]
+    scheduler.add(classed(1, 40, Priority.INTERACTIVE, first_token=100))
+    assert finish_step(scheduler) == [(0, 1), (1, 15)]  # 2 + 4 of the 8 pages
+    out = scheduler.schedule()  # the prompt's next 15 tokens need 4 more pages: the background one goes
+    assert [(chunk.seq.seq_id, chunk.num_tokens) for chunk in out.chunks] == [(1, 15)]
+    assert out.preempted == [background] and background.pages == [] and background.num_computed_tokens == 0
+    assert [waiting.seq_id for waiting in scheduler.waiting] == [0]

@@ -55,7 +55,7 @@ def test_a_full_replica_admits_the_continuation_first() -> None:
     scheduler = make(max_num_seqs=2)
     scheduler.add(seq(0))
     scheduler.add(seq(1))
-    scheduler.schedule()  # both run; the replica holds no more sequences
+    assert run_chunks(scheduler) == [0, 1]  # both run; the replica holds no more sequences
     scheduler.add(seq(2))
     scheduler.add(seq(3))
     scheduler.add(seq(4, continues_turn=True))
@@ -123,10 +123,10 @@ def test_the_step_budget_goes_to_the_interactive_prompt_before_a_background_prom
     scheduler.add(seq(0, num_tokens=40, priority=BACKGROUND))
     assert step(scheduler) == [(0, 16)]
     scheduler.add(seq(1, num_tokens=12))
-    assert step(scheduler) == [(0, 16)]  # the running prompt's chunk takes the whole budget
-    assert step(scheduler) == [(0, 8), (1, 8)]  # the new turn is admitted with what is left ...
+    # The new turn is admitted ahead of the running prompt's chunk, which gets what is left ...
+    assert step(scheduler) == [(1, 12), (0, 4)]
     assert [running.seq_id for running in scheduler.running] == [1, 0]
-    assert step(scheduler) == [(1, 4), (0, 1)]  # ... and from then on its prompt goes first
+    assert step(scheduler) == [(1, 1), (0, 15)]  # ... and from then on it decodes first, the prompt gets the rest
 
 
 def test_out_of_pages_the_background_sequence_is_preempted_and_waits_behind_new_turns() -> None:
