@@ -1,0 +1,113 @@
+"""The scheduler under random load: every step keeps its invariants, and every request finishes.
+
+Random arrivals of every class (some sharing a cached prefix, some with a
+first token made elsewhere), few pages so that preemption happens, both
+policies (stall-free and the one before it). Each step is checked as the
+engine would use it, then "run": chunks computed, a token appended where a
+chunk reaches a sequence's end, sequences finished at their length.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rayturn.engine.kv_cache_manager import KVCacheManager
+from rayturn.engine.priority import Priority
+from rayturn.engine.sampling_params import SamplingParams
+from rayturn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, next_chunk_tokens
+from rayturn.engine.sequence import Sequence, SequenceStatus
+
+PAGE = 4
+SHARED = list(range(500, 524))  # a prefix many prompts start with (six pages)
+
+
+def arrival(rng: random.Random, seq_id: int) -> Sequence:
+    prompt = (SHARED[: rng.choice((0, 8, 24))] if rng.random() < 0.5 else []) + [
+        rng.randrange(1000, 2000) for _ in range(rng.randint(1, 20))
+    ]
+    max_tokens = rng.randint(1, 8)
+    made = Sequence(seq_id, str(seq_id), list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens))
+    made.priority = rng.choice(list(Priority))
+    if max_tokens > 1 and rng.random() < 0.2:
+        made.token_ids.append(rng.randrange(1000, 2000))  # its first token was made elsewhere
+    return made
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput, before: list[Sequence]) -> None:
+    config = scheduler.config
+    seqs = [chunk.seq for chunk in out.chunks]
+    assert len(set(seqs)) == len(seqs), "a sequence scheduled twice"
+    assert out.num_tokens <= config.max_num_batched_tokens
+    assert len(scheduler.running) <= config.max_num_seqs
+    ranks = [seq.priority.rank for seq in scheduler.running]
+    assert ranks == sorted(ranks), "the running sequences out of class order"
+    for chunk in out.chunks:
+        seq = chunk.seq
+        assert seq.status is SequenceStatus.RUNNING and seq in scheduler.running and seq not in out.preempted
+        assert 1 <= chunk.num_tokens <= next_chunk_tokens(seq, seq.num_computed_tokens)
+        assert len(seq.pages) * PAGE >= seq.num_computed_tokens + chunk.num_scheduled_tokens
+    for seq in out.preempted:
+        assert seq.status is SequenceStatus.WAITING and seq.pages == [] and seq in scheduler.waiting
+    if config.stall_free and any(chunk.seq.num_computed_tokens < chunk.seq.num_prompt_tokens for chunk in out.chunks):
+        # No prompt chunk ran while a stream that was decoding (and still runs) went without its token.
+        decoding = [seq for seq in before if seq.num_computed_tokens >= seq.num_prompt_tokens]
+        assert all(seq in seqs for seq in decoding if seq.status is SequenceStatus.RUNNING)
+
+
+def run_chunks(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
+    for chunk in out.chunks:
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_tokens
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(rng.randrange(1000, 2000))
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq, "length")
+
+
+def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int]:
+    """Run one random load to its end, checking every step; returns its requests, the scheduler, and how many
+    preemptions and admissions ahead of a running prompt happened."""
+    rng = random.Random(seed)
+    config = SchedulerConfig(rng.randint(1, 6), rng.randint(4, 40), stall_free=seed % 3 != 0)
+    num_pages = rng.randint(14, 24)  # the longest sequence (44 prompt and 8 output tokens) needs 13
+    scheduler = Scheduler(config, KVCacheManager(num_pages, PAGE, "m", enable_prefix_caching=seed % 2 == 0))
+    arrivals = [arrival(rng, seq_id) for seq_id in range(rng.randint(10, 40))]
+    pending = list(arrivals)
+    num_preempted = num_admitted_ahead = 0
+    for _ in range(3000):
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            if pending:
+                scheduler.add(pending.pop(0))
+        if not scheduler.has_work and not pending:
+            break
+        before = list(scheduler.running)
+        waiting = set(scheduler.waiting)
+        out = scheduler.schedule()
+        check_step(scheduler, out, before)
+        num_preempted += len(out.preempted)
+        order = [chunk.seq for chunk in out.chunks]
+        prompts = [
+            order.index(seq) for seq in before if seq in order and seq.num_computed_tokens < seq.num_prompt_tokens
+        ]
+        admitted = [index for index, seq in enumerate(order) if seq in waiting]
+        num_admitted_ahead += bool(prompts and admitted and min(admitted) < max(prompts))
+        run_chunks(scheduler, out, rng)
+    return arrivals, scheduler, num_preempted, num_admitted_ahead
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_load_keeps_the_invariants_and_finishes_every_request(seed: int) -> None:
+    arrivals, scheduler, _, _ = drive(seed)
+    assert not scheduler.has_work, "requests left unfinished: the scheduler stalled"
+    assert all(seq.status is SequenceStatus.FINISHED for seq in arrivals)
+    assert all(seq.num_output_tokens == seq.params.max_tokens for seq in arrivals)
+    assert scheduler.kv_cache.num_free_pages == scheduler.kv_cache.pool.num_pages
+
+
+def test_the_random_loads_preempt_and_admit_ahead() -> None:
+    """The loads above reach the paths they are meant to check: preemption, and admission ahead of a prompt."""
+    counts = [drive(seed)[2:] for seed in range(60)]
+    assert sum(preempted for preempted, _ in counts) > 0
+    assert sum(ahead for _, ahead in counts) > 0
