@@ -5,33 +5,35 @@ interactive calls start and stream their answers; once they decode, a new
 turn arrives with a ``--long-prompt``-token prompt (nothing cached). While it
 is computed, one call arrives after each of its chunks but the last
 (arrivals counted in steps, not seconds, so both arms see the same load
-however fast the host is), alternately:
+however fast the host is), these in turn:
 
-- a **continuation** (a tool's result: a call that continues a turn), with a
-  ``--continuation-prompt``-token prompt of its own;
+- a **new turn** of a session whose history (``--turn-history`` tokens) is
+  cached, with ``--turn-new`` new tokens: the same class as the long prompt;
 - a **handed-over** call, as a decode replica receives one from the prefill
   pool: its prompt's pages already cached (as pages loaded from the KV store
   are) and its first token made elsewhere, so it has one token to compute
-  before it decodes on.
+  before it decodes on;
+- a **continuation** (a tool's result: a call that continues a turn), with a
+  ``--continuation-prompt``-token prompt of its own.
 
 Arms:
 
 - **on**: the scheduler's default: running decodes before prompt chunks, a
   waiting call admitted ahead of a running prompt when it is of a higher
-  class or has at most a page to compute;
+  class, or has at most a page or an eighth of the prompt's rest to compute;
 - **off**: ``SchedulerConfig.stall_free=False``: every running sequence in
   class order, then the waiting ones: the long prompt's chunks take each
   step's whole budget until it is computed.
 
-Reported per arm: the continuations' time to first token and the
-handed-over calls' time to their first token computed here (p50, max) and
+Reported per arm: the new turns' and continuations' time to first token and
+the handed-over calls' time to their first token computed here (p50, max) and
 the steps they waited (a count, the same on any host), the long prompt's own
 time to first token (what admitting the others costs it),
 the streams' longest gap between two tokens and inter-token latency p50/p99
 (over their tokens after the long prompt arrived), and ratios on/off (below
 1 is better). Rounds alternate the arms; each round has prompts of its own.
 
-    python bench/stall_free.py [--quick] [--model small] [--rounds 2] [--out DIR]
+    python bench/stall_free.py [--quick] [--model small] [--rounds 3] [--out DIR]
 
 Writes ``stall_free.json`` and ``stall_free.png`` (each arriving call's wait, per arm) to ``--out``; the last line
 of stdout is one JSON object.
@@ -55,7 +57,14 @@ from rayturn.engine.priority import Priority
 from rayturn.replay.harness import Progress, add_out_argument, emit, machine, percentile, pyplot, save_figure
 
 ARMS = ("on", "off")
-RATIOS = ("continuation_ttft_max", "handed_over_ttft_max", "long_ttft", "stream_gap_max", "stream_itl_p99")
+RATIOS = (
+    "continuation_ttft_max",
+    "new_turn_ttft_max",
+    "handed_over_ttft_max",
+    "long_ttft",
+    "stream_gap_max",
+    "stream_itl_p99",
+)
 
 
 @dataclass
@@ -67,14 +76,14 @@ class RoundResult:
     long_ttft_s: float = 0.0
 
 
-KINDS = ("continuation", "handed_over")
+KINDS = ("new_turn", "handed_over", "continuation")  # in the order they arrive
 
 
 def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def handed_over(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+def cached(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
     """Each prompt with its first token, its pages left in the prefix cache: what a prefill server hands over."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
     return [(ids, output.completions[0].token_ids[0]) for ids, output in zip(prompts, engine.generate(prompts, params))]
@@ -86,13 +95,17 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, seed: int) -> RoundRe
     vocab = engine.config.vocab_size
     arrivals: list[tuple[str, list[int], int | None]] = []  # (kind, prompt, first token made elsewhere)
     num_arrivals = -(-args.long_prompt // engine.scheduler.config.max_num_batched_tokens) - 1
-    handed = handed_over(engine, [prompt(rng, vocab, args.handed_prompt) for _ in range(num_arrivals // 2)])
-    for index in range(num_arrivals):
-        if index % 2 == 0:
-            arrivals.append(("continuation", prompt(rng, vocab, args.continuation_prompt), None))
+    kinds = [KINDS[index % len(KINDS)] for index in range(num_arrivals)]
+    handed = cached(engine, [prompt(rng, vocab, args.handed_prompt) for kind in kinds if kind == "handed_over"])
+    histories = cached(engine, [prompt(rng, vocab, args.turn_history) for kind in kinds if kind == "new_turn"])
+    for kind in kinds:
+        if kind == "continuation":
+            arrivals.append((kind, prompt(rng, vocab, args.continuation_prompt), None))
+        elif kind == "new_turn":
+            history, _ = histories.pop(0)
+            arrivals.append((kind, history + prompt(rng, vocab, args.turn_new), None))
         else:
-            ids, first = handed[index // 2]
-            arrivals.append(("handed_over", ids, first))
+            arrivals.append((kind, *handed.pop(0)))
     streams = [f"stream-{i}-{seed}" for i in range(args.streams)]
     for request_id in streams:
         params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
@@ -112,10 +125,11 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, seed: int) -> RoundRe
         elif steps_since_long is not None and 0 < steps_since_long <= len(arrivals):
             kind, ids, first = arrivals[steps_since_long - 1]
             request_id = f"{kind}-{steps_since_long}-{seed}"
-            if first is None:
+            if kind == "continuation":
                 engine.add_request(ids, short, request_id=request_id, priority=Priority.CONTINUATION)
             else:
-                engine.add_request(ids, short, request_id=request_id, output_prefix=[first])
+                prefix = [first] if first is not None else []
+                engine.add_request(ids, short, request_id=request_id, output_prefix=prefix)
             added_at[request_id] = (kind, time.perf_counter(), num_steps)
         outputs = engine.step()
         now = time.perf_counter()
@@ -161,7 +175,7 @@ def plot(rounds: dict[str, list[RoundResult]], path: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
-    figure, axis = plt.subplots(figsize=(8, 4))
+    figure, axis = plt.subplots(figsize=(9, 4))
     labels = [f"{kind}\n{arm}" for kind in KINDS for arm in ARMS]
     samples = [[ttft for result in rounds[arm] for ttft in result.ttft_s[kind]] for kind in KINDS for arm in ARMS]
     for position, values in enumerate(samples):
@@ -179,7 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny, one round")
     parser.add_argument("--model", default=None, help="preset or checkpoint (default small, quick tiny)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per arm (default 2, quick 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per arm (default 3, quick 1)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-prompt", type=int, default=128)
     parser.add_argument("--stream-tokens", type=int, default=None, help="each stream's output (default 96)")
@@ -188,12 +202,14 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 2048, quick 512)"
     )
     parser.add_argument("--continuation-prompt", type=int, default=256)
+    parser.add_argument("--turn-history", type=int, default=2048, help="a new turn's cached history")
+    parser.add_argument("--turn-new", type=int, default=256, help="a new turn's new tokens")
     parser.add_argument("--handed-prompt", type=int, default=1024, help="a handed-over call's cached prompt")
     parser.add_argument("--seed", type=int, default=0)
     add_out_argument(parser, "stall_free")
     args = parser.parse_args()
     args.model = args.model or ("tiny" if args.quick else "small")
-    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.stream_tokens = args.stream_tokens or 96
     args.long_prompt = args.long_prompt or (3584 if args.quick else 8000)
     args.max_num_batched_tokens = args.max_num_batched_tokens or (512 if args.quick else 2048)

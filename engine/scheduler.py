@@ -10,12 +10,16 @@ server's first token, are computed one per step, as decodes,
 ``next_chunk_tokens``). A waiting sequence that goes before a running prompt
 is admitted ahead of that prompt's chunk: one of a higher class (a tool's
 result arriving while a new turn's long prompt is computed), or one of the
-same class with at most a page left to compute (a prompt loaded from the KV
-store, a prefill server's answer). Other waiting sequences are admitted in
-queue order with whatever budget, sequence slots and pages remain. When
-pages run out, the last running sequence (the newest of the lowest class) is
-preempted (its pages freed, its chunk of this step dropped, to be recomputed
-later — cheaply, since its full pages stay in the prefix cache until evicted)
+same class with little left to compute: at most a page (a prompt loaded from
+the KV store, a prefill server's answer) or at most an eighth of what the
+running prompt has left (a new turn of a session whose history is cached),
+which spares the short one the whole wait (each such call delays the prompt
+by at most an eighth). Those that go ahead may pass waiting sequences that do
+not (among the first ``LOOKAHEAD`` of the queue). Other waiting sequences
+are admitted in queue order with whatever budget, sequence slots and pages
+remain. When pages run out, the last running sequence (the newest of the
+lowest class) is preempted (its pages freed, its chunk of this step dropped,
+to be recomputed later — cheaply, since its full pages stay in the prefix cache until evicted)
 until the earlier one fits; none are admitted in a step that had to preempt.
 The queue goes by class too, so under load the agents already working keep
 going (a tool's result coming back continues a turn) while new turns wait,
@@ -37,6 +41,7 @@ not yet scheduled, so prompt chunks still progress and no draft causes a preempt
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +64,13 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+# A waiting sequence goes ahead of a running prompt of its class with at most 1/SHORT_FACTOR of the tokens that
+# prompt has left to compute (or at most a page).
+SHORT_FACTOR = 8
+# How many waiting sequences (from the queue's head) are looked at for admission ahead of a running prompt.
+LOOKAHEAD = 16
 
 
 # Up to the given number of draft tokens to verify after a decoding sequence's last token.
@@ -195,31 +207,47 @@ class Scheduler:
         return True
 
     def _admit(self, step: _Step, ahead_of: Sequence | None = None) -> None:
-        """Admit waiting sequences in queue order while budget, slots and pages last (with ``ahead_of``, only
-        while the next one goes before that running prompt)."""
-        while self.waiting and step.budget > 0:
-            seq = self.waiting[0]
-            # A fresh request reserves slots for all n completions it will fork into.
-            slots = seq.params.n if seq.num_output_tokens == 0 else 1
-            if len(self.running) + slots > self.config.max_num_seqs:
+        """Admit waiting sequences in queue order while budget, slots and pages last; with ``ahead_of`` (a running
+        prompt), those among the first LOOKAHEAD that go before it, passing over the others."""
+        if ahead_of is None:
+            while self.waiting and step.budget > 0 and self._try_admit(step, self.waiting[0]):
+                pass
+            return
+        for seq in list(itertools.islice(self.waiting, LOOKAHEAD)):
+            if step.budget <= 0:
                 return
-            if ahead_of is not None and seq.priority.rank > ahead_of.priority.rank:
-                return
-            hits = self.kv_cache.match_prefix(seq) if seq.num_computed_tokens == 0 else []
-            num_cached = len(hits) * self.kv_cache.page_size
-            num_left = seq.num_tokens - seq.num_computed_tokens - num_cached
-            if ahead_of is not None and seq.priority is ahead_of.priority and num_left > self.kv_cache.page_size:
-                return
-            num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens + num_cached), step.budget)
-            if not self.kv_cache.allocate(seq, num_new, hits):
-                return
-            self.waiting.popleft()
-            seq.num_computed_tokens += num_cached
-            if seq.num_cached_prompt_tokens is None:
-                seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self._run(seq, ahead_of)
-            step.add(ScheduledChunk(seq, num_new))
+            self._try_admit(step, seq, ahead_of)
+
+    def _try_admit(self, step: _Step, seq: Sequence, ahead_of: Sequence | None = None) -> bool:
+        """Admit the waiting ``seq`` with its next chunk if slots and pages allow (and, with ``ahead_of``, if it
+        goes before that running prompt)."""
+        # A fresh request reserves slots for all n completions it will fork into.
+        slots = seq.params.n if seq.num_output_tokens == 0 else 1
+        if len(self.running) + slots > self.config.max_num_seqs:
+            return False
+        if ahead_of is not None and seq.priority.rank > ahead_of.priority.rank:
+            return False
+        hits = self.kv_cache.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+        num_cached = len(hits) * self.kv_cache.page_size
+        num_left = seq.num_tokens - seq.num_computed_tokens - num_cached
+        if ahead_of is not None and seq.priority is ahead_of.priority and not self._short(num_left, ahead_of):
+            return False
+        num_new = min(next_chunk_tokens(seq, seq.num_computed_tokens + num_cached), step.budget)
+        if not self.kv_cache.allocate(seq, num_new, hits):
+            return False
+        self.waiting.remove(seq)
+        seq.num_computed_tokens += num_cached
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self._run(seq, ahead_of)
+        step.add(ScheduledChunk(seq, num_new))
+        return True
+
+    def _short(self, num_tokens: int, prompt: Sequence) -> bool:
+        """Whether ``num_tokens`` to compute are few enough to go ahead of the running ``prompt`` of the same class."""
+        rest = prompt.num_prompt_tokens - prompt.num_computed_tokens
+        return num_tokens <= max(self.kv_cache.page_size, rest // SHORT_FACTOR)
 
     def _add_draft(self, chunk: ScheduledChunk, max_tokens: int, num_pages_spare: int) -> None:
         """Give a decoding chunk a draft of up to ``max_tokens``, with pages that leave ``num_pages_spare`` free."""

@@ -173,17 +173,30 @@ def test_a_sequence_of_the_same_class_with_at_most_a_page_to_compute_is_admitted
     assert finish_step(scheduler) == [(1, 1), (0, 15)]
 
 
-def test_a_sequence_of_the_same_class_with_more_to_compute_waits_and_so_does_the_queue_behind_it() -> None:
+def test_a_sequence_of_the_same_class_with_more_to_compute_waits_and_a_short_one_behind_it_passes() -> None:
     scheduler = make(num_pages=32, budget=16)
     arrival = loaded_arrival(scheduler, 2)
     scheduler.add(seq(0, 60))
     assert finish_step(scheduler) == [(0, 16)]
-    scheduler.add(seq(1, 5, first_token=100))  # five tokens to compute: more than a page
+    # Seven tokens to compute: more than a page, and more than an eighth of the 44 the running prompt has left.
+    scheduler.add(seq(1, 7, first_token=100))
     assert finish_step(scheduler) == [(0, 16)]
     scheduler.add(arrival)
-    assert finish_step(scheduler) == [(0, 16)]  # the queue's head does not go ahead: nor does the one behind it
-    assert [waiting.seq_id for waiting in scheduler.waiting] == [1, 2]
-    assert finish_step(scheduler) == [(0, 12), (1, 4)]  # the prompt's last chunk, then the queue in order
+    assert finish_step(scheduler) == [(2, 1), (0, 15)]  # one token to compute: it passes the waiting one
+    assert [waiting.seq_id for waiting in scheduler.waiting] == [1]
+    assert finish_step(scheduler) == [(2, 1), (0, 13), (1, 2)]  # the prompt's last chunk, then the queue
+
+
+def test_a_sequence_of_the_same_class_with_an_eighth_of_a_running_prompts_rest_is_admitted_ahead() -> None:
+    scheduler = make(num_pages=80, budget=16)
+    scheduler.add(seq(0, 200))
+    assert finish_step(scheduler) == [(0, 16)]
+    scheduler.add(seq(1, 23, first_token=300))  # 23 tokens: an eighth of the 184 the prompt has left
+    assert finish_step(scheduler) == [(1, 16)]
+    assert finish_step(scheduler) == [(1, 7), (0, 9)]
+    scheduler.add(seq(2, 24, first_token=400))  # the prompt has 175 left: 24 tokens are more than an eighth
+    assert finish_step(scheduler) == [(1, 1), (0, 15)]
+    assert [waiting.seq_id for waiting in scheduler.waiting] == [2]
 
 
 def test_a_prompt_that_needs_pages_preempts_a_decode_scheduled_before_it_and_takes_back_its_budget() -> None:
