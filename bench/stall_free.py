@@ -79,6 +79,11 @@ class RoundResult:
 KINDS = ("new_turn", "handed_over", "continuation")  # in the order they arrive
 
 
+def num_arrivals(long_prompt: int, budget: int) -> int:
+    """One call after each of the long prompt's chunks but the last."""
+    return -(-long_prompt // budget) - 1
+
+
 def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
@@ -94,8 +99,8 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, seed: int) -> RoundRe
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
     arrivals: list[tuple[str, list[int], int | None]] = []  # (kind, prompt, first token made elsewhere)
-    num_arrivals = -(-args.long_prompt // engine.scheduler.config.max_num_batched_tokens) - 1
-    kinds = [KINDS[index % len(KINDS)] for index in range(num_arrivals)]
+    budget = engine.scheduler.config.max_num_batched_tokens
+    kinds = [KINDS[index % len(KINDS)] for index in range(num_arrivals(args.long_prompt, budget))]
     handed = cached(engine, [prompt(rng, vocab, args.handed_prompt) for kind in kinds if kind == "handed_over"])
     histories = cached(engine, [prompt(rng, vocab, args.turn_history) for kind in kinds if kind == "new_turn"])
     for kind in kinds:
@@ -241,7 +246,7 @@ def main() -> None:
         "streams": args.streams,
         "long_prompt_tokens": args.long_prompt,
         "max_num_batched_tokens": budget,
-        "arrivals_per_round": -(-args.long_prompt // budget) - 1,
+        "arrivals_per_round": num_arrivals(args.long_prompt, budget),
         "on": on,
         "off": off,
         **{f"{name}_on_over_off": round(on[f"{name}_s"] / off[f"{name}_s"], 3) for name in RATIOS},

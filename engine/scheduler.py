@@ -190,7 +190,7 @@ class Scheduler:
                 return  # it was the last one left: every later one was preempted first
             chunk = ScheduledChunk(seq, num_new)
             if num_new == 1 and self.propose_draft is not None:
-                num_after = len(self.running) - len(step.scheduled) - 1
+                num_after = len(self.running) - len(step.out.chunks) - 1  # running ones not scheduled yet
                 self._add_draft(chunk, min(step.draft_budget, step.budget - 1 - num_after), num_after)
             step.add(chunk)
 
@@ -274,21 +274,18 @@ class _Step:
         self.out = SchedulerOutput()
         self.budget = budget
         self.draft_budget = budget // 2
-        self.scheduled: set[Sequence] = set()
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.out.chunks.append(chunk)
-        self.scheduled.add(chunk.seq)
         self.budget -= chunk.num_scheduled_tokens
         self.draft_budget -= len(chunk.draft)
 
     def drop(self, seq: Sequence) -> None:
         """Take back the chunk ``seq`` was given this step (it was preempted), if any."""
-        if seq not in self.scheduled:
+        chunk = next((chunk for chunk in self.out.chunks if chunk.seq is seq), None)
+        if chunk is None:
             return
-        chunk = next(chunk for chunk in self.out.chunks if chunk.seq is seq)
         self.out.chunks.remove(chunk)
-        self.scheduled.discard(seq)
         self.budget += chunk.num_scheduled_tokens
         self.draft_budget += len(chunk.draft)
 
