@@ -1,4 +1,5 @@
-"""A long prompt computed by a replica while others arrive: stall-free batching on against off, in one run.
+"""A long prompt computed by a replica while others arrive: stall-free batching on against off, and the cap on a
+step's prompt tokens while streams decode against none, in one run.
 
 One offline engine per arm (the same weights). Each round, ``--streams``
 interactive calls start and stream their answers; once they decode, a new
@@ -20,7 +21,12 @@ Arms:
 
 - **on**: the scheduler's default: running decodes before prompt chunks, a
   waiting call admitted ahead of a running prompt when it is of a higher
-  class, or has at most a page or an eighth of the prompt's rest to compute;
+  class, or has at most a page or an eighth of the prompt's rest to compute,
+  and in a step where streams decode at most
+  ``--max-prefill-tokens-while-decoding`` prompt tokens (default: the
+  engine's for the device, 512 on a CPU);
+- **uncapped**: the same without that cap (the prompt chunks take the rest of
+  each step's budget);
 - **off**: ``SchedulerConfig.stall_free=False``: every running sequence in
   class order, then the waiting ones: the long prompt's chunks take each
   step's whole budget until it is computed.
@@ -29,14 +35,16 @@ Reported per arm: the new turns' and continuations' time to first token and
 the handed-over calls' time to their first token computed here (p50, max) and
 the steps they waited (a count, the same on any host), the long prompt's own
 time to first token (what admitting the others costs it),
-the streams' longest gap between two tokens and inter-token latency p50/p99
-(over their tokens after the long prompt arrived), and ratios on/off (below
-1 is better). Rounds alternate the arms; each round has prompts of its own.
+the steps it took, the streams' longest gap between two tokens and
+inter-token latency p50/p99 (over their tokens after the long prompt
+arrived), and ratios on/off and on/uncapped (below 1 is better). Rounds
+alternate the arms' order; each round has prompts of its own.
 
     python bench/stall_free.py [--quick] [--model small] [--rounds 3] [--out DIR]
+                               [--max-prefill-tokens-while-decoding N]
 
-Writes ``stall_free.json`` and ``stall_free.png`` (each arriving call's wait, per arm) to ``--out``; the last line
-of stdout is one JSON object.
+Writes ``stall_free.json`` and ``stall_free.png`` (each arriving call's wait and the streams' gaps, per arm)
+to ``--out``; the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -56,13 +64,14 @@ from rayturn.engine import LLMEngine, SamplingParams
 from rayturn.engine.priority import Priority
 from rayturn.replay.harness import Progress, add_out_argument, emit, machine, percentile, pyplot, save_figure
 
-ARMS = ("on", "off")
+ARMS = ("on", "uncapped", "off")
 RATIOS = (
     "continuation_ttft_max",
     "new_turn_ttft_max",
     "handed_over_ttft_max",
     "long_ttft",
     "stream_gap_max",
+    "stream_itl_p50",
     "stream_itl_p99",
 )
 
@@ -74,6 +83,7 @@ class RoundResult:
     # The engine steps from a call's arrival to its first token computed here (the step that computed it counts).
     ttft_steps: dict[str, list[int]] = field(default_factory=lambda: {kind: [] for kind in KINDS})
     long_ttft_s: float = 0.0
+    long_ttft_steps: int = 0
 
 
 KINDS = ("new_turn", "handed_over", "continuation")  # in the order they arrive
@@ -155,6 +165,7 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, seed: int) -> RoundRe
                 last_token[request_id] = now
                 if kind == "long":
                     result.long_ttft_s = now - at
+                    result.long_ttft_steps = num_steps - step
                 else:
                     result.ttft_s[kind].append(now - at)
                     result.ttft_steps[kind].append(num_steps - step)
@@ -170,27 +181,36 @@ def summary(rounds: list[RoundResult]) -> dict[str, float | int]:
         figures[f"{kind}_ttft_max_s"] = round(max(ttfts), 4)
         figures[f"{kind}_ttft_steps_max"] = max(steps for result in rounds for steps in result.ttft_steps[kind])
     figures["long_ttft_s"] = round(sum(result.long_ttft_s for result in rounds) / len(rounds), 4)
+    figures["long_ttft_steps"] = max(result.long_ttft_steps for result in rounds)
     figures["stream_gap_max_s"] = round(max(gaps), 4)
     figures["stream_itl_p50_s"] = round(percentile(gaps, 50), 4)
     figures["stream_itl_p99_s"] = round(percentile(gaps, 99), 4)
     return figures
 
 
+COLORS = {"on": "tab:green", "uncapped": "tab:blue", "off": "tab:red"}
+
+
 def plot(rounds: dict[str, list[RoundResult]], path: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
-    figure, axis = plt.subplots(figsize=(9, 4))
+    figure, (calls, streams) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 1]})
     labels = [f"{kind}\n{arm}" for kind in KINDS for arm in ARMS]
-    samples = [[ttft for result in rounds[arm] for ttft in result.ttft_s[kind]] for kind in KINDS for arm in ARMS]
-    for position, values in enumerate(samples):
-        axis.scatter([position] * len(values), values, color="tab:green" if position % 2 == 0 else "tab:red")
+    for position, (kind, arm) in enumerate((kind, arm) for kind in KINDS for arm in ARMS):
+        values = [ttft for result in rounds[arm] for ttft in result.ttft_s[kind]]
+        calls.scatter([position] * len(values), values, color=COLORS[arm])
     long_ttft = sum(result.long_ttft_s for result in rounds["on"]) / len(rounds["on"])
-    axis.axhline(long_ttft, color="grey", linestyle="--", label="the long prompt's first token (on)")
-    axis.set_xticks(range(len(labels)), labels)
-    axis.set_ylabel("seconds from arrival to first token computed here")
-    axis.set_title("calls arriving while a long prompt is computed: stall-free on / off")
-    axis.legend(fontsize=8)
+    calls.axhline(long_ttft, color="grey", linestyle="--", label="the long prompt's first token (on)")
+    calls.set_xticks(range(len(labels)), labels, fontsize=7)
+    calls.set_ylabel("seconds from arrival to first token computed here")
+    calls.set_title("calls arriving while a long prompt is computed")
+    calls.legend(fontsize=8)
+    gaps = [[gap for result in rounds[arm] for gap in result.stream_gaps_s] for arm in ARMS]
+    streams.boxplot(gaps, whis=(0, 100))
+    streams.set_xticks(range(1, len(ARMS) + 1), ARMS)
+    streams.set_ylabel("seconds between a stream's tokens")
+    streams.set_title("the streams meanwhile")
     return save_figure(plt, figure, path)
 
 
@@ -205,6 +225,9 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=None, help="its tokens (default 8000, quick 3584)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 2048, quick 512)"
+    )
+    parser.add_argument(
+        "--max-prefill-tokens-while-decoding", type=int, default=None, help="the on arm's cap (default: the device's)"
     )
     parser.add_argument("--continuation-prompt", type=int, default=256)
     parser.add_argument("--turn-history", type=int, default=2048, help="a new turn's cached history")
@@ -221,10 +244,15 @@ def main() -> None:
 
     engines = {}
     for arm in ARMS:
+        cap = args.max_num_batched_tokens if arm == "uncapped" else args.max_prefill_tokens_while_decoding
         engine = LLMEngine.from_pretrained(
-            args.model, backend="torch", dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens
+            args.model,
+            backend="torch",
+            dtype="float32",
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=cap,
         )
-        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, stall_free=arm == "on")
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, stall_free=arm != "off")
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         engines[arm] = engine
     budget = engines["on"].scheduler.config.max_num_batched_tokens
@@ -235,7 +263,7 @@ def main() -> None:
         for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
             rounds[arm].append(run_round(engines[arm], args, args.seed + round_index))
             progress.advance()
-    on, off = summary(rounds["on"]), summary(rounds["off"])
+    on, uncapped, off = (summary(rounds[arm]) for arm in ARMS)
     args.out.mkdir(parents=True, exist_ok=True)
     figure = plot(rounds, args.out / "stall_free.png")
     result: dict[str, Any] = {
@@ -246,10 +274,13 @@ def main() -> None:
         "streams": args.streams,
         "long_prompt_tokens": args.long_prompt,
         "max_num_batched_tokens": budget,
+        "max_prefill_tokens_while_decoding": engines["on"].scheduler.config.max_prefill_tokens_while_decoding,
         "arrivals_per_round": num_arrivals(args.long_prompt, budget),
         "on": on,
+        "uncapped": uncapped,
         "off": off,
         **{f"{name}_on_over_off": round(on[f"{name}_s"] / off[f"{name}_s"], 3) for name in RATIOS},
+        **{f"{name}_on_over_uncapped": round(on[f"{name}_s"] / uncapped[f"{name}_s"], 3) for name in RATIOS},
         "load_before": load_before,
         "machine": machine(),
         "plot": str(figure) if figure else None,

@@ -29,6 +29,12 @@ ahead of every new arrival but background ones ahead only of background::
     waiting = [preempted (last preempted first)] + [continuations] + [interactive]
               + [background: preempted (last first), new], new ones oldest first
 
+In a step where streams decode, the prompt chunks and admissions share at
+most ``max_prefill_tokens_while_decoding`` tokens (None: the whole budget):
+a step's time is each stream's time between two tokens, and a long prompt's
+chunk sets it; a step without decodes has the whole budget, so a replica that
+only computes prompts keeps its big chunks.
+
 ``SchedulerConfig.stall_free=False`` keeps the earlier policy (every running
 sequence in class order, then the waiting ones), a benchmark's baseline.
 
@@ -58,12 +64,29 @@ class SchedulerConfig:
     # Decodes before prompt chunks, and a waiting sequence that goes before a running prompt admitted ahead of it;
     # False: every running sequence in class order, then the waiting ones (the policy before it).
     stall_free: bool = True
+    # The prompt tokens of a step in which a running sequence decodes (with stall_free); None: no cap.
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
+
+
+# On a CPU, where a 2,048-token chunk of ``small`` takes about 2 s, a step in which streams decode computes at most
+# this many prompt tokens: a long prompt takes as long in such chunks, and the streams wait a quarter as long
+# between tokens (BENCHMARKS.md, ``bench/stall_free.py``).
+CPU_PREFILL_TOKENS_WHILE_DECODING = 512
+
+
+def default_prefill_cap(device_type: str) -> int | None:
+    """``max_prefill_tokens_while_decoding`` where none is set: CPU_PREFILL_TOKENS_WHILE_DECODING on a CPU, else
+    no cap (an accelerator computes a whole budget's chunk in a fraction of a decode step's time budget)."""
+    return CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 
 # A waiting sequence goes ahead of a running prompt of its class with at most 1/SHORT_FACTOR of the tokens that
@@ -168,6 +191,9 @@ class Scheduler:
         running = list(self.running)
         if self.config.stall_free:
             self._schedule_running(step, [seq for seq in running if not _in_prompt(seq)])
+            cap = self.config.max_prefill_tokens_while_decoding
+            if step.out.chunks and cap is not None:
+                step.cap(cap)
             self._schedule_running(step, [seq for seq in running if _in_prompt(seq)], admit_ahead=True)
         else:
             self._schedule_running(step, running)
@@ -272,22 +298,43 @@ class _Step:
 
     def __init__(self, budget: int) -> None:
         self.out = SchedulerOutput()
-        self.budget = budget
         self.draft_budget = budget // 2
+        self._left = budget
+        # Once capped (``cap``): the tokens left under the cap, and how many chunks came before it (uncapped).
+        self._capped_left: int | None = None
+        self._num_uncapped = 0
+
+    @property
+    def budget(self) -> int:
+        """The tokens the next chunk may take."""
+        return self._left if self._capped_left is None else min(self._left, self._capped_left)
+
+    def cap(self, tokens: int) -> None:
+        """Let the chunks from now on take at most ``tokens`` together."""
+        self._capped_left = tokens
+        self._num_uncapped = len(self.out.chunks)
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.out.chunks.append(chunk)
-        self.budget -= chunk.num_scheduled_tokens
+        self._left -= chunk.num_scheduled_tokens
         self.draft_budget -= len(chunk.draft)
+        if self._capped_left is not None:
+            self._capped_left -= chunk.num_scheduled_tokens
 
     def drop(self, seq: Sequence) -> None:
         """Take back the chunk ``seq`` was given this step (it was preempted), if any."""
-        chunk = next((chunk for chunk in self.out.chunks if chunk.seq is seq), None)
-        if chunk is None:
+        index = next((index for index, chunk in enumerate(self.out.chunks) if chunk.seq is seq), None)
+        if index is None:
             return
-        self.out.chunks.remove(chunk)
-        self.budget += chunk.num_scheduled_tokens
+        chunk = self.out.chunks.pop(index)
+        self._left += chunk.num_scheduled_tokens
         self.draft_budget += len(chunk.draft)
+        if self._capped_left is None:
+            return
+        if index < self._num_uncapped:
+            self._num_uncapped -= 1
+        else:
+            self._capped_left += chunk.num_scheduled_tokens
 
 
 def _in_prompt(seq: Sequence) -> bool:

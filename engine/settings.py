@@ -32,6 +32,8 @@ class ModelSettings:
     num_window_slots: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # The prompt tokens of a step in which streams decode (``scheduler.py``); None: 512 on a CPU, else no cap.
+    max_prefill_tokens_while_decoding: int | None = None
     max_model_len: int | None = None
     backend: str | None = None
     tool_call_parser: str | None = None
@@ -51,6 +53,7 @@ class ModelSettings:
         check_at_least("num_window_slots", self.num_window_slots, 0)
         check_at_least("max_num_seqs", self.max_num_seqs, 1)
         check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_at_least("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1)
         check_at_least("max_model_len", self.max_model_len, 1)
         if self.backend is not None:
             check_choice("backend", self.backend, BACKENDS)
@@ -79,6 +82,7 @@ class ModelSettings:
             "num_window_slots": self.num_window_slots,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_prefill_tokens_while_decoding": self.max_prefill_tokens_while_decoding,
             "max_model_len": self.max_model_len,
             "speculative": self.speculative,
             "enforce_eager": self.enforce_eager,

@@ -1,4 +1,5 @@
-"""``bench/stall_free.py`` on ``tiny`` with small shapes: calls arriving during a long prompt go ahead of it."""
+"""``bench/stall_free.py`` on ``tiny`` with small shapes: calls arriving during a long prompt go ahead of it, and
+with a cap on a step's prompt tokens while streams decode, the long prompt takes more, smaller steps."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ from bench_script import run_bench
 
 def test_calls_arriving_during_a_long_prompt_wait_one_step_with_stall_free_batching(tmp_path: Path) -> None:
     args = ["--quick", "--long-prompt", "1024", "--max-num-batched-tokens", "256", "--streams", "2"]
+    args += ["--max-prefill-tokens-while-decoding", "128"]
     args += ["--stream-tokens", "24", "--continuation-prompt", "64", "--handed-prompt", "128"]
     args += ["--turn-history", "128", "--turn-new", "48"]
     result = run_bench("stall_free.py", *args, "--out", str(tmp_path))
     assert result["bench"] == "stall_free" and json.loads((tmp_path / "stall_free.json").read_text()) == result
     assert result["arrivals_per_round"] == 3  # after each of the long prompt's four chunks but the last
-    on, off = result["on"], result["off"]
-    # Counted in steps, not timed: on, a new turn (48 new tokens: less than an eighth of the long prompt's rest),
-    # a handed-over call (one token to compute) and a continuation (a higher class) are admitted ahead of the
-    # long prompt's next chunk and have their token from that step; off, they wait until its chunks leave room.
+    assert result["max_prefill_tokens_while_decoding"] == 128
+    on, uncapped, off = result["on"], result["uncapped"], result["off"]
+    # Counted in steps, not timed: on and uncapped, a new turn (48 new tokens: less than an eighth of the long
+    # prompt's rest), a handed-over call (one token to compute) and a continuation (a higher class) are admitted
+    # ahead of the long prompt's next chunk and have their token from that step; off, they wait until its chunks
+    # leave room.
     for kind in ("continuation", "new_turn", "handed_over"):
         assert on[f"{kind}_ttft_steps_max"] == 1, kind
+        assert uncapped[f"{kind}_ttft_steps_max"] == 1, kind
         assert off[f"{kind}_ttft_steps_max"] >= 2, kind
+    # While the streams decode, the long prompt's chunks are at most 128 tokens on (at least 8 steps for its
+    # 1,024), up to the 256-token budget uncapped (the streams end before it does: at most 6 steps then).
+    assert on["long_ttft_steps"] >= 8 and uncapped["long_ttft_steps"] <= 6
     if result["plot"] is not None:
         assert Path(result["plot"]).stat().st_size > 0

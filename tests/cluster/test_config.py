@@ -112,6 +112,10 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
         ({"model": {"num_window_slots": -1}}, r"model\.num_window_slots must be >= 0"),
         ({"model": {"max_num_seqs": 0}}, r"model\.max_num_seqs must be >= 1"),
         ({"model": {"max_num_batched_tokens": 0}}, r"model\.max_num_batched_tokens must be >= 1"),
+        (
+            {"model": {"max_prefill_tokens_while_decoding": 0}},
+            r"model\.max_prefill_tokens_while_decoding must be >= 1",
+        ),
         ({"model": {"max_model_len": -1}}, r"model\.max_model_len must be >= 1"),
         ({"model": {"dtype": "fp8"}}, r"model\.dtype must be one of float32, bfloat16, float16, got 'fp8'"),
         (
@@ -480,6 +484,7 @@ def test_engine_kwargs_match_the_engine() -> None:
         "num_window_slots": 96,
         "max_num_seqs": 64,
         "max_num_batched_tokens": 2048,
+        "max_prefill_tokens_while_decoding": None,
         "max_model_len": 4096,
         "speculative": SpeculativeConfig(),
         "enforce_eager": False,

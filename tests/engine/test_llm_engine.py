@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rayturn.engine import LLMEngine, SamplingParams
+from rayturn.engine.scheduler import SchedulerOutput, default_prefill_cap
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,51 @@ def test_chat_template_and_dtype(engine: LLMEngine) -> None:
     assert len(low.token_ids) == 12
     with pytest.raises(ValueError, match="dtype 'float64'"):
         LLMEngine.from_pretrained("tiny", dtype="float64")
+
+
+def run_streams_and_a_long_prompt(cap: int) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Three greedy streams decode while a 600-token prompt arrives; returns each request's tokens and each step's
+    (decode tokens, prompt tokens)."""
+    engine = LLMEngine.from_pretrained(
+        "tiny", backend="torch", max_num_batched_tokens=256, max_prefill_tokens_while_decoding=cap
+    )
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        out = schedule()
+        prompt = sum(
+            chunk.num_scheduled_tokens
+            for chunk in out.chunks
+            if chunk.seq.num_computed_tokens < chunk.seq.num_prompt_tokens
+        )
+        steps.append((out.num_tokens - prompt, prompt))
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    for index in range(3):
+        engine.add_request(list(range(10 + index, 40 + index)), GREEDY, request_id=f"stream-{index}")
+    engine.step()
+    long = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request([(7 * position) % 250 + 3 for position in range(600)], long, request_id="long")
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.completions[0].token_ids
+    return tokens, steps
+
+
+def test_a_cap_on_a_steps_prompt_tokens_while_streams_decode_bounds_each_step_and_keeps_the_answers() -> None:
+    capped, capped_steps = run_streams_and_a_long_prompt(32)
+    uncapped, uncapped_steps = run_streams_and_a_long_prompt(256)
+    assert capped == uncapped and set(capped) == {"stream-0", "stream-1", "stream-2", "long"}
+    assert max(prompt for decode, prompt in capped_steps if decode) == 32
+    assert max(prompt for decode, prompt in uncapped_steps if decode) > 32
+
+
+def test_on_a_cpu_the_prompt_tokens_of_a_step_where_streams_decode_default_to_512() -> None:
+    assert LLMEngine.from_pretrained("tiny").scheduler.config.max_prefill_tokens_while_decoding == 512
+    assert default_prefill_cap("cuda") is None
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1, got 0"):
+        LLMEngine.from_pretrained("tiny", max_prefill_tokens_while_decoding=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rayturn.engine.kv_cache_manager import KVCacheManager
 from rayturn.engine.priority import Priority
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.engine.scheduler import Scheduler, SchedulerConfig
+from rayturn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, _Step
 from rayturn.engine.sequence import Sequence, SequenceStatus
 
 PAGE = 4
@@ -210,3 +210,42 @@ def test_a_prompt_that_needs_pages_preempts_a_decode_scheduled_before_it_and_tak
     assert [(chunk.seq.seq_id, chunk.num_tokens) for chunk in out.chunks] == [(1, 15)]
     assert out.preempted == [background] and background.pages == [] and background.num_computed_tokens == 0
     assert [waiting.seq_id for waiting in scheduler.waiting] == [0]
+
+
+def test_while_streams_decode_a_step_computes_at_most_the_cap_of_prompt_tokens() -> None:
+    config = SchedulerConfig(8, 16, max_prefill_tokens_while_decoding=6)
+    scheduler = Scheduler(config, KVCacheManager(32, PAGE, "m", True))
+    scheduler.add(seq(0, 40))
+    assert finish_step(scheduler) == [(0, 16)]  # nothing decodes: the whole budget
+    stream = seq(1, 4, first_token=100)
+    scheduler.add(stream)
+    assert finish_step(scheduler) == [(1, 4), (0, 12)]  # a page's prompt goes ahead; still no decode
+    assert finish_step(scheduler) == [(1, 1), (0, 6)]  # a stream decodes: the prompt gets the cap
+    scheduler.add(classed(2, 9, Priority.CONTINUATION, first_token=200))
+    assert finish_step(scheduler) == [(1, 1), (2, 6)]  # admitted ahead, the continuation takes the cap
+    assert finish_step(scheduler) == [(1, 1), (2, 3), (0, 3)]
+    scheduler.finish(stream, "stop")
+    scheduler.add(seq(3, 30, first_token=300))
+    assert finish_step(scheduler) == [(2, 1), (0, 3), (3, 3)]  # the continuation decodes now: still the cap
+
+
+def test_without_a_cap_a_step_where_streams_decode_gives_the_prompt_the_rest_of_the_budget() -> None:
+    scheduler = make(num_pages=32, budget=16)
+    scheduler.add(seq(0, 4))
+    assert finish_step(scheduler) == [(0, 4)]
+    scheduler.add(seq(1, 40, first_token=100))
+    assert finish_step(scheduler) == [(0, 1), (1, 15)]
+
+
+def test_a_dropped_decode_gives_its_tokens_back_to_the_step_but_not_to_the_cap() -> None:
+    """A decode preempted after the cap began frees budget, yet the prompt chunks after it stay within the cap."""
+    step = _Step(16)
+    decode, prompt = seq(0, 4), seq(1, 40, first_token=100)
+    step.add(ScheduledChunk(decode, 1, draft=[5, 6]))
+    step.cap(6)
+    step.add(ScheduledChunk(prompt, 4))
+    assert step.budget == 2
+    step.drop(decode)
+    assert step.budget == 2 and step.draft_budget == 8
+    step.drop(prompt)
+    assert step.budget == 6 and [chunk.seq for chunk in step.out.chunks] == []

@@ -2,7 +2,8 @@
 
 Random arrivals of every class (some sharing a cached prefix, some with a
 first token made elsewhere), few pages so that preemption happens, both
-policies (stall-free and the one before it). Each step is checked as the
+policies (stall-free and the one before it), some with a cap on the prompt
+tokens of a step in which streams decode. Each step is checked as the
 engine would use it, then "run": chunks computed, a token appended where a
 chunk reaches a sequence's end, sequences finished at their length.
 """
@@ -50,10 +51,26 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput, before: list[Sequence
         assert len(seq.pages) * PAGE >= seq.num_computed_tokens + chunk.num_scheduled_tokens
     for seq in out.preempted:
         assert seq.status is SequenceStatus.WAITING and seq.pages == [] and seq in scheduler.waiting
-    if config.stall_free and any(chunk.seq.num_computed_tokens < chunk.seq.num_prompt_tokens for chunk in out.chunks):
+    decodes = [chunk for chunk in out.chunks if chunk.seq in before and not in_prompt(chunk.seq)]
+    cap = config.max_prefill_tokens_while_decoding
+    if config.stall_free and decodes and cap is not None:
+        assert out.num_tokens - sum(chunk.num_scheduled_tokens for chunk in decodes) <= cap
+    if config.stall_free and any(in_prompt(chunk.seq) for chunk in out.chunks):
         # No prompt chunk ran while a stream that was decoding (and still runs) went without its token.
-        decoding = [seq for seq in before if seq.num_computed_tokens >= seq.num_prompt_tokens]
+        decoding = [seq for seq in before if not in_prompt(seq)]
         assert all(seq in seqs for seq in decoding if seq.status is SequenceStatus.RUNNING)
+
+
+def in_prompt(seq: Sequence) -> bool:
+    return seq.num_computed_tokens < seq.num_prompt_tokens
+
+
+def capped(config: SchedulerConfig, out: SchedulerOutput, before: list[Sequence]) -> bool:
+    """Whether the step's prompt tokens reached the cap while streams decoded."""
+    decoding = sum(
+        chunk.num_scheduled_tokens for chunk in out.chunks if chunk.seq in before and not in_prompt(chunk.seq)
+    )
+    return bool(decoding) and out.num_tokens - decoding == config.max_prefill_tokens_while_decoding
 
 
 def run_chunks(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
@@ -66,16 +83,18 @@ def run_chunks(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -
                 scheduler.finish(seq, "length")
 
 
-def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int]:
+def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int, int]:
     """Run one random load to its end, checking every step; returns its requests, the scheduler, and how many
-    preemptions and admissions ahead of a running prompt happened."""
+    preemptions, admissions ahead of a running prompt and steps capped while streams decode happened."""
     rng = random.Random(seed)
-    config = SchedulerConfig(rng.randint(1, 6), rng.randint(4, 40), stall_free=seed % 3 != 0)
+    cap = rng.randint(1, 12) if seed % 4 == 1 else None
+    num_seqs, budget = rng.randint(1, 6), rng.randint(4, 40)
+    config = SchedulerConfig(num_seqs, budget, stall_free=seed % 3 != 0, max_prefill_tokens_while_decoding=cap)
     num_pages = rng.randint(14, 24)  # the longest sequence (44 prompt and 8 output tokens) needs 13
     scheduler = Scheduler(config, KVCacheManager(num_pages, PAGE, "m", enable_prefix_caching=seed % 2 == 0))
     arrivals = [arrival(rng, seq_id) for seq_id in range(rng.randint(10, 40))]
     pending = list(arrivals)
-    num_preempted = num_admitted_ahead = 0
+    num_preempted = num_admitted_ahead = num_capped = 0
     for _ in range(3000):
         for _ in range(rng.choice((0, 0, 1, 2))):
             if pending:
@@ -87,6 +106,7 @@ def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int]:
         out = scheduler.schedule()
         check_step(scheduler, out, before)
         num_preempted += len(out.preempted)
+        num_capped += capped(config, out, before)
         order = [chunk.seq for chunk in out.chunks]
         prompts = [
             order.index(seq) for seq in before if seq in order and seq.num_computed_tokens < seq.num_prompt_tokens
@@ -94,20 +114,22 @@ def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int]:
         admitted = [index for index, seq in enumerate(order) if seq in waiting]
         num_admitted_ahead += bool(prompts and admitted and min(admitted) < max(prompts))
         run_chunks(scheduler, out, rng)
-    return arrivals, scheduler, num_preempted, num_admitted_ahead
+    return arrivals, scheduler, num_preempted, num_admitted_ahead, num_capped
 
 
 @pytest.mark.parametrize("seed", range(60))
 def test_random_load_keeps_the_invariants_and_finishes_every_request(seed: int) -> None:
-    arrivals, scheduler, _, _ = drive(seed)
+    arrivals, scheduler, *_ = drive(seed)
     assert not scheduler.has_work, "requests left unfinished: the scheduler stalled"
     assert all(seq.status is SequenceStatus.FINISHED for seq in arrivals)
     assert all(seq.num_output_tokens == seq.params.max_tokens for seq in arrivals)
     assert scheduler.kv_cache.num_free_pages == scheduler.kv_cache.pool.num_pages
 
 
-def test_the_random_loads_preempt_and_admit_ahead() -> None:
-    """The loads above reach the paths they are meant to check: preemption, and admission ahead of a prompt."""
+def test_the_random_loads_preempt_admit_ahead_and_cap() -> None:
+    """The loads above reach the paths they are meant to check: preemption, admission ahead of a prompt, and the
+    cap on a step's prompt tokens while streams decode."""
     counts = [drive(seed)[2:] for seed in range(60)]
-    assert sum(preempted for preempted, _ in counts) > 0
-    assert sum(ahead for _, ahead in counts) > 0
+    assert sum(preempted for preempted, _, _ in counts) > 0
+    assert sum(ahead for _, ahead, _ in counts) > 0
+    assert sum(capped for _, _, capped in counts) > 0
