@@ -2,7 +2,8 @@
 
 ``rayturn serve [MODEL]`` takes the flags ``vllm serve`` users know under
 the same names (``--host``, ``--port``, ``--api-key``, ``--served-model-name``,
-``--max-model-len``, ``--dtype``, ``--tool-call-parser``, ``--enforce-eager``); each one given
+``--max-model-len``, ``--dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--tool-call-parser``,
+``--enforce-eager``); each one given
 overrides the ``--config`` file's key. ``bench`` and ``replay`` pass every
 argument after them to their own parsers (``rayturn.replay``).
 """
@@ -47,6 +48,16 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in 0-65535, got {port}")
     return port
+
+
+def positive_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return count
 
 
 def token_count(text: str) -> int:
@@ -165,6 +176,19 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     _add_dtype(serve, f"{DEFAULT_DTYPE}, or model.dtype in --config")
     serve.add_argument(
+        "--max-num-seqs",
+        type=positive_count,
+        default=None,
+        help="Most sequences a replica runs together. (default: model.max_num_seqs in --config, else 64)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=token_count,
+        default=None,
+        help="Most tokens (prompt chunks and decode tokens) a replica computes in one step, e.g. 2048 or 2k. "
+        "(default: model.max_num_batched_tokens in --config, else 2048)",
+    )
+    serve.add_argument(
         "--tool-call-parser",
         default=None,
         metavar="NAME",
@@ -229,6 +253,8 @@ def config_overrides(args: argparse.Namespace, model: str | None) -> dict[str, A
         "model.name": model,
         "model.served_name": args.served_model_name,
         "model.max_model_len": args.max_model_len,
+        "model.max_num_seqs": args.max_num_seqs,
+        "model.max_num_batched_tokens": args.max_num_batched_tokens,
         "model.tool_call_parser": args.tool_call_parser,
         "model.reasoning_parser": args.reasoning_parser,
         "model.enforce_eager": args.enforce_eager,

@@ -331,6 +331,8 @@ def test_serve_names_the_file_a_model_directory_lacks(tmp_path: Path) -> None:
         (["--grpc-port", "70000"], "argument --grpc-port: must be a port number in 0-65535, got 70000"),
         (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
         (["--max-model-len", "0"], "argument --max-model-len: must be >= 1, got '0'"),
+        (["--max-num-seqs", "many"], "argument --max-num-seqs: expected a whole number, got 'many'"),
+        (["--max-num-batched-tokens", "0k"], "argument --max-num-batched-tokens: must be >= 1, got '0k'"),
         (["--dtype", "double"], "argument --dtype: invalid choice: 'double'"),
         (["tiny", "--model", "small"], "two models given: 'tiny' and --model 'small'; give one"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -352,6 +354,7 @@ def test_help_reads_like_vllm_serve_and_holds_no_markup() -> None:
         "  MODEL ", "  --model MODEL ", "  --config FILE ", "  --host HOST ", "  --port PORT, --http-port PORT\n",
         "  --grpc-port GRPC_PORT\n", "  --api-key API_KEY ", "  --served-model-name NAME\n",
         "  --max-model-len MAX_MODEL_LEN\n", "  --dtype {auto,bfloat16,float,float16,float32,half}\n",
+        "  --max-num-seqs MAX_NUM_SEQS\n", "  --max-num-batched-tokens MAX_NUM_BATCHED_TOKENS\n",
         "  --tool-call-parser NAME\n", "  --enforce-eager ", "  --address ADDRESS ",
         "  --log-level {debug,info,warning,error,critical}\n",
     )  # fmt: skip
@@ -392,10 +395,15 @@ def test_serve_flags_set_only_the_config_keys_given() -> None:
     from rayturn.cli import build_parser, config_overrides
 
     parser, _ = build_parser()
-    given = parser.parse_args(["serve", "--enforce-eager", "--max-model-len", "4k", "--port", "8100"])
+    given = parser.parse_args(
+        ["serve", "--enforce-eager", "--max-model-len", "4k", "--port", "8100", "--max-num-batched-tokens", "1K"]
+        + ["--max-num-seqs", "16"]
+    )
     assert config_overrides(given, "small") == {
         "model.name": "small",
         "model.max_model_len": 4000,
+        "model.max_num_seqs": 16,
+        "model.max_num_batched_tokens": 1024,
         "model.enforce_eager": True,
         "server.http_port": 8100,
     }
