@@ -85,7 +85,7 @@ CPU_PREFILL_TOKENS_WHILE_DECODING = 512
 
 def default_prefill_cap(device_type: str) -> int | None:
     """``max_prefill_tokens_while_decoding`` where none is set: CPU_PREFILL_TOKENS_WHILE_DECODING on a CPU, else
-    no cap (an accelerator computes a whole budget's chunk in a fraction of a decode step's time budget)."""
+    None (no cap: an accelerator computes a whole budget's chunk in a fraction of a CPU's time; not measured)."""
     return CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 
