@@ -46,7 +46,7 @@ from .request_limits import Prompt, RequestLimits
 from .reservations import PrefixReservations
 from .sampler import sample_sequences
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, default_prefill_cap
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, prefill_cap
 from .sequence import Sequence, TokenLogprob
 from .session_holds import SessionHolds, SessionMove
 from .speculative import Drafter, SpeculativeConfig, split_verified, verify_drafts
@@ -100,12 +100,8 @@ class LLMEngine:
         )  # fmt: skip
         self.kv_cache = KVCacheManager(self.num_pages, page_size, self.model_id, enable_prefix_caching, window_slots)
         self.drafter = Drafter(speculative or SpeculativeConfig(), self.max_model_len)
-        prefill_cap = max_prefill_tokens_while_decoding
-        if prefill_cap is None:
-            prefill_cap = default_prefill_cap(self.device.type)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding=prefill_cap
-        )
+        cap = prefill_cap(max_prefill_tokens_while_decoding, self.device.type)
+        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding=cap)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self.drafter.propose)
         slots = window_slots.num_slots if window_slots is not None else 0
         self.runner = ModelRunner(self.model, self.backend, self.num_pages, page_size, self.device, slots)

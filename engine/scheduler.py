@@ -83,9 +83,12 @@ class SchedulerConfig:
 CPU_PREFILL_TOKENS_WHILE_DECODING = 512
 
 
-def default_prefill_cap(device_type: str) -> int | None:
-    """``max_prefill_tokens_while_decoding`` where none is set: CPU_PREFILL_TOKENS_WHILE_DECODING on a CPU, else
-    None (no cap: an accelerator computes a whole budget's chunk in a fraction of a CPU's time; not measured)."""
+def prefill_cap(setting: int | None, device_type: str) -> int | None:
+    """``max_prefill_tokens_while_decoding``: the setting, or where none is set CPU_PREFILL_TOKENS_WHILE_DECODING on
+    a CPU, else None (no cap: an accelerator computes a whole budget's chunk in a fraction of a CPU's time; not
+    measured)."""
+    if setting is not None:
+        return setting
     return CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 

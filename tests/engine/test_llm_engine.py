@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.scheduler import SchedulerOutput, default_prefill_cap
+from rayturn.engine.scheduler import SchedulerOutput, prefill_cap
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +268,6 @@ def test_a_cap_on_a_steps_prompt_tokens_while_streams_decode_bounds_each_step_an
 
 def test_on_a_cpu_the_prompt_tokens_of_a_step_where_streams_decode_default_to_512() -> None:
     assert LLMEngine.from_pretrained("tiny").scheduler.config.max_prefill_tokens_while_decoding == 512
-    assert default_prefill_cap("cuda") is None
+    assert prefill_cap(None, "cuda") is None and prefill_cap(64, "cuda") == prefill_cap(64, "cpu") == 64
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1, got 0"):
         LLMEngine.from_pretrained("tiny", max_prefill_tokens_while_decoding=0)
