@@ -193,11 +193,11 @@ class Scheduler:
         step = _Step(self.config.max_num_batched_tokens)
         running = list(self.running)
         if self.config.stall_free:
-            self._schedule_running(step, [seq for seq in running if not _in_prompt(seq)])
+            self._schedule_running(step, [seq for seq in running if not in_prompt(seq)])
             cap = self.config.max_prefill_tokens_while_decoding
             if step.out.chunks and cap is not None:
                 step.cap(cap)
-            self._schedule_running(step, [seq for seq in running if _in_prompt(seq)], admit_ahead=True)
+            self._schedule_running(step, [seq for seq in running if in_prompt(seq)], admit_ahead=True)
         else:
             self._schedule_running(step, running)
         if not step.out.preempted:
@@ -340,7 +340,7 @@ class _Step:
             self._capped_left += chunk.num_scheduled_tokens
 
 
-def _in_prompt(seq: Sequence) -> bool:
+def in_prompt(seq: Sequence) -> bool:
     """Whether the sequence's next chunk is part of its prompt (not a one-token decode)."""
     return seq.num_computed_tokens < seq.num_prompt_tokens
 

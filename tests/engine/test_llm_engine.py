@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayturn.engine import LLMEngine, SamplingParams
-from rayturn.engine.scheduler import SchedulerOutput, prefill_cap
+from rayturn.engine.scheduler import SchedulerOutput, in_prompt, prefill_cap
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +236,7 @@ def run_streams_and_a_long_prompt(cap: int) -> tuple[dict[str, list[int]], list[
 
     def recorded() -> SchedulerOutput:
         out = schedule()
-        prompt = sum(
-            chunk.num_scheduled_tokens
-            for chunk in out.chunks
-            if chunk.seq.num_computed_tokens < chunk.seq.num_prompt_tokens
-        )
+        prompt = sum(chunk.num_scheduled_tokens for chunk in out.chunks if in_prompt(chunk.seq))
         steps.append((out.num_tokens - prompt, prompt))
         return out
 

@@ -17,7 +17,7 @@ import pytest
 from rayturn.engine.kv_cache_manager import KVCacheManager
 from rayturn.engine.priority import Priority
 from rayturn.engine.sampling_params import SamplingParams
-from rayturn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, next_chunk_tokens
+from rayturn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, in_prompt, next_chunk_tokens
 from rayturn.engine.sequence import Sequence, SequenceStatus
 
 PAGE = 4
@@ -51,26 +51,25 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput, before: list[Sequence
         assert len(seq.pages) * PAGE >= seq.num_computed_tokens + chunk.num_scheduled_tokens
     for seq in out.preempted:
         assert seq.status is SequenceStatus.WAITING and seq.pages == [] and seq in scheduler.waiting
-    decodes = [chunk for chunk in out.chunks if chunk.seq in before and not in_prompt(chunk.seq)]
+    decoded = decode_tokens(out, before)
     cap = config.max_prefill_tokens_while_decoding
-    if config.stall_free and decodes and cap is not None:
-        assert out.num_tokens - sum(chunk.num_scheduled_tokens for chunk in decodes) <= cap
+    if config.stall_free and decoded and cap is not None:
+        assert out.num_tokens - decoded <= cap
     if config.stall_free and any(in_prompt(chunk.seq) for chunk in out.chunks):
         # No prompt chunk ran while a stream that was decoding (and still runs) went without its token.
         decoding = [seq for seq in before if not in_prompt(seq)]
         assert all(seq in seqs for seq in decoding if seq.status is SequenceStatus.RUNNING)
 
 
-def in_prompt(seq: Sequence) -> bool:
-    return seq.num_computed_tokens < seq.num_prompt_tokens
+def decode_tokens(out: SchedulerOutput, before: list[Sequence]) -> int:
+    """The tokens the step gave the sequences that were running and decoding before it (their drafts too)."""
+    return sum(chunk.num_scheduled_tokens for chunk in out.chunks if chunk.seq in before and not in_prompt(chunk.seq))
 
 
 def capped(config: SchedulerConfig, out: SchedulerOutput, before: list[Sequence]) -> bool:
     """Whether the step's prompt tokens reached the cap while streams decoded."""
-    decoding = sum(
-        chunk.num_scheduled_tokens for chunk in out.chunks if chunk.seq in before and not in_prompt(chunk.seq)
-    )
-    return bool(decoding) and out.num_tokens - decoding == config.max_prefill_tokens_while_decoding
+    decoded = decode_tokens(out, before)
+    return bool(decoded) and out.num_tokens - decoded == config.max_prefill_tokens_while_decoding
 
 
 def run_chunks(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
@@ -108,9 +107,7 @@ def drive(seed: int) -> tuple[list[Sequence], Scheduler, int, int, int]:
         num_preempted += len(out.preempted)
         num_capped += capped(config, out, before)
         order = [chunk.seq for chunk in out.chunks]
-        prompts = [
-            order.index(seq) for seq in before if seq in order and seq.num_computed_tokens < seq.num_prompt_tokens
-        ]
+        prompts = [order.index(seq) for seq in before if seq in order and in_prompt(seq)]
         admitted = [index for index, seq in enumerate(order) if seq in waiting]
         num_admitted_ahead += bool(prompts and admitted and min(admitted) < max(prompts))
         run_chunks(scheduler, out, rng)
