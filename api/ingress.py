@@ -18,6 +18,9 @@ full decode queue answers 429, a failed replica 503 (Anthropic: 529).
 schemas of every route (``openapi``); it names the served model, so it asks
 for a key when keys are set, as ``/v1/models`` does.
 
+Every HTTP call's id (its log lines, a 5xx answer's message) starts with the ``x-request-id`` Serve's proxy
+echoes: the client's, else one the proxy mints (``request_ids``).
+
 Every HTTP answer from the decode pool carries the header ``x-rayturn-replica``:
 the Serve id of the decode replica that served the call, so clients and tests
 can see where a session's calls land.
@@ -41,7 +44,8 @@ from .bodies import model_card, models_list
 from .errors import APIError, invalid_request, model_not_found, route_not_found
 from .grpc_service import GrpcService
 from .openapi import openapi_document
-from .pipeline import CallPipeline, new_request_id
+from .pipeline import CallPipeline
+from .request_ids import RequestIdMiddleware, request_id_of
 from .serving import REPLICA_HEADER, HTTPServing
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
@@ -59,15 +63,22 @@ ANTHROPIC_ROUTE = "/v1/messages"
 ANTHROPIC_VERSION_HEADER = "anthropic-version"
 
 
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
-    """A route or method that does not exist, in OpenAI's error shape (``{"error": {...}}``), not FastAPI's; under
-    Anthropic's ``/v1/messages`` (``GET /v1/messages``, ``/v1/messages/batches``), in Anthropic's."""
-    api_error = route_not_found(request.method, request.url.path, err.status_code)
-    headers = dict(err.headers or {}) or None
-    if request.url.path == ANTHROPIC_ROUTE or request.url.path.startswith(f"{ANTHROPIC_ROUTE}/"):
+def _error_for_path(path: str, api_error: APIError, headers: dict[str, str] | None = None) -> Response:
+    """``api_error`` in OpenAI's error shape (``{"error": {...}}``), or under Anthropic's ``/v1/messages``
+    (``GET /v1/messages``, ``/v1/messages/batches``) in Anthropic's."""
+    if path == ANTHROPIC_ROUTE or path.startswith(f"{ANTHROPIC_ROUTE}/"):
         return JSONResponse(error_body(api_error), status_code=anthropic_status(api_error), headers=headers)
     return JSONResponse(api_error.to_dict(), status_code=api_error.status_code, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+    """A route or method that does not exist, in its API's error shape, not FastAPI's."""
+    api_error = route_not_found(request.method, request.url.path, err.status_code)
+    return _error_for_path(request.url.path, api_error, dict(err.headers or {}) or None)
+
+
+app.add_middleware(RequestIdMiddleware, failure=_error_for_path)
 
 
 @serve.ingress(app)
@@ -114,53 +125,53 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self.chat.create(request, new_request_id())
+        return await self.chat.create(request, request_id_of(request))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self.completion.create(request, new_request_id())
+        return await self.completion.create(request, request_id_of(request))
 
     # Anthropic's Messages API (Claude Code adds ``?beta=true``; query and ``anthropic-*`` headers are not read).
     @app.post(ANTHROPIC_ROUTE)
     async def create_message(self, request: Request) -> Response:
-        return await self.messages.create(request, new_request_id())
+        return await self.messages.create(request, request_id_of(request))
 
     @app.post(f"{ANTHROPIC_ROUTE}/count_tokens")
     async def count_tokens(self, request: Request) -> Response:
-        return await self.messages.count_tokens(request, new_request_id())
+        return await self.messages.count_tokens(request, request_id_of(request))
 
     @app.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
-        return await self.responses.create(request, new_request_id())
+        return await self.responses.create(request, request_id_of(request))
 
     @app.post("/v1/responses/input_tokens")
     async def count_input_tokens(self, request: Request) -> Response:
-        return await self.responses.input_tokens(request, new_request_id())
+        return await self.responses.input_tokens(request, request_id_of(request))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> Response:
-        return await self.responses.retrieve(request, response_id, new_request_id())
+        return await self.responses.retrieve(request, response_id, request_id_of(request))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str, request: Request) -> JSONResponse:
-        return await self.responses.cancel(request, response_id, new_request_id())
+        return await self.responses.cancel(request, response_id, request_id_of(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(self, response_id: str, request: Request) -> JSONResponse:
-        return await self.responses.input_items(request, response_id, new_request_id())
+        return await self.responses.input_items(request, response_id, request_id_of(request))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
-        return await self.responses.delete(request, response_id, new_request_id())
+        return await self.responses.delete(request, response_id, request_id_of(request))
 
     # vLLM's tokenizer endpoints, at the root as vLLM serves them.
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
-        return await self.tokens.tokenize(request, new_request_id())
+        return await self.tokens.tokenize(request, request_id_of(request))
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
-        return await self.tokens.detokenize(request, new_request_id())
+        return await self.tokens.detokenize(request, request_id_of(request))
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -183,7 +194,7 @@ class Ingress:
     def _models_failure(self, request: Request, err: APIError) -> JSONResponse:
         """An error of the models routes, in Anthropic's shape for Anthropic's clients (they send its version)."""
         serving = self.messages if ANTHROPIC_VERSION_HEADER in request.headers else self.http
-        return serving.failure("models", err, new_request_id())
+        return serving.failure("models", err, request_id_of(request))
 
     def _model_card(self) -> dict[str, Any]:
         pipeline = self.pipeline
@@ -196,13 +207,13 @@ class Ingress:
         try:
             self.http.authorize(request)
         except APIError as err:
-            return self.http.failure("openapi", err, new_request_id())
+            return self.http.failure("openapi", err, request_id_of(request))
         return JSONResponse(self.openapi)
 
     @app.post("/v1/sessions/{session_id:path}/prewarm")  # session ids may hold slashes
     async def prewarm(self, session_id: str, request: Request) -> JSONResponse:
         """The session's user has started typing: bring its KV back to the device before the call."""
-        request_id = new_request_id()
+        request_id = request_id_of(request)
         try:
             tenant = self.http.authorize(request)
             try:
@@ -236,7 +247,7 @@ class Ingress:
         try:
             self.http.authorize(request)
         except APIError as err:
-            return self.http.failure("version", err, new_request_id())
+            return self.http.failure("version", err, request_id_of(request))
         return JSONResponse({"version": __version__})
 
     @app.get("/metrics")

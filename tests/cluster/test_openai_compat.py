@@ -933,3 +933,41 @@ def test_structured_outputs_on_chat_streamed_sampled_and_refused(client: openai.
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=body)
         assert caught.value.param == param and words in caught.value.message  # type: ignore[attr-defined]
+
+
+def test_x_request_id_comes_back_once_and_names_the_call(server: str, client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "hi"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=2, extra_headers={"X-Request-Id": "trace-compat-1"}
+    )
+    assert raw.headers.get_list("x-request-id") == ["trace-compat-1"]  # once: Serve's proxy echoes it
+    assert raw.parse()._request_id == "trace-compat-1"
+    minted = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=2)
+    assert len(minted.headers.get_list("x-request-id")) == 1 and minted.headers["x-request-id"]
+    # The call's own id (here in Anthropic's request-id) starts with the client's value; two calls stay apart.
+    body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+    answers = [
+        requests.post(f"{server}/v1/messages", json=body, headers={"X-Request-Id": "trace-anthropic"}, timeout=120)
+        for _ in range(2)
+    ]
+    for answer in answers:
+        assert answer.status_code == 200 and answer.headers["x-request-id"] == "trace-anthropic"
+        assert re.fullmatch(r"trace-anthropic-[0-9a-f]{12}", answer.headers["request-id"]), answer.headers
+    assert answers[0].headers["request-id"] != answers[1].headers["request-id"]
+
+
+def test_a_bad_x_request_id_is_a_400_naming_the_header_and_the_server_serves_on(
+    server: str, client: openai.OpenAI
+) -> None:
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_headers={"X-Request-Id": "x" * 129}
+        )
+    assert caught.value.param == "x-request-id" and "129" in caught.value.message  # type: ignore[attr-defined]
+    body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+    answer = requests.post(f"{server}/v1/messages", json=body, headers={"X-Request-Id": "two words"}, timeout=120)
+    assert answer.status_code == 400 and answer.json()["type"] == "error"
+    assert "'x-request-id'" in answer.json()["error"]["message"]
+    served_on = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert served_on.choices[0].finish_reason == "length"
