@@ -63,7 +63,7 @@ ANTHROPIC_ROUTE = "/v1/messages"
 ANTHROPIC_VERSION_HEADER = "anthropic-version"
 
 
-def _error_for_path(path: str, api_error: APIError, headers: dict[str, str] | None = None) -> Response:
+def error_for_path(path: str, api_error: APIError, headers: dict[str, str] | None = None) -> Response:
     """``api_error`` in OpenAI's error shape (``{"error": {...}}``), or under Anthropic's ``/v1/messages``
     (``GET /v1/messages``, ``/v1/messages/batches``) in Anthropic's."""
     if path == ANTHROPIC_ROUTE or path.startswith(f"{ANTHROPIC_ROUTE}/"):
@@ -75,10 +75,10 @@ def _error_for_path(path: str, api_error: APIError, headers: dict[str, str] | No
 async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
     """A route or method that does not exist, in its API's error shape, not FastAPI's."""
     api_error = route_not_found(request.method, request.url.path, err.status_code)
-    return _error_for_path(request.url.path, api_error, dict(err.headers or {}) or None)
+    return error_for_path(request.url.path, api_error, dict(err.headers or {}) or None)
 
 
-app.add_middleware(RequestIdMiddleware, failure=_error_for_path)
+app.add_middleware(RequestIdMiddleware, failure=error_for_path)
 
 
 @serve.ingress(app)

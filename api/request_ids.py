@@ -14,7 +14,6 @@ one. A request that did not pass Serve's proxy and names none gets a minted id.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable
 
 from starlette.datastructures import Headers
@@ -48,7 +47,7 @@ def client_request_id(value: str | None) -> str | None:
 
 def call_request_id(client_id: str | None) -> str:
     """The call's own id: the client's value and a minted suffix, or a minted id when it sent none."""
-    return new_request_id() if client_id is None else f"{client_id}-{uuid.uuid4().hex[:12]}"
+    return new_request_id() if client_id is None else f"{client_id}-{new_request_id()[:12]}"
 
 
 def request_id_of(request: Request) -> str:

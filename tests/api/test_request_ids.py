@@ -13,7 +13,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from rayturn.api.errors import APIError
-from rayturn.api.ingress import _error_for_path
+from rayturn.api.ingress import error_for_path
 from rayturn.api.request_ids import MAX_CLIENT_ID, RequestIdMiddleware, client_request_id, request_id_of
 
 SUFFIX = re.compile(r"-[0-9a-f]{12}")
@@ -32,7 +32,7 @@ def client(seen: list[str]) -> TestClient:
         return JSONResponse({"id": seen[-1]})
 
     app = Starlette(routes=[Route(path, echo, methods=["POST"]) for path in ("/v1/chat/completions", "/v1/messages")])
-    app.add_middleware(RequestIdMiddleware, failure=_error_for_path)
+    app.add_middleware(RequestIdMiddleware, failure=error_for_path)
     return TestClient(app)
 
 
